@@ -1,0 +1,48 @@
+/*
+ * amax_update_cpu.c -- CPU reference of fp8ops::amax_update (delayed scaling:
+ * history roll, amax reduction, scale and scale_inv), for n tensors at once.
+ * The rules (fp8ops.h) are written once here and once in amax_update.cu.
+ */
+#include <float.h>
+#include <math.h>
+
+#include "common.h"
+#include "fp8_convert.h"
+
+int fp8ops_amax_update_cpu(float* amax_history, float* scale, float* scale_inv,
+                           const float* fp8_max, int64_t n, int64_t H, float margin,
+                           fp8ops_amax_algo algo) {
+  FP8OPS_REQUIRE(n >= 0 && H >= 1, "amax_update: bad sizes n=%lld H=%lld", (long long)n,
+                 (long long)H);
+  FP8OPS_REQUIRE(algo == FP8OPS_AMAX_MAX || algo == FP8OPS_AMAX_MOST_RECENT,
+                 "amax_update: unknown amax_compute_algo code %d", (int)algo);
+  FP8OPS_REQUIRE(n == 0 || (amax_history && scale && scale_inv && fp8_max),
+                 "amax_update: null pointer");
+  for (int64_t i = 0; i < n; ++i) {
+    /* reduce: NaN-propagating max through the ordered |bits| (see cast_cpu.c) */
+    uint32_t m = 0;
+    if (algo == FP8OPS_AMAX_MOST_RECENT) {
+      m = fp8ops_f32_bits(amax_history[i]) & 0x7FFFFFFFu;
+    } else {
+      for (int64_t h = 0; h < H; ++h) {
+        const uint32_t b = fp8ops_f32_bits(amax_history[h * n + i]) & 0x7FFFFFFFu;
+        if (b > m) m = b;
+      }
+    }
+    const float a = fp8ops_bits_f32(m);
+    /* roll up by one: row h takes row h+1, the old row 0 goes to row H-1 */
+    const float first = amax_history[i];
+    for (int64_t h = 0; h + 1 < H; ++h) amax_history[h * n + i] = amax_history[(h + 1) * n + i];
+    amax_history[(H - 1) * n + i] = first;
+    amax_history[i] = 0.0f;
+    /* scale: a zero or non-finite amax keeps the previous scale */
+    float s = scale[i];
+    if (isfinite(a) && a > 0.0f) {
+      s = (fp8_max[i] / a) / exp2f(margin);
+      if (isinf(s)) s = FLT_MAX;
+    }
+    scale[i] = s;
+    scale_inv[i] = 1.0f / s;
+  }
+  return FP8OPS_OK;
+}

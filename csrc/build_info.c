@@ -1,0 +1,61 @@
+/*
+ * build_info.c -- what this build contains (CUDA or not, which archs), and the
+ * CUDA entry points' stand-ins for a build without nvcc, so the C core links
+ * and the ops raise a clear error instead of a missing symbol.
+ */
+#include "common.h"
+
+#ifndef FP8OPS_CUDA_ARCHS
+#define FP8OPS_CUDA_ARCHS ""
+#endif
+
+const char* fp8ops_cuda_archs(void) { return FP8OPS_CUDA_ARCHS; }
+
+#ifdef FP8OPS_WITH_CUDA
+
+int fp8ops_built_with_cuda(void) { return 1; }
+
+#else /* CPU-only build */
+
+#define NO_CUDA(op)                                                                 \
+  fp8ops_set_error(FP8OPS_ERR_UNSUPPORTED, "%s: fp8ops was built without CUDA (nvcc was not " \
+                   "found at install time); reinstall with nvcc on PATH", op)
+
+int fp8ops_built_with_cuda(void) { return 0; }
+int fp8ops_cublaslt_init(void) { return NO_CUDA("cuBLASLt"); }
+size_t fp8ops_gemm_workspace_bytes(void) { return 0; }
+int fp8ops_device_capability(int device, int* cc) {
+  (void)device;
+  *cc = 0;
+  return NO_CUDA("device_capability");
+}
+int fp8ops_cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
+                     const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
+                     float* amax, void* stream) {
+  (void)x; (void)x_dtype; (void)rows; (void)cols; (void)scale; (void)fmt; (void)out;
+  (void)out_t; (void)amax; (void)stream;
+  return NO_CUDA("cast");
+}
+int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax, void* stream) {
+  (void)x; (void)x_dtype; (void)n; (void)amax; (void)stream;
+  return NO_CUDA("amax");
+}
+int fp8ops_amax_update_cuda(float* amax_history, float* scale, float* scale_inv,
+                            const float* fp8_max, int64_t n, int64_t H, float margin,
+                            fp8ops_amax_algo algo, void* stream) {
+  (void)amax_history; (void)scale; (void)scale_inv; (void)fp8_max; (void)n; (void)H;
+  (void)margin; (void)algo; (void)stream;
+  return NO_CUDA("amax_update");
+}
+int fp8ops_gemm_cuda(const uint8_t* a, fp8ops_fp8_format a_fmt, const uint8_t* b,
+                     fp8ops_fp8_format b_fmt, int64_t M, int64_t N, int64_t K,
+                     const float* a_scale_inv, const float* b_scale_inv, const void* bias,
+                     fp8ops_hp_dtype out_dtype, void* out, int fast_accum, void* workspace,
+                     size_t workspace_bytes, int device, void* stream) {
+  (void)a; (void)a_fmt; (void)b; (void)b_fmt; (void)M; (void)N; (void)K; (void)a_scale_inv;
+  (void)b_scale_inv; (void)bias; (void)out_dtype; (void)out; (void)fast_accum; (void)workspace;
+  (void)workspace_bytes; (void)device; (void)stream;
+  return NO_CUDA("gemm");
+}
+
+#endif

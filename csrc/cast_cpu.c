@@ -1,0 +1,71 @@
+/*
+ * cast_cpu.c -- CPU reference kernels of fp8ops::cast and fp8ops::amax.
+ * These define the semantics the CUDA kernels are tested against bit for bit.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "common.h"
+#include "fp8_convert.h"
+
+// ----------------------------------------------------------------------------
+// helpers
+
+static inline float load_hp(const void* x, fp8ops_hp_dtype dt, int64_t i) {
+  switch (dt) {
+    case FP8OPS_BF16: return fp8ops_bf16_to_f32(((const uint16_t*)x)[i]);
+    case FP8OPS_F16: return fp8ops_f16_to_f32(((const uint16_t*)x)[i]);
+    default: return ((const float*)x)[i];
+  }
+}
+
+/* |v| as ordered bits: for non-negative floats the uint32 order is the value
+ * order and any NaN sorts above +inf, so max over these bits propagates NaN. */
+static inline uint32_t abs_bits(float v) { return fp8ops_f32_bits(v) & 0x7FFFFFFFu; }
+
+// ----------------------------------------------------------------------------
+// kernels
+
+int fp8ops_cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
+                    const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
+                    float* amax) {
+  FP8OPS_REQUIRE(rows >= 0 && cols >= 0, "cast: negative shape [%lld, %lld]", (long long)rows,
+                 (long long)cols);
+  FP8OPS_REQUIRE(scale && amax && (rows * cols == 0 || (x && out)), "cast: null pointer");
+  FP8OPS_REQUIRE(x_dtype == FP8OPS_F32 || x_dtype == FP8OPS_BF16 || x_dtype == FP8OPS_F16,
+                 "cast: unknown input dtype code %d", (int)x_dtype);
+  FP8OPS_REQUIRE(fmt == FP8OPS_E4M3 || fmt == FP8OPS_E5M2, "cast: unknown fp8 format %d", (int)fmt);
+  const float s = *scale;
+  const float fmax = fmt == FP8OPS_E4M3 ? FP8OPS_E4M3_MAX : FP8OPS_E5M2_MAX;
+  uint32_t amax_bits = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t i = r * cols + c;
+      const float v = load_hp(x, x_dtype, i);
+      const uint32_t a = abs_bits(v);
+      if (a > amax_bits) amax_bits = a;
+      float y = v * s;
+      /* saturate; written so that NaN falls through both tests unchanged */
+      if (y > fmax) y = fmax;
+      if (y < -fmax) y = -fmax;
+      const uint8_t q = fmt == FP8OPS_E4M3 ? fp8ops_f32_to_e4m3(y) : fp8ops_f32_to_e5m2(y);
+      out[i] = q;
+      if (out_t) out_t[c * rows + r] = q;
+    }
+  }
+  *amax = fp8ops_bits_f32(amax_bits);
+  return FP8OPS_OK;
+}
+
+int fp8ops_amax_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax) {
+  FP8OPS_REQUIRE(n >= 0 && amax && (n == 0 || x), "amax: bad arguments");
+  FP8OPS_REQUIRE(x_dtype == FP8OPS_F32 || x_dtype == FP8OPS_BF16 || x_dtype == FP8OPS_F16,
+                 "amax: unknown input dtype code %d", (int)x_dtype);
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t a = abs_bits(load_hp(x, x_dtype, i));
+    if (a > m) m = a;
+  }
+  *amax = fp8ops_bits_f32(m);
+  return FP8OPS_OK;
+}

@@ -1,0 +1,35 @@
+/*
+ * common.h -- error-check macros and small helpers shared by the C and CUDA
+ * sources. Errors never exit: they record a message (fp8ops_set_error) and
+ * return an FP8OPS_ERR_* code up to the boxed op, which raises RuntimeError.
+ */
+#ifndef FP8OPS_COMMON_H
+#define FP8OPS_COMMON_H
+
+#include "fp8ops.h"
+
+#define FP8OPS_CEIL_DIV(a, b) (((a) + (b) - 1) / (b))
+
+/* Return FP8OPS_ERR_INVALID with a message unless `cond` holds. */
+#define FP8OPS_REQUIRE(cond, ...)                                   \
+  do {                                                              \
+    if (!(cond)) return fp8ops_set_error(FP8OPS_ERR_INVALID, __VA_ARGS__); \
+  } while (0)
+
+/* Check a CUDA runtime call; TE-shaped message. */
+#define FP8OPS_CHECK_CUDA(expr)                                                         \
+  do {                                                                                  \
+    cudaError_t fp8ops_e_ = (expr);                                                     \
+    if (fp8ops_e_ != cudaSuccess)                                                       \
+      return fp8ops_set_error(FP8OPS_ERR_CUDA, "%s:%d in function %s: CUDA Error: %s (%s)", \
+                              __FILE__, __LINE__, __func__, cudaGetErrorString(fp8ops_e_), #expr); \
+  } while (0)
+
+/* Check a status-returning fp8ops call and pass failures up. */
+#define FP8OPS_TRY(expr)            \
+  do {                              \
+    int fp8ops_s_ = (expr);         \
+    if (fp8ops_s_ != FP8OPS_OK) return fp8ops_s_; \
+  } while (0)
+
+#endif /* FP8OPS_COMMON_H */

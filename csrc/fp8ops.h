@@ -1,0 +1,155 @@
+/*
+ * fp8ops.h -- the C API of fp8ops: every fp8ops_* entry point, CPU and CUDA.
+ *
+ * Conventions (used everywhere in fp8ops, C and Python):
+ *   - Row-major layout. A "matrix" view of an N-d tensor is [rows, cols] with
+ *     cols = size of the last dim and rows = product of the others.
+ *   - `scale` multiplies before the cast: x_fp8 = sat(round(x * scale)).
+ *     `scale_inv` = 1 / scale is what the GEMM consumes to undo it.
+ *   - hp / lp: high precision (fp32, bf16, fp16) / low precision (fp8).
+ *   - e4m3 (float8_e4m3fn, max 448) for forward tensors, e5m2 (max 57344) for
+ *     gradients in the "hybrid" format.
+ *   - amax_history is [H, n]: one column per scaled tensor, H steps deep
+ *     (Transformer Engine's layout). Row 0 is the slot the casts of the current
+ *     step accumulate into (max). amax_update rolls every column up by one
+ *     (torch.roll(h, -1, dims=0)): the old row 0 moves to row H-1, and row 0 is
+ *     zeroed for the next step.
+ *   - Every function returns FP8OPS_OK (0) or an FP8OPS_ERR_* code; the message
+ *     is then in fp8ops_last_error() (thread-local). Nothing here exits or aborts.
+ *   - CUDA functions take the stream to run on (the caller passes torch's
+ *     current stream for the tensors' device, under a device guard). All
+ *     pointers given to CUDA functions are device pointers.
+ */
+#ifndef FP8OPS_H
+#define FP8OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------- */
+/* status codes and errors */
+
+enum {
+  FP8OPS_OK = 0,
+  FP8OPS_ERR_INVALID = 1,     /* bad argument (shape, dtype, ...) */
+  FP8OPS_ERR_CUDA = 2,        /* a CUDA runtime call failed */
+  FP8OPS_ERR_CUBLAS = 3,      /* a cuBLASLt call failed */
+  FP8OPS_ERR_UNSUPPORTED = 4, /* this GPU / library cannot do it */
+  FP8OPS_ERR_NOMEM = 5
+};
+
+/* Message of the last failure on this thread ("" if none). */
+const char* fp8ops_last_error(void);
+/* Record a failure message (printf-style); returns `code`. */
+int fp8ops_set_error(int code, const char* fmt, ...);
+
+/* ------------------------------------------------------------------------- */
+/* dtypes (our own codes; ops.c maps torch's dtype codes onto these) */
+
+typedef enum { FP8OPS_F32 = 0, FP8OPS_BF16 = 1, FP8OPS_F16 = 2 } fp8ops_hp_dtype;
+typedef enum { FP8OPS_E4M3 = 0, FP8OPS_E5M2 = 1 } fp8ops_fp8_format;
+
+#define FP8OPS_E4M3_MAX 448.0f
+#define FP8OPS_E5M2_MAX 57344.0f
+
+/* amax_compute_algo of delayed scaling */
+typedef enum { FP8OPS_AMAX_MAX = 0, FP8OPS_AMAX_MOST_RECENT = 1 } fp8ops_amax_algo;
+
+/* ------------------------------------------------------------------------- */
+/* cast: hp -> fp8 with a scale, saturating, round-to-nearest-even, fused amax.
+ *
+ * \param[in]  x        [rows, cols] hp values, dtype `x_dtype`, contiguous
+ * \param[in]  scale    one fp32 value (pointer; device pointer for CUDA)
+ * \param[in]  fmt      output format
+ * \param[out] out      [rows, cols] fp8 bytes
+ * \param[out] out_t    [cols, rows] fp8 bytes (the transpose), or NULL to skip
+ * \param[out] amax     one fp32: max |x| over the input (of x, not x*scale);
+ *                      NaN if any x is NaN; 0 for an empty input.
+ * Semantics, bit for bit: out = fp8(clamp(float(x) * scale, -max, max)) with
+ * torch's float->fp8 conversion (RNE, subnormals kept, NaN stays NaN and keeps
+ * its sign bit).
+ */
+int fp8ops_cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
+                    const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
+                    float* amax);
+int fp8ops_cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
+                     const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
+                     float* amax, void* stream);
+
+/* ------------------------------------------------------------------------- */
+/* amax: max |x| of a contiguous hp tensor of n elements into one fp32
+ * (NaN-propagating; 0 for n == 0). Used by current (dynamic) scaling. */
+int fp8ops_amax_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax);
+int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax, void* stream);
+
+/* ------------------------------------------------------------------------- */
+/* amax_update: delayed scaling for n tensors at once (one launch on CUDA).
+ *
+ * \param[in,out] amax_history [H, n] fp32, contiguous; row 0 holds this step's amax
+ * \param[in,out] scale        [n] fp32
+ * \param[out]    scale_inv    [n] fp32, 1 / new scale
+ * \param[in]     fp8_max      [n] fp32, the format max of each tensor (448 or 57344)
+ * For each tensor (column) i:
+ *   a = max(history[:, i]) (algo max) or history[0, i] (most_recent)
+ *   if a is finite and a > 0: scale[i] = (fp8_max[i] / a) / 2^margin, an infinite
+ *   result clamped to FLT_MAX; else scale[i] keeps its value (never 0/inf/NaN from here)
+ *   scale_inv[i] = 1 / scale[i]
+ *   history[:, i] = roll(history[:, i], -1); history[0, i] = 0
+ */
+int fp8ops_amax_update_cpu(float* amax_history, float* scale, float* scale_inv,
+                           const float* fp8_max, int64_t n, int64_t H, float margin,
+                           fp8ops_amax_algo algo);
+int fp8ops_amax_update_cuda(float* amax_history, float* scale, float* scale_inv,
+                            const float* fp8_max, int64_t n, int64_t H, float margin,
+                            fp8ops_amax_algo algo, void* stream);
+
+/* ------------------------------------------------------------------------- */
+/* gemm: out[M, N] = (a[M, K] . b[N, K]^T) * a_scale_inv * b_scale_inv (+ bias[N])
+ * a, b fp8 bytes, row-major ("TN": both K-major, as cuBLASLt FP8 requires);
+ * formats (a, b) in {(e4m3, e4m3), (e5m2, e4m3), (e4m3, e5m2)}; fp32 accumulation.
+ * bias: [N] in fp8ops_gemm_bias_dtype(out_dtype), or NULL. out: [M, N] in out_dtype.
+ * CPU: the reference (dequantise, fp32 dot products, k ascending).
+ */
+int fp8ops_gemm_cpu(const uint8_t* a, fp8ops_fp8_format a_fmt, const uint8_t* b,
+                    fp8ops_fp8_format b_fmt, int64_t M, int64_t N, int64_t K,
+                    const float* a_scale_inv, const float* b_scale_inv, const void* bias,
+                    fp8ops_hp_dtype out_dtype, void* out);
+
+/* cuBLASLt's rule for FP8 bias epilogues (also torch._scaled_mm's): the bias is
+ * bf16 for an fp32 output, else the output's dtype. */
+static inline fp8ops_hp_dtype fp8ops_gemm_bias_dtype(fp8ops_hp_dtype out_dtype) {
+  return out_dtype == FP8OPS_F32 ? FP8OPS_BF16 : out_dtype;
+}
+
+/* CUDA (cuBLASLt, resolved from the copy torch loaded). workspace: device
+ * buffer of workspace_bytes (>= fp8ops_gemm_workspace_bytes()), allocated by
+ * the caller from torch's caching allocator on the same stream.
+ * fast_accum: 1 = Hopper fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM). */
+size_t fp8ops_gemm_workspace_bytes(void);
+int fp8ops_gemm_cuda(const uint8_t* a, fp8ops_fp8_format a_fmt, const uint8_t* b,
+                     fp8ops_fp8_format b_fmt, int64_t M, int64_t N, int64_t K,
+                     const float* a_scale_inv, const float* b_scale_inv, const void* bias,
+                     fp8ops_hp_dtype out_dtype, void* out, int fast_accum, void* workspace,
+                     size_t workspace_bytes, int device, void* stream);
+
+/* ------------------------------------------------------------------------- */
+/* CUDA runtime facts (all return FP8OPS_OK with zeros when built without CUDA) */
+
+/* 1 when the module was built with nvcc, else 0. */
+int fp8ops_built_with_cuda(void);
+/* Space-separated list of the SM archs compiled in, e.g. "89 90a 100 120 ptx". */
+const char* fp8ops_cuda_archs(void);
+/* Load cuBLASLt symbols from the copy already in the process (dlopen NOLOAD).
+ * Returns FP8OPS_OK, or FP8OPS_ERR_UNSUPPORTED with a message. */
+int fp8ops_cublaslt_init(void);
+/* Compute capability of a device as major*10+minor (e.g. 90). */
+int fp8ops_device_capability(int device, int* cc);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FP8OPS_H */

@@ -1,0 +1,95 @@
+/*
+ * module.c -- PyInit__C: the thin CPython module. On import it finds torch's
+ * CUDA stream getter (if libtorch_cuda is loaded), registers the fp8ops
+ * dispatcher ops, and exposes build facts to the Python package. The only file
+ * that includes Python.h. Limited API (abi3): one build for every CPython >= 3.10.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dlfcn.h>
+
+#include "fp8ops.h"
+#include "ops.h"
+#include "torch_abi.h"
+
+static int g_cuda_registered;
+static char g_cuda_reason[512];
+
+/* _C.build_info() -> dict of facts for fp8ops.doctor */
+static PyObject* py_build_info(PyObject* self, PyObject* noargs) {
+  (void)self; (void)noargs;
+  return Py_BuildValue("{s:i,s:s,s:i,s:s,s:s,s:K,s:s}", "built_with_cuda",
+                       fp8ops_built_with_cuda(), "cuda_archs", fp8ops_cuda_archs(),
+                       "cuda_kernels_registered", g_cuda_registered, "cuda_reason", g_cuda_reason,
+                       "ops", fp8ops_op_names(), "torch_abi_version",
+                       (unsigned long long)aoti_torch_abi_version(), "min_torch",
+                       FP8OPS_TORCH_MIN_VERSION);
+}
+
+/* _C.device_capability(index) -> int (e.g. 90); RuntimeError if unknown */
+static PyObject* py_device_capability(PyObject* self, PyObject* arg) {
+  (void)self;
+  long dev = PyLong_AsLong(arg);
+  if (dev == -1 && PyErr_Occurred()) return NULL;
+  int cc = 0;
+  if (fp8ops_device_capability((int)dev, &cc) != FP8OPS_OK) {
+    PyErr_SetString(PyExc_RuntimeError, fp8ops_last_error());
+    return NULL;
+  }
+  return PyLong_FromLong(cc);
+}
+
+/* _C.cublaslt_status() -> None if cuBLASLt is usable, else the reason */
+static PyObject* py_cublaslt_status(PyObject* self, PyObject* noargs) {
+  (void)self; (void)noargs;
+  if (fp8ops_cublaslt_init() == FP8OPS_OK) Py_RETURN_NONE;
+  return PyUnicode_FromString(fp8ops_last_error());
+}
+
+static PyMethodDef k_methods[] = {
+    {"build_info", py_build_info, METH_NOARGS, "Build and registration facts."},
+    {"device_capability", py_device_capability, METH_O, "Compute capability as major*10+minor."},
+    {"cublaslt_status", py_cublaslt_status, METH_NOARGS, "None, or why cuBLASLt is unusable."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef k_module = {PyModuleDef_HEAD_INIT, "fp8ops._C",
+                                      "fp8ops C core: registers torch.ops.fp8ops.*", -1,
+                                      k_methods, NULL, NULL, NULL, NULL};
+
+/* torch's current-stream getter lives in libtorch_cuda.so, which torch loads
+ * with RTLD_LOCAL: find the already-loaded copy, never load one ourselves. */
+static fp8ops_get_current_cuda_stream_fn find_stream_getter(void) {
+  fp8ops_get_current_cuda_stream_fn fn = NULL;
+  void* h = dlopen("libtorch_cuda.so", RTLD_NOLOAD | RTLD_LAZY);
+  if (!h) return NULL;
+  *(void**)(&fn) = dlsym(h, "aoti_torch_get_current_cuda_stream");
+  dlclose(h); /* drops only the reference NOLOAD took; torch keeps it loaded */
+  return fn;
+}
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* m = PyModule_Create(&k_module);
+  if (!m) return NULL;
+  int with_cuda = 0;
+  if (!fp8ops_built_with_cuda()) {
+    snprintf(g_cuda_reason, sizeof g_cuda_reason,
+             "built without CUDA (nvcc was not found when fp8ops was installed)");
+  } else {
+    fp8ops_get_current_cuda_stream_fn fn = find_stream_getter();
+    if (!fn) {
+      snprintf(g_cuda_reason, sizeof g_cuda_reason,
+               "this torch has no CUDA (libtorch_cuda.so is not loaded)");
+    } else {
+      fp8ops_set_stream_getter(fn);
+      with_cuda = 1;
+    }
+  }
+  if (fp8ops_register(with_cuda) != FP8OPS_OK) {
+    PyErr_Format(PyExc_ImportError, "fp8ops: %s", fp8ops_last_error());
+    Py_DECREF(m);
+    return NULL;
+  }
+  g_cuda_registered = with_cuda;
+  return m;
+}

@@ -1,0 +1,514 @@
+/*
+ * ops.c -- the fp8ops dispatcher ops: boxed wrappers, the op table and
+ * fp8ops_register(). Each wrapper unpacks the stack, validates every argument
+ * (messages name the argument, expected vs found, and a remedy), allocates the
+ * outputs through the shim, calls the fp8ops_* kernel for the device, releases
+ * every handle it owns, and only then raises if something failed.
+ *
+ * Schemas (argument order of stack[]):
+ *   cast(Tensor x, Tensor scale, ScalarType out_dtype, bool transpose)
+ *       -> (Tensor out, Tensor out_t, Tensor amax)
+ *   amax(Tensor x) -> Tensor
+ *   amax_update(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) scale_inv,
+ *               Tensor fp8_max, float margin, int algo) -> ()
+ *   gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor bias,
+ *        ScalarType out_dtype, bool use_fast_accum) -> Tensor
+ * `bias` is "absent" when it has no elements (schemas avoid T?, see STYLE.md).
+ */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common.h"
+#include "ops.h"
+#include "torch_abi.h"
+
+// ----------------------------------------------------------------------------
+// StableIValue decoding (torch 2.10 conventions)
+
+static AtenTensorHandle sv_tensor(StableIValue v) { return (AtenTensorHandle)(uintptr_t)v; }
+static StableIValue sv_from_tensor(AtenTensorHandle t) { return (StableIValue)(uintptr_t)t; }
+static int32_t sv_i32(StableIValue v) { return (int32_t)(uint32_t)(v & 0xFFFFFFFFu); }
+static int64_t sv_i64(StableIValue v) { int64_t r; memcpy(&r, &v, 8); return r; }
+static double sv_f64(StableIValue v) { double r; memcpy(&r, &v, 8); return r; }
+static bool sv_bool(StableIValue v) { return (v & 0xFFu) != 0; }
+
+// ----------------------------------------------------------------------------
+// CUDA plumbing resolved at import (see module.c)
+
+static fp8ops_get_current_cuda_stream_fn g_get_stream;
+void fp8ops_set_stream_getter(fp8ops_get_current_cuda_stream_fn fn) { g_get_stream = fn; }
+
+// ----------------------------------------------------------------------------
+// tensor descriptions and checks
+
+typedef struct {
+  AtenTensorHandle h;
+  int32_t dtype, dev_type, dev_index;
+  int64_t ndim, numel;
+  int64_t sizes[8];
+  bool contiguous;
+  void* data;
+} tinfo;
+
+#define SHIM(call)                                                                       \
+  do {                                                                                   \
+    if ((call) != AOTI_TORCH_SUCCESS)                                                    \
+      return fp8ops_set_error(FP8OPS_ERR_INVALID, "%s: internal error: shim call %s failed", \
+                              op, #call);                                               \
+  } while (0)
+
+static const char* dtype_name(int32_t d) {
+  if (d == aoti_torch_dtype_float32()) return "float32";
+  if (d == aoti_torch_dtype_bfloat16()) return "bfloat16";
+  if (d == aoti_torch_dtype_float16()) return "float16";
+  if (d == aoti_torch_dtype_float8_e4m3fn()) return "float8_e4m3fn";
+  if (d == aoti_torch_dtype_float8_e5m2()) return "float8_e5m2";
+  if (d == aoti_torch_dtype_float64()) return "float64";
+  if (d == aoti_torch_dtype_uint8()) return "uint8";
+  if (d == aoti_torch_dtype_int32()) return "int32";
+  if (d == aoti_torch_dtype_int64()) return "int64";
+  if (d == aoti_torch_dtype_bool()) return "bool";
+  return "another dtype";
+}
+
+static const char* device_name(int32_t t) {
+  if (t == aoti_torch_device_type_cpu()) return "cpu";
+  if (t == aoti_torch_device_type_cuda()) return "cuda";
+  return "another device";
+}
+
+static void shape_str(const tinfo* t, char* buf, size_t n) {
+  size_t o = (size_t)snprintf(buf, n, "[");
+  for (int64_t i = 0; i < t->ndim && o < n; ++i)
+    o += (size_t)snprintf(buf + o, n - o, i ? ", %lld" : "%lld", (long long)t->sizes[i]);
+  if (o < n) snprintf(buf + o, n - o, "]");
+}
+
+static int describe(const char* op, const char* arg, AtenTensorHandle h, tinfo* t) {
+  memset(t, 0, sizeof *t);
+  t->h = h;
+  int64_t* sizes;
+  SHIM(aoti_torch_get_dtype(h, &t->dtype));
+  SHIM(aoti_torch_get_device_type(h, &t->dev_type));
+  SHIM(aoti_torch_get_device_index(h, &t->dev_index));
+  SHIM(aoti_torch_get_dim(h, &t->ndim));
+  SHIM(aoti_torch_get_numel(h, &t->numel));
+  SHIM(aoti_torch_is_contiguous(h, &t->contiguous));
+  FP8OPS_REQUIRE(t->ndim <= 8, "%s: %s has %lld dims; at most 8 are supported", op, arg,
+                 (long long)t->ndim);
+  SHIM(aoti_torch_get_sizes(h, &sizes));
+  for (int64_t i = 0; i < t->ndim; ++i) t->sizes[i] = sizes[i];
+  FP8OPS_REQUIRE(t->dev_type == aoti_torch_device_type_cpu() ||
+                     t->dev_type == aoti_torch_device_type_cuda(),
+                 "%s: %s is on %s; expected a cpu or cuda tensor", op, arg,
+                 device_name(t->dev_type));
+  if (t->numel > 0) SHIM(torch_get_mutable_data_ptr(h, &t->data));
+  return FP8OPS_OK;
+}
+
+static int require_dtype(const char* op, const char* arg, const tinfo* t, int32_t want) {
+  FP8OPS_REQUIRE(t->dtype == want, "%s: %s must be %s, found %s", op, arg, dtype_name(want),
+                 dtype_name(t->dtype));
+  return FP8OPS_OK;
+}
+
+static int require_contiguous(const char* op, const char* arg, const tinfo* t) {
+  FP8OPS_REQUIRE(t->contiguous, "%s: %s must be contiguous (row-major), found a strided view; "
+                 "call .contiguous() on it first", op, arg);
+  return FP8OPS_OK;
+}
+
+static int require_same_device(const char* op, const char* arg, const tinfo* t,
+                               const char* ref_arg, const tinfo* ref) {
+  FP8OPS_REQUIRE(t->dev_type == ref->dev_type && t->dev_index == ref->dev_index,
+                 "%s: %s is on %s:%d but %s is on %s:%d; expected all tensors on one device", op,
+                 arg, device_name(t->dev_type), (int)t->dev_index, ref_arg,
+                 device_name(ref->dev_type), (int)ref->dev_index);
+  return FP8OPS_OK;
+}
+
+static int require_scalar_f32(const char* op, const char* arg, const tinfo* t, const tinfo* ref,
+                              const char* ref_arg) {
+  FP8OPS_TRY(require_dtype(op, arg, t, aoti_torch_dtype_float32()));
+  FP8OPS_REQUIRE(t->numel == 1, "%s: %s must hold exactly 1 element (a per-tensor fp32 scale), "
+                 "found %lld", op, arg, (long long)t->numel);
+  return require_same_device(op, arg, t, ref_arg, ref);
+}
+
+static int hp_code(const char* op, const char* arg, int32_t d, fp8ops_hp_dtype* out) {
+  if (d == aoti_torch_dtype_float32()) *out = FP8OPS_F32;
+  else if (d == aoti_torch_dtype_bfloat16()) *out = FP8OPS_BF16;
+  else if (d == aoti_torch_dtype_float16()) *out = FP8OPS_F16;
+  else
+    return fp8ops_set_error(FP8OPS_ERR_INVALID, "%s: %s must be float32, bfloat16 or float16, "
+                            "found %s", op, arg, dtype_name(d));
+  return FP8OPS_OK;
+}
+
+static int fp8_code(const char* op, const char* arg, int32_t d, fp8ops_fp8_format* out) {
+  if (d == aoti_torch_dtype_float8_e4m3fn()) *out = FP8OPS_E4M3;
+  else if (d == aoti_torch_dtype_float8_e5m2()) *out = FP8OPS_E5M2;
+  else
+    return fp8ops_set_error(FP8OPS_ERR_INVALID, "%s: %s must be float8_e4m3fn or float8_e5m2, "
+                            "found %s", op, arg, dtype_name(d));
+  return FP8OPS_OK;
+}
+
+static int32_t torch_dtype_of_hp(fp8ops_hp_dtype d) {
+  return d == FP8OPS_BF16 ? aoti_torch_dtype_bfloat16()
+         : d == FP8OPS_F16 ? aoti_torch_dtype_float16() : aoti_torch_dtype_float32();
+}
+
+/* New contiguous tensor on t's device. */
+static int new_tensor(const char* op, int64_t ndim, const int64_t* sizes, int32_t dtype,
+                      const tinfo* like, AtenTensorHandle* out) {
+  int64_t strides[8];
+  int64_t s = 1;
+  for (int64_t i = ndim - 1; i >= 0; --i) {
+    strides[i] = s;
+    s *= sizes[i] > 0 ? sizes[i] : 1;
+  }
+  SHIM(aoti_torch_empty_strided(ndim, sizes, strides, dtype, like->dev_type, like->dev_index, out));
+  return FP8OPS_OK;
+}
+
+static void* data_of(AtenTensorHandle h) {
+  void* p = NULL;
+  if (torch_get_mutable_data_ptr(h, &p) != AOTI_TORCH_SUCCESS) return NULL;
+  return p;
+}
+
+static void release(AtenTensorHandle* hs, int n) {
+  for (int i = 0; i < n; ++i)
+    if (hs[i]) {
+      aoti_torch_delete_tensor_object(hs[i]);
+      hs[i] = NULL;
+    }
+}
+
+/* Raise RuntimeError with the last error; call after releasing every handle. */
+static void raise_last_error(const char* func) {
+  aoti_torch_check(false, func, __FILE__, __LINE__, fp8ops_last_error());
+}
+
+// ----------------------------------------------------------------------------
+// CUDA context: guard, stream, capability
+
+typedef struct {
+  DeviceGuardHandle guard;
+  void* stream;
+} cuda_ctx;
+
+static int cuda_enter(const char* op, const tinfo* t, cuda_ctx* c, int need_fp8) {
+  c->guard = NULL;
+  c->stream = NULL;
+  FP8OPS_REQUIRE(fp8ops_built_with_cuda(), "%s: fp8ops was built without CUDA (no nvcc at "
+                 "install time); reinstall with the CUDA toolkit on PATH", op);
+  FP8OPS_REQUIRE(g_get_stream != NULL, "%s: libtorch_cuda is not loaded, so fp8ops cannot find "
+                 "torch's current CUDA stream", op);
+  if (need_fp8) {
+    int cc = 0;
+    FP8OPS_TRY(fp8ops_device_capability(t->dev_index, &cc));
+    FP8OPS_REQUIRE(cc >= 89, "%s: FP8 GEMM needs a GPU of compute capability 8.9 or newer "
+                   "(Ada, Hopper, Blackwell); cuda:%d is sm_%d. fp8ops.convert falls back to "
+                   "BF16 on such GPUs", op, (int)t->dev_index, cc);
+  }
+  SHIM(aoti_torch_create_device_guard(t->dev_index, &c->guard));
+  if (g_get_stream(t->dev_index, &c->stream) != AOTI_TORCH_SUCCESS) {
+    aoti_torch_delete_device_guard(c->guard);
+    c->guard = NULL;
+    return fp8ops_set_error(FP8OPS_ERR_CUDA, "%s: could not get the current CUDA stream", op);
+  }
+  return FP8OPS_OK;
+}
+
+static void cuda_exit(cuda_ctx* c) {
+  if (c->guard) aoti_torch_delete_device_guard(c->guard);
+  c->guard = NULL;
+}
+
+static bool is_cuda(const tinfo* t) { return t->dev_type == aoti_torch_device_type_cuda(); }
+
+// ----------------------------------------------------------------------------
+// cast(Tensor x, Tensor scale, ScalarType out_dtype, bool transpose)
+//     -> (Tensor out, Tensor out_t, Tensor amax)
+
+static int run_cast(AtenTensorHandle hx, AtenTensorHandle hs, int32_t out_dtype, bool transpose,
+                    AtenTensorHandle outs[3]) {
+  const char* op = "fp8ops::cast";
+  tinfo x, s;
+  fp8ops_hp_dtype xd = FP8OPS_F32;
+  fp8ops_fp8_format fmt = FP8OPS_E4M3;
+  FP8OPS_TRY(describe(op, "x", hx, &x));
+  FP8OPS_TRY(describe(op, "scale", hs, &s));
+  FP8OPS_TRY(hp_code(op, "x", x.dtype, &xd));
+  FP8OPS_TRY(fp8_code(op, "out_dtype", out_dtype, &fmt));
+  FP8OPS_TRY(require_contiguous(op, "x", &x));
+  FP8OPS_TRY(require_scalar_f32(op, "scale", &s, &x, "x"));
+  FP8OPS_REQUIRE(x.ndim >= 1, "%s: x must have at least 1 dim, found a 0-dim tensor; "
+                 "use x.reshape(1)", op);
+  const int64_t cols = x.sizes[x.ndim - 1];
+  const int64_t rows = cols > 0 ? x.numel / cols : 0;
+  const int64_t tsz[2] = {cols, rows}, zero[1] = {0};
+  FP8OPS_TRY(new_tensor(op, x.ndim, x.sizes, out_dtype, &x, &outs[0]));
+  FP8OPS_TRY(transpose ? new_tensor(op, 2, tsz, out_dtype, &x, &outs[1])
+                       : new_tensor(op, 1, zero, out_dtype, &x, &outs[1]));
+  FP8OPS_TRY(new_tensor(op, 0, NULL, aoti_torch_dtype_float32(), &x, &outs[2]));
+  uint8_t* out = (uint8_t*)data_of(outs[0]);
+  uint8_t* out_t = transpose ? (uint8_t*)data_of(outs[1]) : NULL;
+  float* amax = (float*)data_of(outs[2]);
+  if (!is_cuda(&x)) return fp8ops_cast_cpu(x.data, xd, rows, cols, s.data, fmt, out, out_t, amax);
+  cuda_ctx c;
+  FP8OPS_TRY(cuda_enter(op, &x, &c, 0));
+  int rc = fp8ops_cast_cuda(x.data, xd, rows, cols, s.data, fmt, out, out_t, amax, c.stream);
+  cuda_exit(&c);
+  return rc;
+}
+
+static void boxed_cast(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  AtenTensorHandle in[2] = {sv_tensor(stack[0]), sv_tensor(stack[1])};
+  AtenTensorHandle outs[3] = {NULL, NULL, NULL};
+  int rc = run_cast(in[0], in[1], sv_i32(stack[2]), sv_bool(stack[3]), outs);
+  release(in, 2);
+  if (rc != FP8OPS_OK) {
+    release(outs, 3);
+    raise_last_error(__func__);
+    return;
+  }
+  for (int i = 0; i < 3; ++i) stack[i] = sv_from_tensor(outs[i]);
+}
+
+// ----------------------------------------------------------------------------
+// amax(Tensor x) -> Tensor
+
+static int run_amax(AtenTensorHandle hx, AtenTensorHandle* out) {
+  const char* op = "fp8ops::amax";
+  tinfo x;
+  fp8ops_hp_dtype xd = FP8OPS_F32;
+  FP8OPS_TRY(describe(op, "x", hx, &x));
+  FP8OPS_TRY(hp_code(op, "x", x.dtype, &xd));
+  FP8OPS_TRY(require_contiguous(op, "x", &x));
+  FP8OPS_TRY(new_tensor(op, 0, NULL, aoti_torch_dtype_float32(), &x, out));
+  float* amax = (float*)data_of(*out);
+  if (!is_cuda(&x)) return fp8ops_amax_cpu(x.data, xd, x.numel, amax);
+  cuda_ctx c;
+  FP8OPS_TRY(cuda_enter(op, &x, &c, 0));
+  int rc = fp8ops_amax_cuda(x.data, xd, x.numel, amax, c.stream);
+  cuda_exit(&c);
+  return rc;
+}
+
+static void boxed_amax(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  AtenTensorHandle x = sv_tensor(stack[0]), out = NULL;
+  int rc = run_amax(x, &out);
+  release(&x, 1);
+  if (rc != FP8OPS_OK) {
+    release(&out, 1);
+    raise_last_error(__func__);
+    return;
+  }
+  stack[0] = sv_from_tensor(out);
+}
+
+// ----------------------------------------------------------------------------
+// amax_update(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) scale_inv,
+//             Tensor fp8_max, float margin, int algo) -> ()
+
+static int run_amax_update(AtenTensorHandle hh, AtenTensorHandle hs, AtenTensorHandle hsi,
+                           AtenTensorHandle hm, double margin, int64_t algo) {
+  const char* op = "fp8ops::amax_update";
+  tinfo h, s, si, m;
+  const int32_t f32 = aoti_torch_dtype_float32();
+  FP8OPS_TRY(describe(op, "amax_history", hh, &h));
+  FP8OPS_TRY(describe(op, "scale", hs, &s));
+  FP8OPS_TRY(describe(op, "scale_inv", hsi, &si));
+  FP8OPS_TRY(describe(op, "fp8_max", hm, &m));
+  FP8OPS_TRY(require_dtype(op, "amax_history", &h, f32));
+  FP8OPS_TRY(require_dtype(op, "scale", &s, f32));
+  FP8OPS_TRY(require_dtype(op, "scale_inv", &si, f32));
+  FP8OPS_TRY(require_dtype(op, "fp8_max", &m, f32));
+  FP8OPS_TRY(require_contiguous(op, "amax_history", &h));
+  FP8OPS_TRY(require_contiguous(op, "scale", &s));
+  FP8OPS_TRY(require_contiguous(op, "scale_inv", &si));
+  FP8OPS_TRY(require_contiguous(op, "fp8_max", &m));
+  FP8OPS_TRY(require_same_device(op, "scale", &s, "amax_history", &h));
+  FP8OPS_TRY(require_same_device(op, "scale_inv", &si, "amax_history", &h));
+  FP8OPS_TRY(require_same_device(op, "fp8_max", &m, "amax_history", &h));
+  FP8OPS_REQUIRE(h.ndim == 1 || h.ndim == 2, "%s: amax_history must be [H] (one tensor) or "
+                 "[H, n] (n tensors), found %lld dims", op, (long long)h.ndim);
+  const int64_t H = h.sizes[0], n = h.ndim == 2 ? h.sizes[1] : 1;
+  FP8OPS_REQUIRE(H >= 1, "%s: amax_history needs at least 1 row (history length), found 0", op);
+  FP8OPS_REQUIRE(s.numel == n, "%s: scale must have %lld elements (one per amax_history "
+                 "column), found %lld", op, (long long)n, (long long)s.numel);
+  FP8OPS_REQUIRE(si.numel == n, "%s: scale_inv must have %lld elements, found %lld", op,
+                 (long long)n, (long long)si.numel);
+  FP8OPS_REQUIRE(m.numel == n, "%s: fp8_max must have %lld elements, found %lld", op,
+                 (long long)n, (long long)m.numel);
+  FP8OPS_REQUIRE(algo == 0 || algo == 1, "%s: algo must be 0 (max) or 1 (most_recent), "
+                 "found %lld", op, (long long)algo);
+  FP8OPS_REQUIRE(margin == margin && margin > -1e6 && margin < 1e6,
+                 "%s: margin must be a finite number, found %g", op, margin);
+  if (n == 0) return FP8OPS_OK;
+  if (!is_cuda(&h))
+    return fp8ops_amax_update_cpu(h.data, s.data, si.data, m.data, n, H, (float)margin,
+                                  (fp8ops_amax_algo)algo);
+  cuda_ctx c;
+  FP8OPS_TRY(cuda_enter(op, &h, &c, 0));
+  int rc = fp8ops_amax_update_cuda(h.data, s.data, si.data, m.data, n, H, (float)margin,
+                                   (fp8ops_amax_algo)algo, c.stream);
+  cuda_exit(&c);
+  return rc;
+}
+
+static void boxed_amax_update(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  AtenTensorHandle in[4] = {sv_tensor(stack[0]), sv_tensor(stack[1]), sv_tensor(stack[2]),
+                            sv_tensor(stack[3])};
+  int rc = run_amax_update(in[0], in[1], in[2], in[3], sv_f64(stack[4]), sv_i64(stack[5]));
+  release(in, 4);
+  if (rc != FP8OPS_OK) raise_last_error(__func__);
+}
+
+// ----------------------------------------------------------------------------
+// gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor bias,
+//      ScalarType out_dtype, bool use_fast_accum) -> Tensor
+
+static int run_gemm(AtenTensorHandle ha, AtenTensorHandle hb, AtenTensorHandle hsa,
+                    AtenTensorHandle hsb, AtenTensorHandle hbias, int32_t out_dtype,
+                    bool fast_accum, AtenTensorHandle* out, AtenTensorHandle* workspace) {
+  const char* op = "fp8ops::gemm";
+  tinfo a, b, sa, sb, bias;
+  fp8ops_fp8_format af = FP8OPS_E4M3, bf = FP8OPS_E4M3;
+  fp8ops_hp_dtype od = FP8OPS_BF16;
+  char sh1[96], sh2[96];
+  FP8OPS_TRY(describe(op, "a", ha, &a));
+  FP8OPS_TRY(describe(op, "b", hb, &b));
+  FP8OPS_TRY(describe(op, "a_scale_inv", hsa, &sa));
+  FP8OPS_TRY(describe(op, "b_scale_inv", hsb, &sb));
+  FP8OPS_TRY(describe(op, "bias", hbias, &bias));
+  FP8OPS_TRY(fp8_code(op, "a", a.dtype, &af));
+  FP8OPS_TRY(fp8_code(op, "b", b.dtype, &bf));
+  FP8OPS_TRY(hp_code(op, "out_dtype", out_dtype, &od));
+  FP8OPS_REQUIRE(!(af == FP8OPS_E5M2 && bf == FP8OPS_E5M2), "%s: a and b are both "
+                 "float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand", op);
+  FP8OPS_REQUIRE(a.ndim == 2, "%s: a must be 2-D [M, K], found %lld dims", op, (long long)a.ndim);
+  FP8OPS_REQUIRE(b.ndim == 2, "%s: b must be 2-D [N, K], found %lld dims", op, (long long)b.ndim);
+  shape_str(&a, sh1, sizeof sh1);
+  shape_str(&b, sh2, sizeof sh2);
+  FP8OPS_REQUIRE(a.sizes[1] == b.sizes[1], "%s: a %s and b %s must share the inner dim K "
+                 "(a is [M, K], b is [N, K]: out = a @ b.T)", op, sh1, sh2);
+  FP8OPS_TRY(require_contiguous(op, "a", &a));
+  FP8OPS_TRY(require_contiguous(op, "b", &b));
+  FP8OPS_TRY(require_same_device(op, "b", &b, "a", &a));
+  FP8OPS_TRY(require_scalar_f32(op, "a_scale_inv", &sa, &a, "a"));
+  FP8OPS_TRY(require_scalar_f32(op, "b_scale_inv", &sb, &a, "a"));
+  const int64_t M = a.sizes[0], K = a.sizes[1], N = b.sizes[0];
+  const void* bias_ptr = NULL;
+  if (bias.numel > 0) {
+    const fp8ops_hp_dtype want = fp8ops_gemm_bias_dtype(od);
+    FP8OPS_REQUIRE(bias.ndim == 1 && bias.numel == N, "%s: bias must be 1-D [N] = [%lld], "
+                   "found %lld elements in %lld dims", op, (long long)N, (long long)bias.numel,
+                   (long long)bias.ndim);
+    FP8OPS_REQUIRE(bias.dtype == torch_dtype_of_hp(want), "%s: bias must be %s for out_dtype "
+                   "%s (cuBLASLt's FP8 bias rule), found %s", op,
+                   dtype_name(torch_dtype_of_hp(want)), dtype_name(out_dtype),
+                   dtype_name(bias.dtype));
+    FP8OPS_TRY(require_contiguous(op, "bias", &bias));
+    FP8OPS_TRY(require_same_device(op, "bias", &bias, "a", &a));
+    bias_ptr = bias.data;
+  }
+  const int64_t osz[2] = {M, N};
+  if (!is_cuda(&a)) {
+    FP8OPS_TRY(new_tensor(op, 2, osz, out_dtype, &a, out));
+    return fp8ops_gemm_cpu(a.data, af, b.data, bf, M, N, K, sa.data, sb.data, bias_ptr, od,
+                           data_of(*out));
+  }
+  FP8OPS_REQUIRE(M % 16 == 0 && N % 16 == 0 && K % 16 == 0 && M > 0 && N > 0 && K > 0,
+                 "%s: FP8 GEMM on CUDA needs M, N and K to be positive multiples of 16 "
+                 "(got M=%lld, N=%lld, K=%lld); pad the tensors or exclude this layer via "
+                 "module_filter_fn", op, (long long)M, (long long)N, (long long)K);
+  cuda_ctx c;
+  FP8OPS_TRY(cuda_enter(op, &a, &c, 1));
+  int rc = fp8ops_cublaslt_init();
+  const int64_t ws = (int64_t)fp8ops_gemm_workspace_bytes();
+  if (rc == FP8OPS_OK) rc = new_tensor(op, 2, osz, out_dtype, &a, out);
+  if (rc == FP8OPS_OK) rc = new_tensor(op, 1, &ws, aoti_torch_dtype_uint8(), &a, workspace);
+  if (rc == FP8OPS_OK)
+    rc = fp8ops_gemm_cuda(a.data, af, b.data, bf, M, N, K, sa.data, sb.data, bias_ptr, od,
+                          data_of(*out), fast_accum, data_of(*workspace), (size_t)ws,
+                          a.dev_index, c.stream);
+  cuda_exit(&c);
+  return rc;
+}
+
+static void boxed_gemm(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  AtenTensorHandle in[5] = {sv_tensor(stack[0]), sv_tensor(stack[1]), sv_tensor(stack[2]),
+                            sv_tensor(stack[3]), sv_tensor(stack[4])};
+  AtenTensorHandle out = NULL, ws = NULL;
+  int rc = run_gemm(in[0], in[1], in[2], in[3], in[4], sv_i32(stack[5]), sv_bool(stack[6]), &out,
+                    &ws);
+  release(in, 5);
+  /* the workspace goes back to torch's caching allocator, stream-ordered */
+  release(&ws, 1);
+  if (rc != FP8OPS_OK) {
+    release(&out, 1);
+    raise_last_error(__func__);
+    return;
+  }
+  stack[0] = sv_from_tensor(out);
+}
+
+// ----------------------------------------------------------------------------
+// the op table
+
+typedef struct {
+  const char* name;
+  const char* schema;
+  fp8ops_boxed_fn fn;
+} op_row;
+
+static const op_row k_ops[] = {
+    {"cast", "cast(Tensor x, Tensor scale, ScalarType out_dtype, bool transpose) -> "
+             "(Tensor out, Tensor out_t, Tensor amax)", boxed_cast},
+    {"amax", "amax(Tensor x) -> Tensor", boxed_amax},
+    {"amax_update", "amax_update(Tensor(a!) amax_history, Tensor(b!) scale, "
+                    "Tensor(c!) scale_inv, Tensor fp8_max, float margin, int algo) -> ()",
+     boxed_amax_update},
+    {"gemm", "gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor bias, "
+             "ScalarType out_dtype, bool use_fast_accum) -> Tensor", boxed_gemm},
+};
+#define N_OPS (sizeof k_ops / sizeof k_ops[0])
+
+/* never deleted: deleting a library handle deregisters its ops */
+static TorchLibraryHandle g_def, g_cpu, g_cuda;
+
+int fp8ops_register(int with_cuda) {
+  if (aoti_torch_library_init_def("fp8ops", __FILE__, __LINE__, &g_def) != AOTI_TORCH_SUCCESS)
+    return fp8ops_set_error(FP8OPS_ERR_INVALID, "could not define the fp8ops op library "
+                            "(is another copy of fp8ops already loaded?)");
+  for (size_t i = 0; i < N_OPS; ++i)
+    if (aoti_torch_library_def(g_def, k_ops[i].schema) != AOTI_TORCH_SUCCESS)
+      return fp8ops_set_error(FP8OPS_ERR_INVALID, "could not define op fp8ops::%s", k_ops[i].name);
+  if (aoti_torch_library_init_impl("fp8ops", "CPU", __FILE__, __LINE__, &g_cpu) != AOTI_TORCH_SUCCESS)
+    return fp8ops_set_error(FP8OPS_ERR_INVALID, "could not open the fp8ops CPU impl library");
+  for (size_t i = 0; i < N_OPS; ++i)
+    if (torch_library_impl(g_cpu, k_ops[i].name, k_ops[i].fn, FP8OPS_TORCH_BUILD_VERSION) !=
+        AOTI_TORCH_SUCCESS)
+      return fp8ops_set_error(FP8OPS_ERR_INVALID, "could not register CPU kernel fp8ops::%s",
+                              k_ops[i].name);
+  if (!with_cuda) return FP8OPS_OK;
+  if (aoti_torch_library_init_impl("fp8ops", "CUDA", __FILE__, __LINE__, &g_cuda) != AOTI_TORCH_SUCCESS)
+    return fp8ops_set_error(FP8OPS_ERR_INVALID, "could not open the fp8ops CUDA impl library");
+  for (size_t i = 0; i < N_OPS; ++i)
+    if (torch_library_impl(g_cuda, k_ops[i].name, k_ops[i].fn, FP8OPS_TORCH_BUILD_VERSION) !=
+        AOTI_TORCH_SUCCESS)
+      return fp8ops_set_error(FP8OPS_ERR_INVALID, "could not register CUDA kernel fp8ops::%s",
+                              k_ops[i].name);
+  return FP8OPS_OK;
+}
+
+const char* fp8ops_op_names(void) { return "cast amax amax_update gemm"; }

@@ -1,0 +1,381 @@
+"""FP8 for any training script: the command-line flags and the one call that prepares a model.
+
+    parser = argparse.ArgumentParser()
+    fp8ops.add_fp8_args(parser)              # --use_fp8, --fp8_backend, --fp8_format, ...
+    args = parser.parse_args()
+    model = build_model().to(device)         # load a checkpoint here, before converting
+    model, info = fp8ops.prepare_model(model, args)
+    optimizer = torch.optim.AdamW(model.parameters())   # after prepare_model: TE swaps params
+    for batch in data:
+        with info["autocast"]():             # a no-op except for Transformer Engine
+            loss = model(batch)
+
+Backends (`--fp8_backend`):
+  fp8ops   this package: per-layer FP8/BF16 decision, delayed or current scaling.
+  torchao  torchao.float8 (current scaling only), when installed and the GPU is sm_89+.
+  te       NVIDIA Transformer Engine (te.Linear + autocast), when installed and the GPU is sm_89+.
+  bf16     no FP8.
+A backend that cannot run here never stops the run: it continues in BF16 (or with fp8ops, given
+`--fp8_fallback fp8ops`) and prints why, once.
+
+Model state stays the BF16 model's for fp8ops and torchao (same keys, shapes, dtypes). Transformer
+Engine adds `*._extra_state` keys; `portable_state_dict(model)` drops them (and torch.compile's
+`_orig_mod.` prefix) so a checkpoint loads into any backend.
+"""
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+__all__ = ["add_fp8_args", "config_from_args", "prepare_model", "portable_state_dict"]
+
+BACKENDS = ("fp8ops", "torchao", "te", "bf16")
+FORMATS = ("hybrid", "e4m3", "e5m2")
+
+# FP8 GEMMs (cuBLASLt, torch._scaled_mm, TE) need both weight dimensions to be multiples of 16.
+_FP8_DIM_MULTIPLE = 16
+
+
+def add_fp8_args(parser):
+    """Add the "FP8" argument group to an argparse parser; returns the group."""
+    g = parser.add_argument_group("FP8", "FP8 training (see fp8ops.training for the backends)")
+    g.add_argument("--use_fp8", action="store_true",
+                   help="train the model's linear layers in FP8 where the GPU supports it "
+                        "(default: off, plain BF16/FP32)")
+    g.add_argument("--fp8_backend", choices=BACKENDS, default="fp8ops",
+                   help="FP8 implementation (default: %(default)s); torchao and te are used "
+                        "only when installed, else the run continues without them and says so")
+    g.add_argument("--fp8_fallback", choices=("bf16", "fp8ops"), default="bf16",
+                   help="what to run when --fp8_backend torchao/te cannot run here "
+                        "(default: %(default)s)")
+    g.add_argument("--fp8_recipe", choices=("delayed", "current"), default="delayed",
+                   help="delayed: scale from the amax history (Transformer Engine's recipe); "
+                        "current: scale from this tensor's amax (default: %(default)s)")
+    g.add_argument("--fp8_format", choices=FORMATS, default="hybrid",
+                   help="hybrid: E4M3 forward, E5M2 gradients; or e4m3 / e5m2 everywhere "
+                        "(default: %(default)s)")
+    g.add_argument("--fp8_margin", type=int, default=0,
+                   help="scale = fp8_max / amax / 2**margin (default: %(default)s)")
+    g.add_argument("--fp8_interval", type=int, default=1,
+                   help="delayed scaling: update scales every N steps (default: %(default)s)")
+    g.add_argument("--fp8_amax_history_len", type=int, default=1024,
+                   help="delayed scaling: amax history length (default: %(default)s)")
+    g.add_argument("--fp8_amax_compute_algo", choices=("max", "most_recent"), default="max",
+                   help="delayed scaling: reduce the history by max or take the most recent "
+                        "(default: %(default)s)")
+    g.add_argument("--fp8_policy", choices=("auto", "always"), default="auto",
+                   help="fp8ops only. auto: layers measured slower in FP8 on this GPU run BF16; "
+                        "always: every eligible layer runs FP8 (default: %(default)s)")
+    return g
+
+
+def config_from_args(args):
+    """The `fp8ops.Fp8Config` the parsed FP8 flags describe."""
+    from fp8ops.config import Fp8Config  # lazy: fp8ops/__init__ imports this module
+
+    return Fp8Config(
+        recipe=args.fp8_recipe,
+        fp8_format=args.fp8_format,
+        margin=args.fp8_margin,
+        interval=args.fp8_interval,
+        amax_history_len=args.fp8_amax_history_len,
+        amax_compute_algo=args.fp8_amax_compute_algo,
+        policy=args.fp8_policy,
+    )
+
+
+def portable_state_dict(model):
+    """model.state_dict() with the keys of the plain model, whatever backend or compile wraps it.
+
+    Drops Transformer Engine's `*._extra_state` (FP8 metadata; a plain model has no such key and
+    TE#199 shows strict loading then fails) and torch.compile's `_orig_mod.` prefix.
+    """
+    model = getattr(model, "_orig_mod", model)
+    return {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
+
+
+def prepare_model(model, args, logger=print, module_filter_fn=None):
+    """Set `model` up for the FP8 flags in `args`; the one call a training script makes.
+
+    Call it after the model is on its device and after loading any checkpoint, and build the
+    optimizer after it. `module_filter_fn(module, fqn) -> bool` chooses which nn.Linear may
+    convert (e.g. to keep a tied lm_head out). Prints each decision once through `logger`.
+
+    Returns (model, info) with info keys:
+      backend      what runs: "fp8ops", "torchao", "te" or "bf16"
+      requested    the backend asked for, or None without --use_fp8
+      fp8_layers   number of linear layers that run FP8
+      linear_layers  number of nn.Linear layers the model had
+      reason       why FP8 is off (or partly off), or None
+      summary      the one-line decision that was printed
+      autocast     zero-argument callable returning the context manager to run forward in
+      config       the Fp8Config (fp8ops backend) or None
+    """
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    info = dict(backend="bf16", requested=None, fp8_layers=0, linear_layers=n_linear,
+                reason=None, summary="", autocast=contextlib.nullcontext, config=None)
+    backend = getattr(args, "fp8_backend", "fp8ops")
+
+    if not getattr(args, "use_fp8", False) or backend == "bf16":
+        info["reason"] = "FP8 not requested"
+        info["summary"] = "bf16 (FP8 not requested)"
+        hint = ""
+        if backend not in ("fp8ops", "bf16"):
+            hint = f"; --fp8_backend {backend} has no effect without --use_fp8"
+        elif backend == "bf16" and getattr(args, "use_fp8", False):
+            hint = "; --fp8_backend bf16 turns it off"
+        logger(f"FP8: off, training in BF16 (FP8 not requested{hint})")
+        return model, info
+
+    info["requested"] = backend
+    if backend == "fp8ops":
+        return _prepare_fp8ops(model, args, logger, module_filter_fn, info)
+
+    prepare = _prepare_torchao if backend == "torchao" else _prepare_te
+    reason = prepare(model, args, logger, module_filter_fn, info)
+    if reason is None:
+        return model, info
+
+    # The requested backend cannot run here: say why, then carry on without it.
+    name = {"torchao": "torchao", "te": "Transformer Engine"}[backend]
+    if getattr(args, "fp8_fallback", "bf16") == "fp8ops":
+        logger(f"FP8: {name} cannot run ({reason}); falling back to fp8ops (--fp8_fallback fp8ops)")
+        return _prepare_fp8ops(model, args, logger, module_filter_fn, info)
+    info["reason"] = reason
+    info["summary"] = f"bf16 ({name}: {reason})"
+    logger(f"FP8: off, training in BF16: {reason}")
+    return model, info
+
+
+# ------------------------------------------------------------------------------------------------
+# fp8ops
+
+def _prepare_fp8ops(model, args, logger, module_filter_fn, info):
+    import fp8ops
+
+    convert = getattr(fp8ops, "convert_to_fp8_training", None)
+    if convert is None:
+        # Only while the package is half-installed; a normal import always has convert.
+        reason = "fp8ops.convert_to_fp8_training is not available in this install"
+        info.update(reason=reason, summary=f"bf16 ({reason})")
+        logger(f"FP8: off, training in BF16: {reason}")
+        return model, info
+
+    config = config_from_args(args)
+    info["config"] = config
+    before = {fqn for fqn, m in model.named_modules() if type(m) is nn.Linear}
+    # convert never raises for environment reasons: on a machine without FP8 it leaves the
+    # layers as nn.Linear and records why, which the report below reads back.
+    model = convert(model, config=config, module_filter_fn=module_filter_fn) or model
+
+    rows = _report_rows(model)
+    if rows is not None:
+        fp8_rows = [r for r in rows if r.get("backend") == "fp8ops"]
+        n_fp8 = len(fp8_rows)
+        bf16_reasons = {}
+        for r in rows:
+            if r.get("backend") != "fp8ops":
+                why = r.get("reason") or "no reason recorded"
+                bf16_reasons[why] = bf16_reasons.get(why, 0) + 1
+    else:
+        n_fp8 = sum(type(m) is not nn.Linear for fqn, m in model.named_modules() if fqn in before)
+        bf16_reasons = {}
+    n_bf16 = max(len(before) - n_fp8, sum(bf16_reasons.values()))
+    info["fp8_layers"] = n_fp8
+    recipe = f"{config.recipe} scaling, {config.fp8_format}"
+
+    if n_fp8 == 0:
+        reason = _why_no_fp8(fp8ops, bf16_reasons)
+        info.update(backend="bf16", reason=reason, summary=f"bf16 (fp8ops: {reason})")
+        logger(f"FP8: off, training in BF16: {reason}")
+        return model, info
+
+    info["backend"] = "fp8ops"
+    detail = "; ".join(f"{n} x {why}" for why, n in sorted(bf16_reasons.items(), key=lambda kv: -kv[1]))
+    if n_bf16:
+        info["reason"] = detail or "see fp8ops.report(model)"
+        info["summary"] = f"fp8ops ({n_fp8} FP8 layers, {n_bf16} BF16)"
+        logger(f"FP8: on (fp8ops, {recipe}): {n_fp8} linear layers run FP8, {n_bf16} run BF16"
+               f" ({info['reason']})")
+    else:
+        info["summary"] = f"fp8ops ({n_fp8} FP8 layers)"
+        logger(f"FP8: on (fp8ops, {recipe}): all {n_fp8} linear layers run FP8")
+    return model, info
+
+
+def _report_rows(model):
+    import fp8ops
+
+    report = getattr(fp8ops, "report", None)
+    if report is None:
+        return None
+    try:
+        return report(model, print_table=False)
+    except Exception:  # a report problem must not stop training; fall back to counting modules
+        return None
+
+
+def _why_no_fp8(fp8ops, bf16_reasons):
+    """The one reason to print when fp8ops converted nothing: the environment's, else the layers'."""
+    why_unavailable = getattr(fp8ops, "why_unavailable", None)
+    if why_unavailable is not None:
+        why = why_unavailable()
+        if why:
+            return why
+    supported_here = getattr(fp8ops, "fp8_supported_here", None)
+    if supported_here is not None:
+        ok, why = supported_here()
+        if not ok:
+            return why
+    if bf16_reasons:
+        return max(bf16_reasons, key=bf16_reasons.get)
+    return "no eligible nn.Linear layers"
+
+
+# ------------------------------------------------------------------------------------------------
+# torchao and Transformer Engine. Each returns None on success (info filled in), else the reason
+# it cannot run here; prepare_model then falls back.
+
+def _gpu_reason(model):
+    """None when the model sits on a CUDA GPU that can run FP8 (sm_89+), else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return "the model is not on a CUDA device"
+    cap = torch.cuda.get_device_capability(param.device)
+    if cap < (8, 9):
+        name = torch.cuda.get_device_name(param.device)
+        return f"{name} is sm_{cap[0]}{cap[1]}; FP8 needs sm_89 or newer (Ada, Hopper, Blackwell)"
+    return None
+
+
+def _dims_ok(module):
+    return (module.in_features % _FP8_DIM_MULTIPLE == 0
+            and module.out_features % _FP8_DIM_MULTIPLE == 0)
+
+
+def _eligible(module_filter_fn):
+    """The combined filter: an nn.Linear with FP8-able dims that the user's filter accepts."""
+    def fn(module, fqn):
+        if not isinstance(module, nn.Linear) or not _dims_ok(module):
+            return False
+        return module_filter_fn is None or bool(module_filter_fn(module, fqn))
+    return fn
+
+
+def _prepare_torchao(model, args, logger, module_filter_fn, info):
+    try:
+        from torchao.float8 import (CastConfig, Float8LinearConfig,
+                                    convert_to_float8_training)
+    except ImportError:
+        return "torchao not installed: pip install torchao, or use --fp8_backend fp8ops"
+    except Exception as e:  # e.g. torch/torchao version skew (ao#2919)
+        return f"torchao failed to import ({type(e).__name__}: {e})"
+    reason = _gpu_reason(model)
+    if reason is not None:
+        return reason
+
+    fmt = args.fp8_format
+    if fmt == "e5m2":
+        # torch._scaled_mm has no E5M2 x E5M2 GEMM.
+        logger("FP8: torchao has no pure-E5M2 recipe; using hybrid (E4M3 forward, E5M2 gradients)")
+        fmt = "hybrid"
+    kwargs = {}
+    if fmt == "e4m3":
+        if "target_dtype" not in getattr(CastConfig, "__dataclass_fields__", {}):
+            logger("FP8: this torchao cannot set gradient dtypes; using hybrid")
+            fmt = "hybrid"
+        else:
+            kwargs["cast_config_grad_output"] = CastConfig(target_dtype=torch.float8_e4m3fn)
+    if args.fp8_recipe == "delayed":
+        logger("FP8: torchao scales from each tensor's current amax (it removed delayed scaling);"
+               " --fp8_recipe delayed, --fp8_margin, --fp8_interval and --fp8_amax_* do not apply")
+
+    n_before = sum(type(m) is nn.Linear for m in model.modules())
+    model_filter = _eligible(module_filter_fn)
+    convert_to_float8_training(model, config=Float8LinearConfig(**kwargs),
+                               module_filter_fn=model_filter)
+    n_fp8 = n_before - sum(type(m) is nn.Linear for m in model.modules())
+    if n_fp8 == 0:
+        return "no linear layer has in/out features that are multiples of 16"
+    info.update(backend="torchao", fp8_layers=n_fp8,
+                summary=f"torchao ({n_fp8} FP8 layers, current scaling, {fmt})")
+    logger(f"FP8: on (torchao, current tensorwise scaling, {fmt}): {n_fp8} of {n_before} linear"
+           f" layers run FP8; torchao is fast only under torch.compile (--compile)")
+    return None
+
+
+def _prepare_te(model, args, logger, module_filter_fn, info):
+    try:
+        import transformer_engine.pytorch as te
+        from transformer_engine.common import recipe as te_recipe
+    except ImportError:
+        return ("Transformer Engine not installed: pip install --no-build-isolation "
+                "transformer_engine[pytorch], or use --fp8_backend fp8ops")
+    except Exception as e:  # TE's import also fails on cuDNN / ABI problems (TE#1853, TE#611)
+        return f"Transformer Engine failed to import ({type(e).__name__}: {e})"
+    reason = _gpu_reason(model)
+    if reason is not None:
+        return reason
+    check = getattr(te, "is_fp8_available", None)
+    if check is not None:
+        ok, why = check(return_reason=True)
+        if not ok:
+            return f"Transformer Engine says FP8 is unavailable: {why}"
+
+    fmt = args.fp8_format
+    if fmt == "e5m2":
+        logger("FP8: Transformer Engine has no pure-E5M2 format; using hybrid")
+        fmt = "hybrid"
+    te_format = te_recipe.Format.HYBRID if fmt == "hybrid" else te_recipe.Format.E4M3
+    if args.fp8_recipe == "current" and hasattr(te_recipe, "Float8CurrentScaling"):
+        recipe = te_recipe.Float8CurrentScaling(fp8_format=te_format)
+        desc = f"current scaling, {fmt}"
+    else:
+        if args.fp8_recipe == "current":
+            logger("FP8: this Transformer Engine has no current scaling; using delayed scaling")
+        kwargs = dict(margin=args.fp8_margin, fp8_format=te_format,
+                      amax_history_len=args.fp8_amax_history_len,
+                      amax_compute_algo=args.fp8_amax_compute_algo)
+        # TE removed `interval` in 2025 (TE PR #1607); pass it only where it still exists.
+        if "interval" in getattr(te_recipe.DelayedScaling, "__dataclass_fields__", {}):
+            kwargs["interval"] = args.fp8_interval
+        elif args.fp8_interval != 1:
+            logger("FP8: this Transformer Engine updates scales every step; --fp8_interval ignored")
+        recipe = te_recipe.DelayedScaling(**kwargs)
+        desc = f"delayed scaling, {fmt}, history {args.fp8_amax_history_len}"
+
+    eligible = _eligible(module_filter_fn)
+    swaps = [(fqn, m) for fqn, m in model.named_modules()
+             if type(m) is nn.Linear and eligible(m, fqn)]
+    if not swaps:
+        return "no linear layer has in/out features that are multiples of 16"
+    for fqn, old in swaps:
+        new = te.Linear(old.in_features, old.out_features, bias=old.bias is not None,
+                        params_dtype=old.weight.dtype, device=old.weight.device)
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+            if old.bias is not None:
+                new.bias.copy_(old.bias)
+        if not fqn:  # the model itself is a single nn.Linear
+            model = new
+            continue
+        parent_name, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+
+    # te.autocast replaced te.fp8_autocast (deprecated) in TE 2.x.
+    if hasattr(te, "autocast"):
+        def autocast():
+            return te.autocast(enabled=True, recipe=recipe)
+    else:
+        def autocast():
+            return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+
+    n_fp8 = len(swaps)
+    info.update(backend="te", fp8_layers=n_fp8, autocast=autocast,
+                summary=f"te ({n_fp8} FP8 layers, {desc})")
+    logger(f"FP8: on (Transformer Engine, {desc}): {n_fp8} of {info['linear_layers']} linear"
+           " layers swapped for te.Linear; build the optimizer after this call")
+    return None

@@ -1,0 +1,119 @@
+"""Build fp8ops._C from csrc/: C11 sources with the system C compiler, CUDA
+sources with nvcc when present. No torch at build time: the module is linked
+against a stub libtorch_cpu.so (same SONAME, empty functions) generated here,
+and at import the real libtorch_cpu.so that `import torch` loaded satisfies it.
+
+Environment:
+  FP8OPS_NO_CUDA=1          build CPU kernels only, even if nvcc is found
+  FP8OPS_CUDA_ARCHS="89;90;100;120"   SM archs (add "a" for arch-specific, e.g. 90a);
+                            PTX of the last one is embedded for newer GPUs
+  CUDA_HOME                 where to find nvcc / cudart (default: nvcc on PATH)
+  DEBUG=1                   -O0 -g
+"""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sysconfig
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+DEFAULT_ARCHS = "89;90;100;120"
+CUDA_ONLY_C = {"gemm_cuda.c"}  # host C files that need the CUDA headers
+PY_LIMITED = "0x030A0000"  # CPython 3.10+
+
+
+def find_nvcc():
+    if os.environ.get("FP8OPS_NO_CUDA", "0") not in ("", "0"):
+        return None
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def run(cmd):
+    print(" ".join(cmd), flush=True)
+    subprocess.check_call(cmd)
+
+
+class BuildFp8ops(build_ext):
+    """Compiles and links fp8ops._C by hand: setuptools' compiler would compile
+    .c files fine but knows nothing of nvcc or the stub library."""
+
+    def build_extension(self, ext):
+        debug = os.environ.get("DEBUG", "0") not in ("", "0")
+        tmp = os.path.abspath(os.path.join(self.build_temp, "fp8ops"))
+        os.makedirs(tmp, exist_ok=True)
+        out = os.path.abspath(self.get_ext_fullpath(ext.name))
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        cc = os.environ.get("CC") or sysconfig.get_config_var("CC").split()[0] or "cc"
+        nvcc = find_nvcc()
+        cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
+        archs = [a.strip() for a in os.environ.get("FP8OPS_CUDA_ARCHS", DEFAULT_ARCHS).replace(",", ";").split(";") if a.strip()]
+        opt = ["-O0", "-g"] if debug else ["-O2"]
+
+        cflags = ["-std=c11", "-fPIC", "-fexceptions", "-Wall", "-Wextra", *opt,
+                  f"-DPy_LIMITED_API={PY_LIMITED}", "-I" + sysconfig.get_paths()["include"], "-Icsrc"]
+        if nvcc:
+            cflags += ["-DFP8OPS_WITH_CUDA", f'-DFP8OPS_CUDA_ARCHS="{" ".join(archs)} ptx"',
+                       "-I" + os.path.join(cuda_home, "include")]
+        objects = []
+        for src in sorted(glob.glob("csrc/*.c")):
+            if os.path.basename(src) in CUDA_ONLY_C and not nvcc:
+                continue
+            obj = os.path.join(tmp, os.path.basename(src) + ".o")
+            run([cc, *cflags, "-c", src, "-o", obj])
+            objects.append(obj)
+        if nvcc:
+            gencode = []
+            for a in archs:
+                gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+            last = re.sub(r"[^0-9]", "", archs[-1])
+            gencode += ["-gencode", f"arch=compute_{last},code=compute_{last}"]
+            nvflags = ["-std=c++17", "-Xcompiler", "-fPIC", "-Icsrc", "--threads", "0",
+                       *(["-g", "-lineinfo"] if debug else ["-O3", "-lineinfo"]), *gencode]
+            for src in sorted(glob.glob("csrc/*.cu")):
+                obj = os.path.join(tmp, os.path.basename(src) + ".o")
+                run([nvcc, *nvflags, "-c", src, "-o", obj])
+                objects.append(obj)
+
+        stub_dir = self.make_torch_stub(cc, objects, tmp)
+        libs = ["-L" + stub_dir, "-ltorch_cpu", "-ldl", "-lpthread"]
+        if nvcc:
+            libdir = os.path.join(cuda_home, "lib64")
+            if not os.path.exists(os.path.join(libdir, "libcudart_static.a")):
+                libdir = os.path.join(cuda_home, "lib")
+            # static cudart: no NEEDED entry for libcudart, so a CPU-only torch imports us
+            libs = ["-L" + libdir, "-lcudart_static", "-lrt", "-lstdc++", *libs]
+        run([cc, "-shared", "-o", out, *objects, *libs, "-lm"])
+
+    @staticmethod
+    def make_torch_stub(cc, objects, tmp):
+        """A libtorch_cpu.so with the right SONAME defining every shim symbol
+        we use as an empty function; it is only linked against, never shipped."""
+        syms = set()
+        for obj in objects:
+            listing = subprocess.check_output(["nm", "-u", obj], text=True)
+            for line in listing.split():
+                if re.match(r"^(aoti_torch_|torch_)\w+$", line):
+                    syms.add(line)
+        stub_dir = os.path.join(tmp, "stub")
+        os.makedirs(stub_dir, exist_ok=True)
+        src = os.path.join(stub_dir, "torch_cpu_stub.c")
+        with open(src, "w") as f:
+            f.write("/* generated by setup.py: link-time stand-in for libtorch_cpu.so */\n")
+            for s in sorted(syms):
+                f.write(f"void {s}(void) {{}}\n")
+        run([cc, "-shared", "-fPIC", "-Wl,-soname,libtorch_cpu.so", "-o",
+             os.path.join(stub_dir, "libtorch_cpu.so"), src])
+        return stub_dir
+
+
+setup(
+    ext_modules=[Extension("fp8ops._C", sources=sorted(glob.glob("csrc/*.c")), py_limited_api=True)],
+    cmdclass={"build_ext": BuildFp8ops},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+)
