@@ -16,12 +16,23 @@ _loader.load()
 
 from . import ops  # noqa: E402
 from ._loader import build_info, is_available, why_unavailable  # noqa: E402
+from .config import Fp8Config  # noqa: E402
+from .convert import convert, convert_to_fp8_training, fp8_supported_here  # noqa: E402
+from .report import report  # noqa: E402
+from .scaling import load_scaling_state_dict, scaling_state_dict, step  # noqa: E402
+from .training import add_fp8_args, config_from_args, prepare_model  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # convert and inspect
+    "convert_to_fp8_training", "convert", "report", "Fp8Config",
     # availability
-    "is_available", "why_unavailable", "build_info",
+    "is_available", "why_unavailable", "fp8_supported_here", "build_info",
+    # scaling state
+    "scaling_state_dict", "load_scaling_state_dict", "step",
+    # training scripts
+    "add_fp8_args", "config_from_args", "prepare_model",
     # ops
     "ops",
 ]

@@ -23,7 +23,10 @@ Engine adds `*._extra_state` keys; `portable_state_dict(model)` drops them (and 
 `_orig_mod.` prefix) so a checkpoint loads into any backend.
 """
 
+import argparse
 import contextlib
+import logging
+import warnings
 
 import torch
 import torch.nn as nn
@@ -53,7 +56,8 @@ def add_fp8_args(parser):
                    help="delayed: scale from the amax history (Transformer Engine's recipe); "
                         "current: scale from this tensor's amax (default: %(default)s)")
     g.add_argument("--fp8_format", choices=FORMATS, default="hybrid",
-                   help="hybrid: E4M3 forward, E5M2 gradients; or e4m3 / e5m2 everywhere "
+                   help="hybrid: E4M3 forward, E5M2 gradients; e4m3: E4M3 everywhere; e5m2 "
+                        "runs as hybrid (no FP8 tensor core multiplies E5M2 by E5M2) "
                         "(default: %(default)s)")
     g.add_argument("--fp8_margin", type=int, default=0,
                    help="scale = fp8_max / amax / 2**margin (default: %(default)s)")
@@ -95,12 +99,14 @@ def portable_state_dict(model):
     return {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
 
 
-def prepare_model(model, args, logger=print, module_filter_fn=None):
+def prepare_model(model, args, logger=print, module_filter_fn=None, precision="BF16"):
     """Set `model` up for the FP8 flags in `args`; the one call a training script makes.
 
     Call it after the model is on its device and after loading any checkpoint, and build the
     optimizer after it. `module_filter_fn(module, fqn) -> bool` chooses which nn.Linear may
-    convert (e.g. to keep a tied lm_head out). Prints each decision once through `logger`.
+    convert (e.g. to keep a tied lm_head out). `precision` names what non-FP8 layers run in,
+    for the messages ("BF16" under autocast; "FP32" for a CPU run). Prints each decision once
+    through `logger`.
 
     Returns (model, info) with info keys:
       backend      what runs: "fp8ops", "torchao", "te" or "bf16"
@@ -117,20 +123,29 @@ def prepare_model(model, args, logger=print, module_filter_fn=None):
                 reason=None, summary="", autocast=contextlib.nullcontext, config=None)
     backend = getattr(args, "fp8_backend", "fp8ops")
 
-    if not getattr(args, "use_fp8", False) or backend == "bf16":
+    if not getattr(args, "use_fp8", False):
         info["reason"] = "FP8 not requested"
         info["summary"] = "bf16 (FP8 not requested)"
-        hint = ""
+        hint = "add --use_fp8 to train in FP8"
         if backend not in ("fp8ops", "bf16"):
-            hint = f"; --fp8_backend {backend} has no effect without --use_fp8"
-        elif backend == "bf16" and getattr(args, "use_fp8", False):
-            hint = "; --fp8_backend bf16 turns it off"
-        logger(f"FP8: off, training in BF16 (FP8 not requested{hint})")
+            hint = f"--fp8_backend {backend} has no effect without --use_fp8"
+        logger(f"FP8: off, training in {precision} (FP8 not requested; {hint})")
+        return model, info
+    if backend == "bf16":
+        info["reason"] = "--fp8_backend bf16"
+        info["summary"] = "bf16 (--fp8_backend bf16)"
+        logger(f"FP8: off, training in {precision} (--fp8_backend bf16)")
         return model, info
 
     info["requested"] = backend
+    if args.fp8_format == "e5m2":
+        # No FP8 tensor core multiplies E5M2 by E5M2 (the gradient GEMMs would need it); every
+        # backend refuses it. Keep the run going in the format that still uses E5M2 gradients.
+        logger("FP8: --fp8_format e5m2 cannot run (no E5M2 x E5M2 GEMM on FP8 tensor cores); "
+               "using hybrid: E4M3 forward, E5M2 gradients")
+        args = argparse.Namespace(**{**vars(args), "fp8_format": "hybrid"})
     if backend == "fp8ops":
-        return _prepare_fp8ops(model, args, logger, module_filter_fn, info)
+        return _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision)
 
     prepare = _prepare_torchao if backend == "torchao" else _prepare_te
     reason = prepare(model, args, logger, module_filter_fn, info)
@@ -141,17 +156,17 @@ def prepare_model(model, args, logger=print, module_filter_fn=None):
     name = {"torchao": "torchao", "te": "Transformer Engine"}[backend]
     if getattr(args, "fp8_fallback", "bf16") == "fp8ops":
         logger(f"FP8: {name} cannot run ({reason}); falling back to fp8ops (--fp8_fallback fp8ops)")
-        return _prepare_fp8ops(model, args, logger, module_filter_fn, info)
+        return _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision)
     info["reason"] = reason
     info["summary"] = f"bf16 ({name}: {reason})"
-    logger(f"FP8: off, training in BF16: {reason}")
+    logger(f"FP8: off, continuing in {precision}: {reason}")
     return model, info
 
 
 # ------------------------------------------------------------------------------------------------
 # fp8ops
 
-def _prepare_fp8ops(model, args, logger, module_filter_fn, info):
+def _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision):
     import fp8ops
 
     convert = getattr(fp8ops, "convert_to_fp8_training", None)
@@ -159,15 +174,17 @@ def _prepare_fp8ops(model, args, logger, module_filter_fn, info):
         # Only while the package is half-installed; a normal import always has convert.
         reason = "fp8ops.convert_to_fp8_training is not available in this install"
         info.update(reason=reason, summary=f"bf16 ({reason})")
-        logger(f"FP8: off, training in BF16: {reason}")
+        logger(f"FP8: off, continuing in {precision}: {reason}")
         return model, info
 
     config = config_from_args(args)
     info["config"] = config
     before = {fqn for fqn, m in model.named_modules() if type(m) is nn.Linear}
     # convert never raises for environment reasons: on a machine without FP8 it leaves the
-    # layers as nn.Linear and records why, which the report below reads back.
-    model = convert(model, config=config, module_filter_fn=module_filter_fn) or model
+    # layers as nn.Linear and records why, which the report below reads back. Its own warning
+    # would repeat the line this function prints, so it is held back here.
+    with _quiet_convert():
+        model = convert(model, config=config, module_filter_fn=module_filter_fn) or model
 
     rows = _report_rows(model)
     if rows is not None:
@@ -188,20 +205,36 @@ def _prepare_fp8ops(model, args, logger, module_filter_fn, info):
     if n_fp8 == 0:
         reason = _why_no_fp8(fp8ops, bf16_reasons)
         info.update(backend="bf16", reason=reason, summary=f"bf16 (fp8ops: {reason})")
-        logger(f"FP8: off, training in BF16: {reason}")
+        logger(f"FP8: off, continuing in {precision}: {reason}")
         return model, info
 
     info["backend"] = "fp8ops"
+    # policy "auto" settles per shape at a layer's first CUDA forward, after this call.
+    later = (". Policy auto: a layer FP8 does not speed up on this GPU switches to BF16 at its "
+             "first forward (fp8ops.report shows which)") if config.policy == "auto" else ""
     detail = "; ".join(f"{n} x {why}" for why, n in sorted(bf16_reasons.items(), key=lambda kv: -kv[1]))
     if n_bf16:
         info["reason"] = detail or "see fp8ops.report(model)"
         info["summary"] = f"fp8ops ({n_fp8} FP8 layers, {n_bf16} BF16)"
-        logger(f"FP8: on (fp8ops, {recipe}): {n_fp8} linear layers run FP8, {n_bf16} run BF16"
-               f" ({info['reason']})")
+        logger(f"FP8: on (fp8ops, {recipe}): {n_fp8} linear layers run FP8, {n_bf16} run {precision}"
+               f" ({info['reason']}){later}")
     else:
         info["summary"] = f"fp8ops ({n_fp8} FP8 layers)"
-        logger(f"FP8: on (fp8ops, {recipe}): all {n_fp8} linear layers run FP8")
+        logger(f"FP8: on (fp8ops, {recipe}): all {n_fp8} linear layers run FP8{later}")
     return model, info
+
+
+@contextlib.contextmanager
+def _quiet_convert():
+    fp8ops_log = logging.getLogger("fp8ops")
+    drop = lambda record: record.levelno > logging.WARNING  # noqa: E731 -- keep errors only
+    fp8ops_log.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="fp8ops:")
+            yield
+    finally:
+        fp8ops_log.removeFilter(drop)
 
 
 def _report_rows(model):
@@ -278,10 +311,6 @@ def _prepare_torchao(model, args, logger, module_filter_fn, info):
         return reason
 
     fmt = args.fp8_format
-    if fmt == "e5m2":
-        # torch._scaled_mm has no E5M2 x E5M2 GEMM.
-        logger("FP8: torchao has no pure-E5M2 recipe; using hybrid (E4M3 forward, E5M2 gradients)")
-        fmt = "hybrid"
     kwargs = {}
     if fmt == "e4m3":
         if "target_dtype" not in getattr(CastConfig, "__dataclass_fields__", {}):
@@ -326,9 +355,6 @@ def _prepare_te(model, args, logger, module_filter_fn, info):
             return f"Transformer Engine says FP8 is unavailable: {why}"
 
     fmt = args.fp8_format
-    if fmt == "e5m2":
-        logger("FP8: Transformer Engine has no pure-E5M2 format; using hybrid")
-        fmt = "hybrid"
     te_format = te_recipe.Format.HYBRID if fmt == "hybrid" else te_recipe.Format.E4M3
     if args.fp8_recipe == "current" and hasattr(te_recipe, "Float8CurrentScaling"):
         recipe = te_recipe.Float8CurrentScaling(fp8_format=te_format)

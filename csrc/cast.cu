@@ -1,0 +1,566 @@
+/*
+ * cast.cu -- CUDA kernels of fp8ops::cast (hp -> fp8 with a scale, saturating,
+ * optional transposed copy, fused amax) and fp8ops::amax (max |x|, current
+ * scaling). Bit for bit the same as cast_cpu.c: every element goes through
+ * out = fp8(clamp(float(x) * scale, -max, max)) with the fp8_convert.h scalar
+ * conversions (no hardware cvt, no fast math), and amax is a max over
+ * |x| bits (for non-negative floats the uint32 order is the value order and
+ * every NaN sorts above +inf, so the max propagates NaN).
+ *
+ * Paths of fp8ops_cast_cuda:
+ *   cast_transpose_kernel   out and out_t, rows % 16 == 0, cols % 16 == 0 and
+ *                           16-byte aligned pointers (every FP8 GEMM operand):
+ *                           16-byte loads, an 8 x VEC block per thread
+ *                           transposed in registers (byte permutes), a
+ *                           swizzled shared tile, 16-byte stores of both.
+ *   cast_transpose_general_kernel   out and out_t, any shape or alignment:
+ *                           scalar loads, 32 x 32 tile through shared memory.
+ *   cast_kernel             out only: flat elementwise over rows * cols,
+ *                           16-byte loads in the aligned middle, scalar head
+ *                           and tail (x may be a view with a storage offset).
+ * All of them reduce amax per block and finish with one atomicMax on the
+ * uint32 bits of *amax, which the launcher zeroes first on the same stream.
+ * Nothing here allocates, synchronises or reads device memory from the host,
+ * so every launcher can be captured in a CUDA graph.
+ */
+#include <cuda_runtime.h>  // defines: cudaStream_t, cudaMemsetAsync, uint4 / uint2
+#include <stdint.h>
+
+#include "common.h"       // defines: FP8OPS_REQUIRE, FP8OPS_CHECK_CUDA, FP8OPS_CEIL_DIV
+#include "fp8_convert.h"  // defines: fp8ops_f32_to_e4m3/e5m2, fp8ops_bf16/f16_to_f32
+
+// ----------------------------------------------------------------------------
+// CUDA helpers
+
+// Saturate, convert, return the fp8 byte in the low 8 bits; the same bits as
+// cast_cpu.c's `y = v * s; if (y > max) y = max; if (y < -max) y = -max;
+// fp8ops_f32_to_e4m3/e5m2(y)`. The product uses __fmul_rn so that it can never
+// be contracted into an FMA: it must round exactly like the CPU's `v * s`.
+// The clamp is done on the ordered |bits| (for every non-NaN y, min(|y|, max)
+// with the sign put back is exactly torch's clamp, -0 and +-inf included), and
+// NaN is patched afterwards to what both conversions return for NaN (0x7F,
+// sign kept). Written this way the compiler can prove the conversion's
+// ">= 480 or NaN" branch dead and emits straight-line predicated code; a
+// float clamp that lets NaN through leaves that branch (and a BSSY/BSYNC pair
+// per element) in, about 40% more instructions in an issue-bound kernel.
+template <int FMT>
+__device__ __forceinline__ uint32_t cast_elem(float v, float scale) {
+  constexpr uint32_t max_bits = FMT == FP8OPS_E4M3 ? 0x43E00000u /* 448 */ : 0x47600000u /* 57344 */;
+  const uint32_t b = fp8ops_f32_bits(__fmul_rn(v, scale));
+  const uint32_t sign = b & 0x80000000u, a = b ^ sign;
+  const float c = fp8ops_bits_f32(min(a, max_bits));  // |clamped y|
+  const uint32_t q = FMT == FP8OPS_E4M3 ? fp8ops_f32_to_e4m3(c) : fp8ops_f32_to_e5m2(c);
+  return (a > 0x7F800000u ? 0x7Fu : q) | (sign >> 24);
+}
+
+// One element of dtype DT, loaded by index (scalar paths), as float.
+template <int DT>
+__device__ __forceinline__ float load_elem(const void* x, int64_t i) {
+  if constexpr (DT == FP8OPS_F32) {
+    return ((const float*)x)[i];
+  } else if constexpr (DT == FP8OPS_BF16) {
+    return fp8ops_bf16_to_f32(((const uint16_t*)x)[i]);
+  } else {
+    return fp8ops_f16_to_f32(((const uint16_t*)x)[i]);
+  }
+}
+
+// Running max of |x| over one thread's elements, kept as ordered bits.
+// fp32: the |bits| of each float. bf16 / fp16: the 16-bit |bits| are ordered
+// like the values too (NaN above inf), so two elements of a 32-bit word are
+// reduced at once and converted to fp32 bits only at the end; sm_90+ has a
+// 16x2 integer max (VIMNMX.U16x2), older parts keep two 32-bit maxima.
+template <int DT>
+struct AbsMax {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t m = 0;
+  __device__ __forceinline__ void add_word(uint32_t w) {
+    if constexpr (DT == FP8OPS_F32) {
+      m = max(m, w & 0x7FFFFFFFu);
+    } else {
+      m = __vmaxu2(m, w & 0x7FFF7FFFu);
+    }
+  }
+  __device__ __forceinline__ uint32_t m16() const { return max(m & 0xFFFFu, m >> 16); }
+#else
+  uint32_t m = 0, hi = 0;
+  __device__ __forceinline__ void add_word(uint32_t w) {
+    if constexpr (DT == FP8OPS_F32) {
+      m = max(m, w & 0x7FFFFFFFu);
+    } else {
+      m = max(m, w & 0x7FFFu);
+      hi = max(hi, w & 0x7FFF0000u);
+    }
+  }
+  __device__ __forceinline__ uint32_t m16() const { return max(m, hi >> 16); }
+#endif
+  // one scalar element (already a float)
+  __device__ __forceinline__ void add_f32(float v) {
+    const uint32_t a = fp8ops_f32_bits(v) & 0x7FFFFFFFu;
+    if constexpr (DT == FP8OPS_F32) {
+      m = max(m, a);
+    } else {
+      // scalar paths of 16-bit inputs convert to fp32 bits, which order the
+      // same way; fold them into the fp32-bits result below
+      f32 = max(f32, a);
+    }
+  }
+  uint32_t f32 = 0;
+  // the result as |fp32| bits
+  __device__ __forceinline__ uint32_t bits() const {
+    if constexpr (DT == FP8OPS_F32) {
+      return m;
+    } else if constexpr (DT == FP8OPS_BF16) {
+      return max(f32, m16() << 16);
+    } else {
+      return max(f32, fp8ops_f32_bits(fp8ops_f16_to_f32((uint16_t)m16())));
+    }
+  }
+};
+
+// Block-wide max of `v` (uint32 bits of |amax|), then one atomicMax into
+// *amax by thread 0. Every thread of the block must call it (warp shuffles
+// and a barrier inside). `red` holds one word per warp.
+__device__ __forceinline__ void block_amax_atomic(uint32_t v, uint32_t* red, float* amax) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = (blockDim.x * blockDim.y + 31) >> 5;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  v = __reduce_max_sync(0xFFFFFFFFu, v);
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (tid == 0) {
+    uint32_t m = 0;
+    for (int w = 0; w < nwarps; ++w) m = max(m, red[w]);
+    if (m != 0) atomicMax((unsigned int*)amax, m);  // *amax starts at 0: 0 changes nothing
+  }
+}
+
+// 4x4 byte transpose: in a..d are rows 0..3 (byte k = column k), out c0..c3
+// are columns 0..3 (byte k = row k). Eight PRMTs.
+__device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d,
+                                             uint32_t& c0, uint32_t& c1, uint32_t& c2,
+                                             uint32_t& c3) {
+  const uint32_t s0 = __byte_perm(a, b, 0x5140);  // a0 b0 a1 b1
+  const uint32_t s1 = __byte_perm(a, b, 0x7362);  // a2 b2 a3 b3
+  const uint32_t s2 = __byte_perm(c, d, 0x5140);  // c0 d0 c1 d1
+  const uint32_t s3 = __byte_perm(c, d, 0x7362);  // c2 d2 c3 d3
+  c0 = __byte_perm(s0, s2, 0x5410);               // a0 b0 c0 d0
+  c1 = __byte_perm(s0, s2, 0x7632);               // a1 b1 c1 d1
+  c2 = __byte_perm(s1, s3, 0x5410);
+  c3 = __byte_perm(s1, s3, 0x7632);
+}
+
+// Four fp8 bytes (low byte of each argument) packed into one word, b0 first.
+__device__ __forceinline__ uint32_t pack4(uint32_t b0, uint32_t b1, uint32_t b2, uint32_t b3) {
+  return __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
+}
+
+// One 16-byte vector of input -> its fp8 bytes packed in words (2 words for
+// 8 bf16/fp16 elements, 1 word for 4 fp32 elements), amax updated.
+template <int DT, int FMT>
+__device__ __forceinline__ void cast_vec16(const uint4& v, float scale, AbsMax<DT>& am,
+                                           uint32_t* p) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  if constexpr (DT == FP8OPS_F32) {
+    uint32_t b[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      am.add_word(w[k]);
+      b[k] = cast_elem<FMT>(fp8ops_bits_f32(w[k]), scale);
+    }
+    p[0] = pack4(b[0], b[1], b[2], b[3]);
+  } else {
+    uint32_t b[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      am.add_word(w[k]);
+      float lo, hi;
+      if constexpr (DT == FP8OPS_BF16) {
+        lo = fp8ops_bf16_to_f32((uint16_t)(w[k] & 0xFFFFu));
+        hi = fp8ops_bf16_to_f32((uint16_t)(w[k] >> 16));
+      } else {
+        lo = fp8ops_f16_to_f32((uint16_t)(w[k] & 0xFFFFu));
+        hi = fp8ops_f16_to_f32((uint16_t)(w[k] >> 16));
+      }
+      b[2 * k] = cast_elem<FMT>(lo, scale);
+      b[2 * k + 1] = cast_elem<FMT>(hi, scale);
+    }
+    p[0] = pack4(b[0], b[1], b[2], b[3]);
+    p[1] = pack4(b[4], b[5], b[6], b[7]);
+  }
+}
+
+// ----------------------------------------------------------------------------
+// CUDA kernels
+
+// Fast path geometry, shared by kernel and launcher.
+#define CT_THREADS 256  // 8 warps = 16 half-warps
+#define CT_RB 8         // rows per thread block-of-work (one u64 column chunk)
+#define CT_TM 128       // tile rows = 16 half-warps * CT_RB
+// tile cols = 16 lanes * VEC: 128 for bf16/fp16 (VEC 8), 64 for fp32 (VEC 4)
+#define CT_VEC(DT) ((DT) == FP8OPS_F32 ? 4 : 8)
+#define CT_TN(DT) (16 * CT_VEC(DT))
+
+// cast + transpose + amax, fast path (rows % 16 == 0, cols % 16 == 0, x / out
+// / out_t 16-byte aligned).
+// Block dims: (256). Grid dims: (tiles_m * tiles_n), one 128 x TN tile each,
+// row-major over tiles so that neighbouring blocks read neighbouring columns.
+// Thread (h = tid / 16, l = tid % 16) loads the 8 x VEC block at tile rows
+// 8h..8h+7, cols VEC*l..: eight independent 16-byte loads in flight (a
+// half-warp reads 256 contiguous bytes of one row). It converts them, stores
+// each row's VEC fp8 bytes to `out` (8 or 4 bytes; a half-warp writes 128 or
+// 64 contiguous bytes), transposes the 8 x VEC byte block in registers and
+// writes each column's 8 bytes (8 rows) as one u64 into the shared tile
+// tile_t[TN][128] (column-major: one 128-byte row per input column). Then
+// each thread copies 16-byte chunks (16 consecutive input rows of one column)
+// from tile_t to out_t with 16-byte stores; 8 lanes cover one column's 128
+// contiguous bytes of out_t.
+// Bank conflicts: the 16-byte chunk index inside a tile_t row is XOR-swizzled
+// with (row / VEC) & 7, i.e. with the writing lane l: the u64 writes of a
+// half-warp then hit 8 distinct 16-byte bank groups (2-way at worst, the
+// minimum for 16 lanes at a fixed 8-byte half of a chunk), and the 16-byte
+// reads of a quarter-warp (8 chunks of one row) are conflict-free.
+// rows % 16 == 0 and cols % 16 == 0 make every 8-row block, every VEC-column
+// vector and every 16-row chunk of a partial edge tile either fully inside or
+// fully outside, so the edges need whole-vector predicates only.
+template <int DT, int FMT>
+__global__ void __launch_bounds__(CT_THREADS)
+    cast_transpose_kernel(const void* __restrict__ x, const float* __restrict__ scale_p,
+                          uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
+                          float* __restrict__ amax, int64_t rows, int64_t cols, int tiles_n) {
+  constexpr int ESZ = DT == FP8OPS_F32 ? 4 : 2;
+  constexpr int VEC = CT_VEC(DT);
+  constexpr int TN = CT_TN(DT);
+  constexpr int WORDS = VEC / 4;  // packed fp8 words per 16-byte input vector
+  __shared__ __align__(16) uint8_t tile_t[TN * CT_TM];
+  __shared__ uint32_t red[CT_THREADS / 32];
+
+  const int tid = threadIdx.x;
+  const int h = tid >> 4, l = tid & 15;
+  const int tile_m = blockIdx.x / tiles_n, tile_n = blockIdx.x - tile_m * tiles_n;
+  const int64_t row0 = (int64_t)tile_m * CT_TM, col0 = (int64_t)tile_n * TN;
+  const int64_t r = row0 + h * CT_RB, c = col0 + l * VEC;
+  const bool valid = r < rows && c < cols;
+  const float scale = __ldg(scale_p);
+
+  // all loads first: eight 16-byte loads in flight per thread. x is read
+  // once, so the loads are marked evict-first (ld.global.cs).
+  uint4 v[CT_RB];
+  if (valid) {
+    const uint4* src = (const uint4*)((const char*)x + (r * cols + c) * ESZ);
+    const int64_t stride = cols * ESZ / 16;  // one row in uint4
+#pragma unroll
+    for (int i = 0; i < CT_RB; ++i) v[i] = __ldcs(src + i * stride);
+  } else {
+#pragma unroll
+    for (int i = 0; i < CT_RB; ++i) v[i] = make_uint4(0, 0, 0, 0);  // |0| leaves amax alone
+  }
+
+  AbsMax<DT> am;
+  uint32_t p[CT_RB][WORDS];  // p[i][w]: row i, cols 4w..4w+3 (byte k = col 4w+k)
+#pragma unroll
+  for (int i = 0; i < CT_RB; ++i) cast_vec16<DT, FMT>(v[i], scale, am, p[i]);
+
+  if (valid) {
+    uint8_t* dst = out + r * cols + c;
+#pragma unroll
+    for (int i = 0; i < CT_RB; ++i) {
+      if constexpr (WORDS == 2) {
+        *(uint2*)(dst + i * cols) = make_uint2(p[i][0], p[i][1]);
+      } else {
+        *(uint32_t*)(dst + i * cols) = p[i][0];
+      }
+    }
+  }
+
+  // transpose the 8 x VEC byte block: column j = 4w + q gets lo (rows 0..3)
+  // and hi (rows 4..7), written as one u64 at tile_t row VEC*l + j, bytes
+  // 8h..8h+7 of the row before the swizzle.
+  const int swz = l & 7;  // == (tile_t row / VEC) & 7 for every j of this thread
+#pragma unroll
+  for (int w = 0; w < WORDS; ++w) {
+    uint32_t lo[4], hi[4];
+    transpose4x4(p[0][w], p[1][w], p[2][w], p[3][w], lo[0], lo[1], lo[2], lo[3]);
+    transpose4x4(p[4][w], p[5][w], p[6][w], p[7][w], hi[0], hi[1], hi[2], hi[3]);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int row_t = VEC * l + 4 * w + q;
+      const int off = row_t * CT_TM + (((h >> 1) ^ swz) << 4) + ((h & 1) << 3);
+      *(uint2*)(tile_t + off) = make_uint2(lo[q], hi[q]);
+    }
+  }
+
+  // amax: warp max now, the barrier below doubles as the reduction's
+  const int lane = tid & 31, warp = tid >> 5;
+  const uint32_t wmax = __reduce_max_sync(0xFFFFFFFFu, am.bits());
+  if (lane == 0) red[warp] = wmax;
+  __syncthreads();
+
+  // out_t: TN columns x 8 chunks of 16 rows; item = column * 8 + chunk.
+  constexpr int ITEMS = TN * (CT_TM / 16) / CT_THREADS;  // 4 (bf16/fp16) or 2 (fp32)
+#pragma unroll
+  for (int it = 0; it < ITEMS; ++it) {
+    const int item = it * CT_THREADS + tid;
+    const int cc = item >> 3, k = item & 7;
+    const int64_t gc = col0 + cc, gr = row0 + 16 * k;
+    if (gc < cols && gr < rows) {
+      const uint4 d = *(const uint4*)(tile_t + cc * CT_TM + ((k ^ ((cc / VEC) & 7)) << 4));
+      *(uint4*)(out_t + gc * rows + gr) = d;
+    }
+  }
+
+  if (tid == 0) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int w = 0; w < CT_THREADS / 32; ++w) m = max(m, red[w]);
+    if (m != 0) atomicMax((unsigned int*)amax, m);
+  }
+}
+
+// cast + transpose + amax, general path: any rows / cols, any alignment.
+// Block dims: (32, 8). Grid dims: (tiles_m * tiles_n), one 32 x 32 tile each.
+// Thread (tx, ty) converts the elements (row0 + ty + 8i, col0 + tx), i < 4,
+// with scalar loads (a warp reads 32 consecutive elements of one row), stores
+// the byte to `out` and to the shared tile; after the barrier it writes
+// out_t[col0 + ty + 8i][row0 + tx] (a warp writes 32 consecutive bytes).
+template <int DT, int FMT>
+__global__ void __launch_bounds__(256)
+    cast_transpose_general_kernel(const void* __restrict__ x, const float* __restrict__ scale_p,
+                                  uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
+                                  float* __restrict__ amax, int64_t rows, int64_t cols,
+                                  int tiles_n) {
+  __shared__ uint8_t tile[32][33];  // +1: column reads spread over banks
+  __shared__ uint32_t red[8];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int tile_m = blockIdx.x / tiles_n, tile_n = blockIdx.x - tile_m * tiles_n;
+  const int64_t row0 = (int64_t)tile_m * 32, col0 = (int64_t)tile_n * 32;
+  const float scale = __ldg(scale_p);
+  AbsMax<DT> am;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t rr = row0 + ty + 8 * i, cc = col0 + tx;
+    if (rr < rows && cc < cols) {
+      const float v = load_elem<DT>(x, rr * cols + cc);
+      am.add_f32(v);
+      const uint8_t q = (uint8_t)cast_elem<FMT>(v, scale);
+      out[rr * cols + cc] = q;
+      tile[ty + 8 * i][tx] = q;
+    }
+  }
+  const uint32_t wmax = __reduce_max_sync(0xFFFFFFFFu, am.bits());
+  if (tx == 0) red[ty] = wmax;
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t cc = col0 + ty + 8 * i, rr = row0 + tx;
+    if (cc < cols && rr < rows) out_t[cc * rows + rr] = tile[tx][ty + 8 * i];
+  }
+  if (tx == 0 && ty == 0) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) m = max(m, red[w]);
+    if (m != 0) atomicMax((unsigned int*)amax, m);
+  }
+}
+
+#define EW_THREADS 256
+#define EW_UNROLL 4  // 16-byte loads in flight per thread per iteration
+
+// cast + amax without transpose (and, with out == NULL, amax alone), flat
+// over n contiguous elements.
+// Block dims: (256). Grid dims: (min(blocks needed, SMs * 8)), grid-stride.
+// Elements [head, head + 16/ESZ * nvec) are 16-byte aligned in x (and
+// 16/ESZ-byte aligned in out): each thread loads 4 independent 16-byte
+// vectors per iteration (vector j of the iteration at base + j * 256, so a
+// warp reads 512 contiguous bytes per load) and stores their packed fp8
+// bytes. The head before and the tail after the vectors (fewer than 16/ESZ
+// elements each, or everything when x and out cannot both be aligned) go
+// element by element, grid-stride.
+template <int DT, int FMT, bool WRITE>
+__global__ void __launch_bounds__(EW_THREADS)
+    cast_kernel(const void* __restrict__ x, const float* __restrict__ scale_p,
+                uint8_t* __restrict__ out, float* __restrict__ amax, int64_t n, int64_t head,
+                int64_t nvec) {
+  constexpr int ESZ = DT == FP8OPS_F32 ? 4 : 2;
+  constexpr int VEC = 16 / ESZ;
+  constexpr int WORDS = VEC / 4;
+  __shared__ uint32_t red[EW_THREADS / 32];
+  const float scale = WRITE ? __ldg(scale_p) : 1.0f;
+  AbsMax<DT> am;
+  const int64_t nthreads = (int64_t)gridDim.x * EW_THREADS;
+  const int64_t gtid = (int64_t)blockIdx.x * EW_THREADS + threadIdx.x;
+
+  // scalar head and tail
+  const int64_t tail0 = head + nvec * VEC;
+  const int64_t nscalar = head + (n - tail0);
+  for (int64_t s = gtid; s < nscalar; s += nthreads) {
+    const int64_t i = s < head ? s : tail0 + (s - head);
+    const float v = load_elem<DT>(x, i);
+    am.add_f32(v);
+    if constexpr (WRITE) out[i] = (uint8_t)cast_elem<FMT>(v, scale);
+  }
+
+  // vector body
+  const uint4* src = (const uint4*)((const char*)x + head * ESZ);
+  for (int64_t base = (int64_t)blockIdx.x * EW_THREADS * EW_UNROLL + threadIdx.x; base < nvec;
+       base += nthreads * EW_UNROLL) {
+    uint4 v[EW_UNROLL];
+#pragma unroll
+    for (int j = 0; j < EW_UNROLL; ++j) {
+      const int64_t idx = base + j * EW_THREADS;
+      v[j] = idx < nvec ? __ldcs(src + idx) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < EW_UNROLL; ++j) {
+      const int64_t idx = base + j * EW_THREADS;
+      if constexpr (WRITE) {
+        uint32_t p[WORDS];
+        cast_vec16<DT, FMT>(v[j], scale, am, p);
+        uint8_t* dst = out + head + idx * VEC;
+        if (idx < nvec) {
+          if constexpr (WORDS == 2) {
+            *(uint2*)dst = make_uint2(p[0], p[1]);
+          } else {
+            *(uint32_t*)dst = p[0];
+          }
+        }
+      } else {
+        am.add_word(v[j].x);
+        am.add_word(v[j].y);
+        am.add_word(v[j].z);
+        am.add_word(v[j].w);
+      }
+    }
+  }
+  block_amax_atomic(am.bits(), red, amax);
+}
+
+// ----------------------------------------------------------------------------
+// kernel launchers
+
+static int num_sms(int* sms) {
+  int dev = 0;
+  FP8OPS_CHECK_CUDA(cudaGetDevice(&dev));
+  FP8OPS_CHECK_CUDA(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev));
+  return FP8OPS_OK;
+}
+
+static inline bool aligned(const void* p, uintptr_t a) { return ((uintptr_t)p & (a - 1)) == 0; }
+
+static inline int dtype_size(fp8ops_hp_dtype dt) { return dt == FP8OPS_F32 ? 4 : 2; }
+
+// Flat elementwise launch (cast without transpose, or amax alone when
+// out == NULL). Splits [0, n) into a scalar head, 16-byte vectors and a
+// scalar tail; when x and out cannot be aligned at the same element,
+// everything is scalar.
+template <int DT, int FMT>
+static int launch_elementwise(const void* x, const float* scale, uint8_t* out, float* amax,
+                              int64_t n, cudaStream_t stream) {
+  constexpr int ESZ = DT == FP8OPS_F32 ? 4 : 2;
+  constexpr int VEC = 16 / ESZ;
+  int64_t head = n, nvec = 0;
+  const uintptr_t xa = (uintptr_t)x;
+  if (xa % ESZ == 0) {
+    // elements until x is 16-byte aligned
+    const int64_t h = (int64_t)(((16 - xa % 16) % 16) / ESZ);
+    const bool out_ok = out == NULL || aligned(out + h, VEC);
+    if (out_ok && h < n) {
+      head = h;
+      nvec = (n - h) / VEC;
+    }
+  }
+  int sms = 0;
+  FP8OPS_TRY(num_sms(&sms));
+  const int64_t work = nvec > 0 ? FP8OPS_CEIL_DIV(nvec, (int64_t)EW_THREADS * EW_UNROLL)
+                                : FP8OPS_CEIL_DIV(n, (int64_t)EW_THREADS);
+  const int64_t cap = (int64_t)sms * 8;
+  const unsigned grid = (unsigned)(work < cap ? (work > 0 ? work : 1) : cap);
+  if (out != NULL) {
+    cast_kernel<DT, FMT, true><<<grid, EW_THREADS, 0, stream>>>(x, scale, out, amax, n, head, nvec);
+  } else {
+    cast_kernel<DT, FP8OPS_E4M3, false><<<grid, EW_THREADS, 0, stream>>>(x, scale, out, amax, n, head,
+                                                                nvec);
+  }
+  FP8OPS_CHECK_CUDA(cudaGetLastError());
+  return FP8OPS_OK;
+}
+
+template <int DT, int FMT>
+static int launch_cast(const void* x, int64_t rows, int64_t cols, const float* scale,
+                       uint8_t* out, uint8_t* out_t, float* amax, cudaStream_t stream) {
+  if (out_t == NULL) return launch_elementwise<DT, FMT>(x, scale, out, amax, rows * cols, stream);
+  const bool fast = rows % 16 == 0 && cols % 16 == 0 && aligned(x, 16) && aligned(out, 16) &&
+                    aligned(out_t, 16);
+  if (fast) {
+    const int64_t tiles_m = FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM);
+    const int64_t tiles_n = FP8OPS_CEIL_DIV(cols, (int64_t)CT_TN(DT));
+    FP8OPS_REQUIRE(tiles_m * tiles_n <= INT32_MAX, "cast: tensor too large ([%lld, %lld])",
+                   (long long)rows, (long long)cols);
+    cast_transpose_kernel<DT, FMT><<<(unsigned)(tiles_m * tiles_n), CT_THREADS, 0, stream>>>(
+        x, scale, out, out_t, amax, rows, cols, (int)tiles_n);
+  } else {
+    const int64_t tiles_m = FP8OPS_CEIL_DIV(rows, (int64_t)32);
+    const int64_t tiles_n = FP8OPS_CEIL_DIV(cols, (int64_t)32);
+    FP8OPS_REQUIRE(tiles_m * tiles_n <= INT32_MAX, "cast: tensor too large ([%lld, %lld])",
+                   (long long)rows, (long long)cols);
+    cast_transpose_general_kernel<DT, FMT><<<(unsigned)(tiles_m * tiles_n), dim3(32, 8), 0,
+                                             stream>>>(x, scale, out, out_t, amax, rows, cols,
+                                                       (int)tiles_n);
+  }
+  FP8OPS_CHECK_CUDA(cudaGetLastError());
+  return FP8OPS_OK;
+}
+
+template <int DT>
+static int launch_cast_fmt(const void* x, int64_t rows, int64_t cols, const float* scale,
+                           fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t, float* amax,
+                           cudaStream_t stream) {
+  return fmt == FP8OPS_E4M3
+             ? launch_cast<DT, FP8OPS_E4M3>(x, rows, cols, scale, out, out_t, amax, stream)
+             : launch_cast<DT, FP8OPS_E5M2>(x, rows, cols, scale, out, out_t, amax, stream);
+}
+
+extern "C" int fp8ops_cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                int64_t cols, const float* scale, fp8ops_fp8_format fmt,
+                                uint8_t* out, uint8_t* out_t, float* amax, void* stream) {
+  FP8OPS_REQUIRE(rows >= 0 && cols >= 0, "cast: negative shape [%lld, %lld]", (long long)rows,
+                 (long long)cols);
+  FP8OPS_REQUIRE(cols == 0 || rows <= INT64_MAX / cols, "cast: rows * cols overflows ([%lld, %lld])",
+                 (long long)rows, (long long)cols);
+  FP8OPS_REQUIRE(x_dtype == FP8OPS_F32 || x_dtype == FP8OPS_BF16 || x_dtype == FP8OPS_F16,
+                 "cast: unknown input dtype code %d", (int)x_dtype);
+  FP8OPS_REQUIRE(fmt == FP8OPS_E4M3 || fmt == FP8OPS_E5M2, "cast: unknown fp8 format %d", (int)fmt);
+  FP8OPS_REQUIRE(scale && amax && (rows * cols == 0 || (x && out)), "cast: null pointer");
+  FP8OPS_REQUIRE(aligned(x, dtype_size(x_dtype)),
+                 "cast: input pointer %p is not aligned to its dtype (%d bytes)", x,
+                 dtype_size(x_dtype));
+  cudaStream_t s = (cudaStream_t)stream;
+  // amax accumulates with atomicMax on its bits: start from +0
+  FP8OPS_CHECK_CUDA(cudaMemsetAsync(amax, 0, sizeof(float), s));
+  if (rows * cols == 0) return FP8OPS_OK;
+  switch (x_dtype) {
+    case FP8OPS_F32: return launch_cast_fmt<FP8OPS_F32>(x, rows, cols, scale, fmt, out, out_t, amax, s);
+    case FP8OPS_BF16: return launch_cast_fmt<FP8OPS_BF16>(x, rows, cols, scale, fmt, out, out_t, amax, s);
+    default: return launch_cast_fmt<FP8OPS_F16>(x, rows, cols, scale, fmt, out, out_t, amax, s);
+  }
+}
+
+extern "C" int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax,
+                                void* stream) {
+  FP8OPS_REQUIRE(n >= 0, "amax: negative size %lld", (long long)n);
+  FP8OPS_REQUIRE(amax && (n == 0 || x), "amax: null pointer");
+  FP8OPS_REQUIRE(x_dtype == FP8OPS_F32 || x_dtype == FP8OPS_BF16 || x_dtype == FP8OPS_F16,
+                 "amax: unknown input dtype code %d", (int)x_dtype);
+  FP8OPS_REQUIRE(aligned(x, dtype_size(x_dtype)),
+                 "amax: input pointer %p is not aligned to its dtype (%d bytes)", x,
+                 dtype_size(x_dtype));
+  cudaStream_t s = (cudaStream_t)stream;
+  FP8OPS_CHECK_CUDA(cudaMemsetAsync(amax, 0, sizeof(float), s));
+  if (n == 0) return FP8OPS_OK;
+  // the format and scale are unused without an output; E4M3 picks one instance
+  switch (x_dtype) {
+    case FP8OPS_F32: return launch_elementwise<FP8OPS_F32, FP8OPS_E4M3>(x, NULL, NULL, amax, n, s);
+    case FP8OPS_BF16: return launch_elementwise<FP8OPS_BF16, FP8OPS_E4M3>(x, NULL, NULL, amax, n, s);
+    default: return launch_elementwise<FP8OPS_F16, FP8OPS_E4M3>(x, NULL, NULL, amax, n, s);
+  }
+}

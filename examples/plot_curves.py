@@ -1,0 +1,100 @@
+"""Compare training runs: loss against step from two or more metrics.json files.
+
+Shows whether FP8 training tracks BF16: it prints each run's final train and validation loss with
+the relative difference from the first run, and draws the curves to a PNG (if matplotlib is
+installed; the numbers are printed either way).
+
+    python examples/train_fp8.py --out_dir runs/bf16
+    python examples/train_fp8.py --out_dir runs/fp8 --use_fp8
+    python examples/plot_curves.py runs/bf16/metrics.json runs/fp8/metrics.json -o curves.png
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def smooth(values, window):
+    """Trailing moving average: per-step loss is noisy, the trend is what compares."""
+    if window <= 1:
+        return list(values)
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def label_of(path, metrics):
+    return f"{Path(path).parent.name or path} ({metrics.get('backend', '?')})"
+
+
+def rel(a, b):
+    return f"{100 * (b - a) / a:+.2f}%" if a else "-"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("metrics", nargs="+", help="metrics.json files written by train_fp8.py; "
+                                              "the first is the baseline")
+    p.add_argument("-o", "--out", default="loss_curves.png", help="PNG to write")
+    p.add_argument("--smooth", type=int, default=20,
+                   help="moving-average window over training steps (1 = raw)")
+    args = p.parse_args(argv)
+    if len(args.metrics) < 2:
+        p.error("give at least two metrics.json files to compare")
+
+    runs = []
+    for path in args.metrics:
+        with open(path) as f:
+            runs.append((path, json.load(f)))
+
+    # --- numbers -----------------------------------------------------------------------------------
+    base = runs[0][1]
+    width = max(len(label_of(path, m)) for path, m in runs)
+    print(f"{'run':<{width}}  {'steps':>6}  {'train':>8}  {'vs first':>9}  {'val':>8}  "
+          f"{'vs first':>9}  {'tokens/s':>10}  {'vs first':>9}")
+    for path, m in runs:
+        tr, va, tps = m.get("final_train_loss"), m.get("final_val_loss"), m.get("mean_tokens_per_s")
+        btr, bva = base.get("final_train_loss"), base.get("final_val_loss")
+        btps = base.get("mean_tokens_per_s")
+        print(f"{label_of(path, m):<{width}}  {m.get('last_step', 0):>6}  "
+              f"{tr if tr is None else format(tr, '.4f'):>8}  "
+              f"{rel(btr, tr) if None not in (btr, tr) else '-':>9}  "
+              f"{va if va is None else format(va, '.4f'):>8}  "
+              f"{rel(bva, va) if None not in (bva, va) else '-':>9}  "
+              f"{'-' if tps is None else format(tps, ',.0f'):>10}  "
+              f"{rel(btps, tps) if None not in (btps, tps) else '-':>9}")
+    print("train = mean of the last 10 steps; val = last evaluation")
+
+    # --- plot --------------------------------------------------------------------------------------
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only; no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib): no plot written")
+        return 0
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for path, m in runs:
+        name = label_of(path, m)
+        line, = ax.plot(m["steps"], smooth(m["train_loss"], args.smooth), lw=1,
+                        label=f"{name} train")
+        if m.get("val_steps"):
+            ax.plot(m["val_steps"], m["val_loss"], "o--", ms=3, color=line.get_color(),
+                    label=f"{name} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"loss (train: {args.smooth}-step moving average)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

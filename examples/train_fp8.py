@@ -1,0 +1,581 @@
+"""Train a GPT-2 with FP8 linear layers: the fp8ops workflow from start to finish.
+
+It shows the three lines a training script adds (`add_fp8_args`, `prepare_model`, and saving
+`fp8ops.scaling_state_dict` next to the model), together with everything a real run needs: a
+byte-level GPT-2 on a corpus that needs no download, checkpoints (latest, periodic, best) with
+`--resume`, TensorBoard, a progress bar, periodic evaluation, Ctrl-C that saves, and a
+metrics.json for comparing FP8 with BF16.
+
+    python examples/train_fp8.py --use_fp8                          # GPU: GPT-2 124M in FP8
+    python examples/train_fp8.py --out_dir runs/bf16                # the same run in BF16
+    python examples/plot_curves.py runs/train_fp8/metrics.json runs/bf16/metrics.json
+    python examples/train_fp8.py --model tiny --steps 50            # CPU smoke test
+    python examples/train_fp8.py --resume auto --use_fp8            # continue; BF16 ckpt -> FP8 is fine
+
+Without a GPU that can run FP8 (sm_89+), or without the fp8ops extension, it still trains: in BF16
+on the GPU, in FP32 on the CPU, and says once why FP8 is off. `tensorboard --logdir <out_dir>/tb`
+shows loss, lr, tokens/s and each FP8 layer's amax and scale.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    import fp8ops
+except ImportError:  # run from a source checkout that was not pip-installed
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import fp8ops
+from fp8ops.training import add_fp8_args, portable_state_dict, prepare_model
+
+from gpt2 import GPT, LM_HEAD_FILTER, PRESETS, GPTConfig
+
+try:
+    from tqdm import tqdm
+except ImportError:
+    tqdm = None
+
+CORPUS_MAX_BYTES = 8 << 20
+
+
+# ------------------------------------------------------------------------------------------------
+# arguments
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Train a byte-level GPT-2 with FP8 linear layers (fp8ops, torchao or TE).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", choices=list(PRESETS), default=None,
+                   help="size preset: tiny (d128 L2, CPU smoke tests), small (GPT-2 124M), "
+                        "1b (d2048 L16). Default: small on CUDA, tiny on CPU")
+    m.add_argument("--n_layer", type=int, help="override the preset's number of blocks")
+    m.add_argument("--n_head", type=int, help="override the preset's attention heads")
+    m.add_argument("--n_embd", type=int, help="override the preset's width")
+    m.add_argument("--block_size", type=int, help="override the preset's context length")
+    m.add_argument("--dropout", type=float, default=0.0)
+
+    d = p.add_argument_group("data")
+    d.add_argument("--data", metavar="FILE",
+                   help="plain-text file to train on (bytes are tokens, vocab 256). Default: the "
+                        "source of this Python's standard library (its top-level *.py files in "
+                        "sorted order, about 5 MB), already on every machine: no download")
+    d.add_argument("--batch_size", type=int, default=16, help="sequences per micro-batch")
+    d.add_argument("--grad_accum", type=int, default=1, help="micro-batches per optimizer step")
+
+    o = p.add_argument_group("optimization")
+    o.add_argument("--steps", type=int, default=2000, help="optimizer steps in total")
+    o.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW)")
+    o.add_argument("--min_lr", type=float, default=None, help="final lr of the cosine (default lr/10)")
+    o.add_argument("--warmup_steps", type=int, default=None,
+                   help="linear warm-up steps (default: min(100, steps/10))")
+    o.add_argument("--weight_decay", type=float, default=0.1)
+    o.add_argument("--grad_clip", type=float, default=1.0, help="max grad norm; 0 disables")
+    o.add_argument("--seed", type=int, default=1337)
+
+    r = p.add_argument_group("run")
+    r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    r.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="autocast dtype around the model; auto: bf16 on CUDA, fp32 on CPU")
+    r.add_argument("--compile", action="store_true", help="torch.compile the model")
+    r.add_argument("--out_dir", default="runs/train_fp8",
+                   help="checkpoints, TensorBoard logs and metrics.json go here")
+    r.add_argument("--resume", metavar="PATH|auto",
+                   help="continue from a checkpoint; auto = <out_dir>/ckpt_latest.pt if present")
+    r.add_argument("--eval_every", type=int, default=200, help="evaluate every N steps")
+    r.add_argument("--eval_iters", type=int, default=20, help="validation batches per evaluation")
+    r.add_argument("--save_every", type=int, default=1000,
+                   help="write ckpt_step{N}.pt (and ckpt_latest.pt) every N steps")
+    r.add_argument("--log_every", type=int, default=10,
+                   help="log loss, lr, tokens/s and FP8 amax/scale every N steps")
+    r.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="write TensorBoard logs to <out_dir>/tb")
+    r.add_argument("--max_time_min", type=float, default=None,
+                   help="stop (and save) after this many minutes of wall time")
+    add_fp8_args(p)
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_iters",
+                 "save_every", "log_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# data: bytes are tokens
+
+def default_corpus():
+    """(bytes, description) of the built-in corpus: this Python's standard-library source.
+
+    Sorted top-level *.py files of the stdlib, so the corpus is the same on every run of the same
+    Python. Should a distribution strip the .py files, torch's own Python source (installed with
+    the torch this runs on) stands in.
+    """
+    for root, pattern in ((Path(sysconfig.get_paths()["stdlib"]), "*.py"),
+                          (Path(torch.__file__).parent, "**/*.py")):
+        chunks, total = [], 0
+        for f in sorted(root.glob(pattern)):
+            data = f.read_bytes()
+            chunks.append(data)
+            total += len(data)
+            if total >= CORPUS_MAX_BYTES:
+                break
+        if total >= 1 << 20:
+            what = ("Python %s standard library" % sysconfig.get_python_version()
+                    if pattern == "*.py" else "torch %s Python source" % torch.__version__)
+            return b"\n".join(chunks), f"{what} ({len(chunks)} files, {root})"
+    raise SystemExit("no default corpus found (no .py files in the stdlib or torch): use --data FILE")
+
+
+def load_data(args, device, block_size):
+    """Train and validation token tensors (uint8, on `device`) and a description of the corpus."""
+    if args.data:
+        raw = Path(args.data).read_bytes()
+        desc = args.data
+    else:
+        raw, desc = default_corpus()
+    tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    n_train = int(0.9 * len(tokens))
+    train, val = tokens[:n_train], tokens[n_train:]
+    if len(val) <= block_size + 1:
+        raise SystemExit(f"corpus too small: {len(tokens)} bytes leaves {len(val)} for validation; "
+                         f"need more than block_size + 1 = {block_size + 1}")
+    # The whole corpus lives on the device: a batch is then one gather, with no host transfer.
+    return train.to(device), val.to(device), f"{desc}: {len(tokens) / 1e6:.1f} MB, 90/10 split"
+
+
+def get_batch(data, batch_size, block_size, generator):
+    ix = torch.randint(len(data) - block_size - 1, (batch_size, 1), generator=generator,
+                       device=data.device)
+    chunk = data[ix + torch.arange(block_size + 1, device=data.device)].long()
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoints
+
+def save_atomic(obj, path, json_text=False):
+    """Write to a temporary file, then rename: an interrupted save never corrupts the old file."""
+    tmp = path.with_name(path.name + ".tmp")
+    if json_text:
+        tmp.write_text(json.dumps(obj, indent=1))
+    else:
+        torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def find_resume(args):
+    if not args.resume:
+        return None
+    if args.resume == "auto":
+        path = Path(args.out_dir) / "ckpt_latest.pt"
+        if not path.exists():
+            print(f"resume: no {path} yet, starting a new run")
+            return None
+        return path
+    path = Path(args.resume)
+    if not path.exists():
+        raise SystemExit(f"--resume {path}: no such file")
+    return path
+
+
+def lr_at(step, args):
+    """Linear warm-up, then cosine decay to min_lr at the last step."""
+    warmup = args.warmup_steps if args.warmup_steps is not None else min(100, args.steps // 10)
+    min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, args.steps - warmup))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - min_lr)
+
+
+def make_optimizer(model, args, device):
+    # Decay matrices, not biases or LayerNorm gains (GPT-2/nanoGPT practice).
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95),
+                             fused=device.type == "cuda")
+
+
+# ------------------------------------------------------------------------------------------------
+# Ctrl-C: the first one stops at the end of the current step and saves; a second one aborts.
+
+class StopOnInterrupt:
+    def __init__(self, log):
+        self.requested = False
+        self.log = log
+        self.previous = signal.signal(signal.SIGINT, self._handler)
+
+    def _handler(self, signum, frame):
+        self.requested = True
+        self.log("Ctrl-C: saving a checkpoint after this step (Ctrl-C again to abort without saving)")
+        signal.signal(signal.SIGINT, self.previous)
+
+    def restore(self):
+        signal.signal(signal.SIGINT, self.previous)
+
+
+# ------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args(argv)
+    t_start = time.time()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    # --- device and precision ---------------------------------------------------------------------
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("device: --device cuda, but no CUDA GPU is visible: falling back to the CPU")
+        device = torch.device("cpu")
+    elif args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    if dtype == "bf16":
+        def amp():
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+    else:
+        amp = contextlib.nullcontext
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+        where = f"cuda ({torch.cuda.get_device_name(device)})"
+    else:
+        where = "cpu" + (" (no CUDA GPU found)" if args.device == "auto" else "")
+    print(f"device: {where}, {dtype} autocast" if dtype == "bf16" else f"device: {where}, fp32")
+
+    # --- model: build, load the checkpoint (plain model), then convert to FP8 ----------------------
+    resume_path = find_resume(args)
+    ckpt = None
+    if resume_path is not None:
+        # Our own checkpoint holds only tensors, numbers and strings: weights_only loading works.
+        ckpt = torch.load(resume_path, map_location="cpu", weights_only=True)
+        cfg = GPTConfig(**ckpt["model_config"])
+        print(f"resume: {resume_path} (step {ckpt['step']}, trained with "
+              f"{ckpt.get('fp8_backend', 'bf16')}); model shape from the checkpoint")
+    else:
+        preset = args.model or ("small" if device.type == "cuda" else "tiny")
+        cfg = GPTConfig.preset(preset, n_layer=args.n_layer, n_head=args.n_head,
+                               n_embd=args.n_embd, block_size=args.block_size,
+                               dropout=args.dropout)
+    # The same seed gives FP8 and BF16 runs identical initial weights, so their curves compare.
+    torch.manual_seed(args.seed)
+    model = GPT(cfg)
+    if ckpt is not None:
+        # Before conversion: checkpoints always hold the plain model's state_dict, which is what
+        # lets a BF16 checkpoint continue in FP8 and the other way round.
+        model.load_state_dict(ckpt["model"])
+    model.to(device)
+    print(f"model: GPT-2 {cfg.n_layer} layers, {cfg.n_head} heads, d{cfg.n_embd}, context "
+          f"{cfg.block_size}, {model.num_params() / 1e6:.1f}M parameters")
+
+    model, fp8_info = prepare_model(model, args, logger=print, module_filter_fn=LM_HEAD_FILTER,
+                                    precision=dtype.upper())
+    optimizer = make_optimizer(model, args, device)
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    load_scaling_state(model, ckpt, fp8_info)
+    train_model = torch.compile(model) if args.compile else model
+
+    # --- data ---------------------------------------------------------------------------------------
+    train_data, val_data, data_desc = load_data(args, device, cfg.block_size)
+    print(f"data: {data_desc}")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(args.seed)
+    start_step, best_val = 0, float("inf")
+    metrics = {"steps": [], "train_loss": [], "val_steps": [], "val_loss": [],
+               "tokens_per_s_steps": [], "tokens_per_s": []}
+    if ckpt is not None:
+        start_step, best_val = ckpt["step"], ckpt["best_val_loss"]
+        metrics.update(ckpt.get("metrics") or {})
+        restore_rng(ckpt, gen, device, args.seed + start_step)
+    del ckpt  # the optimizer copied its state; free the checkpoint's copy
+
+    # --- logging ----------------------------------------------------------------------------------
+    writer = make_writer(args, out_dir, start_step)
+    tokens_per_step = args.batch_size * args.grad_accum * cfg.block_size
+    interactive = sys.stderr.isatty()
+    bar = None
+    if tqdm is not None and start_step < args.steps:
+        bar = tqdm(total=args.steps, initial=start_step, unit="step", dynamic_ncols=True,
+                   mininterval=1 if interactive else 30)
+
+    def log(msg):
+        (bar.write if bar is not None else print)(msg)
+
+    def flush_losses():
+        """Move the per-step loss tensors into metrics (one device sync for all of them)."""
+        if pending:
+            metrics["steps"] += [s for s, _ in pending]
+            metrics["train_loss"] += torch.stack([l for _, l in pending]).tolist()
+            pending.clear()
+
+    def checkpoint(step, name):
+        flush_losses()
+        sd = getattr(fp8ops, "scaling_state_dict", None)
+        save_atomic({
+            "model": portable_state_dict(model),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "best_val_loss": best_val,
+            "args": vars(args),
+            "model_config": dataclasses.asdict(cfg),
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+                    "data": gen.get_state()},
+            "fp8_backend": fp8_info["backend"],
+            # Scaling state (amax histories, scales) is kept out of model.state_dict() on purpose:
+            # the model keys stay the BF16 model's. It rides along under its own key.
+            "fp8_scaling": (sd(model) or None) if sd and fp8_info["backend"] == "fp8ops" else None,
+            "metrics": metrics,
+        }, out_dir / name)
+
+    def write_metrics(step):
+        flush_losses()
+        # This run's windows after the first (which holds warm-up and any compilation).
+        steady = run_tok_s[1:] or run_tok_s
+        summary = dict(metrics, label=fp8_info["summary"], backend=fp8_info["backend"],
+                       device=where, dtype=dtype, model_config=dataclasses.asdict(cfg),
+                       tokens_per_step=tokens_per_step, last_step=step,
+                       mean_tokens_per_s=sum(steady) / len(steady) if steady else None,
+                       final_val_loss=metrics["val_loss"][-1] if metrics["val_loss"] else None,
+                       final_train_loss=final_train_loss(metrics))
+        save_atomic(summary, out_dir / "metrics.json", json_text=True)
+        return summary
+
+    @torch.no_grad()
+    def evaluate():
+        # The same validation batches at every evaluation and in every run: curves compare.
+        g = torch.Generator(device=device)
+        g.manual_seed(args.seed + 1)
+        model.eval()
+        total = torch.zeros((), device=device)
+        for _ in range(args.eval_iters):
+            x, y = get_batch(val_data, args.batch_size, cfg.block_size, g)
+            with amp(), fp8_info["autocast"]():
+                total += train_model(x, y)[1]
+        model.train()
+        return (total / args.eval_iters).item()
+
+    # --- train --------------------------------------------------------------------------------------
+    if start_step >= args.steps:
+        print(f"the checkpoint is at step {start_step}, already >= --steps {args.steps}: "
+              "nothing to train (raise --steps to continue)")
+    else:
+        print(f"training steps {start_step}..{args.steps}: {tokens_per_step:,} tokens per step; "
+              f"writing to {out_dir}")
+    stopper = StopOnInterrupt(log)
+    step, stop_reason = start_step, None
+    pending = []                     # (step, loss tensor): read back at log steps, not every step
+    run_tok_s = []                   # tokens/s of this run's log windows
+    window_t0, window_steps = time.perf_counter(), 0
+    last_saved = None
+    model.train()
+    try:
+        while step < args.steps:
+            if stopper.requested:
+                stop_reason = "interrupted (Ctrl-C)"
+                break
+            if args.max_time_min is not None and time.time() - t_start > 60 * args.max_time_min:
+                stop_reason = f"--max_time_min {args.max_time_min} reached"
+                break
+            lr = lr_at(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=device)
+            for _ in range(args.grad_accum):
+                x, y = get_batch(train_data, args.batch_size, cfg.block_size, gen)
+                with amp(), fp8_info["autocast"]():
+                    _, loss = train_model(x, y)
+                (loss / args.grad_accum).backward()
+                loss_sum += loss.detach()
+            grad_norm = None
+            if args.grad_clip > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            window_steps += 1
+            pending.append((step, loss_sum / args.grad_accum))
+            if bar is not None:
+                bar.update(1)
+
+            if step % args.log_every == 0 or step == args.steps:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                tok_s = window_steps * tokens_per_step / (time.perf_counter() - window_t0)
+                flush_losses()
+                loss_now = metrics["train_loss"][-1]
+                metrics["tokens_per_s_steps"].append(step)
+                metrics["tokens_per_s"].append(tok_s)
+                run_tok_s.append(tok_s)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss_now:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+                if writer is not None:
+                    writer.add_scalar("train/loss", loss_now, step)
+                    writer.add_scalar("lr", lr, step)
+                    writer.add_scalar("tokens_per_s", tok_s, step)
+                    if grad_norm is not None:
+                        writer.add_scalar("train/grad_norm", float(grad_norm), step)
+                    log_fp8_state(writer, model, fp8_info, step)
+                window_t0, window_steps = time.perf_counter(), 0
+
+            # Evaluation and checkpoints are kept out of the tokens/s windows.
+            paused = time.perf_counter()
+            if step % args.eval_every == 0 or step == args.steps:
+                val = evaluate()
+                flush_losses()
+                metrics["val_steps"].append(step)
+                metrics["val_loss"].append(val)
+                if writer is not None:
+                    writer.add_scalar("val/loss", val, step)
+                    writer.flush()
+                best = val < best_val
+                if best:
+                    best_val = val
+                    checkpoint(step, "ckpt_best.pt")
+                log(f"step {step}: train loss {final_train_loss(metrics):.4f}, "
+                    f"val loss {val:.4f}{' (best)' if best else ''}, lr {lr:.2e}")
+                write_metrics(step)
+            if step % args.save_every == 0:
+                checkpoint(step, f"ckpt_step{step}.pt")
+                checkpoint(step, "ckpt_latest.pt")
+                last_saved = step
+            window_t0 += time.perf_counter() - paused
+    except KeyboardInterrupt:
+        # The second Ctrl-C: the step may be half applied, so nothing is saved.
+        if bar is not None:
+            bar.close()
+        print(f"\naborted during step {step + 1}; last checkpoint: "
+              f"{'step %d' % last_saved if last_saved else 'none from this run'}")
+        return 130
+    finally:
+        stopper.restore()
+    if bar is not None:
+        bar.close()
+
+    # --- wrap up --------------------------------------------------------------------------------------
+    if last_saved != step:
+        checkpoint(step, "ckpt_latest.pt")
+    summary = write_metrics(step)
+    if writer is not None:
+        writer.close()
+
+    minutes = (time.time() - t_start) / 60
+    if stop_reason:
+        print(f"stopped at step {step} of {args.steps}: {stop_reason}")
+    print(f"\nsummary ({minutes:.1f} min)")
+    ftl, fvl = summary["final_train_loss"], summary["final_val_loss"]
+    print(f"  steps           {start_step} -> {step}")
+    print(f"  train loss      {ftl:.4f} (mean of the last 10 steps)" if ftl is not None
+          else "  train loss      -")
+    print(f"  val loss        {fvl:.4f} (best {best_val:.4f})" if fvl is not None
+          else "  val loss        -")
+    if summary["mean_tokens_per_s"]:
+        print(f"  tokens/s        {summary['mean_tokens_per_s']:,.0f} "
+              "(without warm-up, evaluation and checkpoint time)")
+    print(f"  FP8             {fp8_info['summary']}")
+    saved = sorted(p.name for p in out_dir.glob("ckpt_*.pt"))
+    print(f"  checkpoints     {out_dir}/ {', '.join(saved)}")
+    print(f"  continue with   --resume auto --out_dir {out_dir}")
+    if writer is not None:
+        print(f"  TensorBoard     tensorboard --logdir {out_dir / 'tb'}")
+    print(f"  metrics         {out_dir / 'metrics.json'} (compare runs: examples/plot_curves.py)")
+    report = getattr(fp8ops, "report", None)
+    if report is not None:
+        print()
+        report(model)
+    return 130 if stop_reason == "interrupted (Ctrl-C)" else 0
+
+
+def final_train_loss(metrics):
+    """Mean of the last 10 recorded train losses."""
+    recent = metrics["train_loss"][-10:]
+    return sum(recent) / len(recent) if recent else None
+
+
+def load_scaling_state(model, ckpt, fp8_info):
+    """Restore amax histories and scales when both the checkpoint and this run use fp8ops FP8."""
+    if ckpt is None:
+        return
+    saved = ckpt.get("fp8_scaling")
+    running_fp8ops = fp8_info["backend"] == "fp8ops"
+    if not saved:
+        if running_fp8ops:
+            print("resume: the checkpoint has no FP8 scaling state (a BF16 run?): "
+                  "scales start fresh from the first steps' amax")
+        return
+    if not running_fp8ops:
+        print(f"resume: the checkpoint's FP8 scaling state is not used ({fp8_info['summary']})")
+        return
+    load = getattr(fp8ops, "load_scaling_state_dict", None)
+    if load is None:
+        print("resume: this fp8ops cannot load FP8 scaling state; scales start fresh")
+        return
+    try:
+        skipped = load(model, saved) or []
+    except (KeyError, ValueError, RuntimeError) as e:
+        print(f"resume: the checkpoint's FP8 scaling state does not fit this run ({e}); "
+              "scales start fresh")
+        return
+    if skipped:
+        # e.g. a different --fp8_amax_history_len, or layers that ran BF16 in the saved run
+        print(f"resume: FP8 scaling state restored except for {len(skipped)} layers, which start "
+              f"fresh: {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}")
+    else:
+        print("resume: FP8 scaling state restored (amax histories and scales)")
+
+
+def restore_rng(ckpt, gen, device, fallback_seed):
+    rng = ckpt.get("rng") or {}
+    try:
+        torch.set_rng_state(rng["torch"])
+        if device.type == "cuda" and rng.get("cuda") is not None:
+            torch.cuda.set_rng_state(rng["cuda"], device)
+        gen.set_state(rng["data"])
+    except (KeyError, RuntimeError, TypeError):
+        # e.g. saved on the CPU, resumed on the GPU: the generators differ in kind.
+        gen.manual_seed(fallback_seed)
+        print("resume: RNG state not restorable on this device; data order reseeded")
+
+
+def make_writer(args, out_dir, start_step):
+    if not args.tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("tensorboard: not installed (pip install tensorboard); logging to metrics.json only")
+        return None
+    # purge_step drops events a previous run wrote after the step we resume from.
+    return SummaryWriter(log_dir=str(out_dir / "tb"), purge_step=start_step or None)
+
+
+def log_fp8_state(writer, model, fp8_info, step):
+    """Per-layer amax and scale of the FP8 layers, from fp8ops.report."""
+    report = getattr(fp8ops, "report", None)
+    if report is None or fp8_info["backend"] != "fp8ops":
+        return
+    for row in report(model, print_table=False):
+        if row.get("backend") != "fp8ops":
+            continue
+        for kind in ("amax", "scale"):
+            for t in ("x", "w", "g"):
+                value = row.get(f"{kind}_{t}")
+                if value is not None:
+                    writer.add_scalar(f"fp8_{kind}/{row['name']}/{t}", value, step)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

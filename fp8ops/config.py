@@ -1,0 +1,78 @@
+"""Fp8Config: the FP8 training recipe (Transformer Engine's meanings)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+RECIPES = ("delayed", "current")
+FORMATS = ("hybrid", "e4m3", "e5m2")
+AMAX_ALGOS = ("max", "most_recent")
+POLICIES = ("auto", "always")
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """How fp8ops scales and casts.
+
+    Args:
+        recipe: "delayed" (cast with a scale from past amaxes; one read and one
+            write per cast) or "current" (per-tensor dynamic scaling from this
+            tensor's amax; one extra read). Default "delayed".
+        fp8_format: "hybrid" (E4M3 activations and weights, E5M2 output
+            gradients; default) or "e4m3" (all E4M3). "e5m2" (all E5M2) is
+            refused with the reason: FP8 tensor cores (cuBLASLt) cannot
+            multiply E5M2 by E5M2, which the gradient GEMMs would need.
+        margin: scale = fp8_max / amax / 2**margin. Default 0.
+        interval: update scales every `interval` optimizer steps. Default 1.
+        amax_history_len: steps of amax history (delayed). Default 1024.
+        amax_compute_algo: "max" over the history or "most_recent". Default "max".
+        policy: "auto" (a layer whose shape FP8 does not speed up on this GPU,
+            measured once per shape, runs BF16) or "always". Default "auto".
+        fast_accum: Hopper fast accumulation in the forward GEMM (the gradient
+            GEMMs always accumulate exactly). Default True.
+    """
+
+    recipe: str = "delayed"
+    fp8_format: str = "hybrid"
+    margin: int = 0
+    interval: int = 1
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    policy: str = "auto"
+    fast_accum: bool = True
+
+    def __post_init__(self):
+        def need(cond, what):
+            if not cond:
+                raise ValueError(f"Fp8Config: {what}")
+
+        need(self.recipe in RECIPES, f"recipe must be one of {RECIPES}, found {self.recipe!r}")
+        need(self.fp8_format in FORMATS, f"fp8_format must be one of {FORMATS}, found {self.fp8_format!r}")
+        need(self.fp8_format != "e5m2",
+             "fp8_format='e5m2' (all E5M2) cannot run: FP8 tensor cores have no E5M2 x E5M2 "
+             "GEMM, which the weight-gradient GEMM would need (Transformer Engine refuses it too); "
+             "use 'hybrid' (E5M2 gradients) or 'e4m3'")
+        need(self.amax_compute_algo in AMAX_ALGOS,
+             f"amax_compute_algo must be one of {AMAX_ALGOS}, found {self.amax_compute_algo!r}")
+        need(self.policy in POLICIES, f"policy must be one of {POLICIES}, found {self.policy!r}")
+        need(isinstance(self.interval, int) and self.interval >= 1, f"interval must be an int >= 1, found {self.interval!r}")
+        need(isinstance(self.amax_history_len, int) and self.amax_history_len >= 1,
+             f"amax_history_len must be an int >= 1, found {self.amax_history_len!r}")
+        need(isinstance(self.margin, (int, float)) and abs(self.margin) < 64,
+             f"margin must be a number in (-64, 64), found {self.margin!r}")
+
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        """(input, weight, grad_output) FP8 dtypes."""
+        e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+        return {"hybrid": (e4, e4, e5), "e4m3": (e4, e4, e4)}[self.fp8_format]
+
+    def short_str(self) -> str:
+        s = f"{self.recipe}/{self.fp8_format}"
+        if self.recipe == "delayed":
+            s += f"/h{self.amax_history_len}/{self.amax_compute_algo}"
+        if self.margin:
+            s += f"/m{self.margin}"
+        if self.interval != 1:
+            s += f"/i{self.interval}"
+        return s

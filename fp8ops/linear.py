@@ -1,0 +1,203 @@
+"""Fp8Linear: nn.Linear whose forward and backward run FP8 GEMMs through the
+fp8ops ops. Not a public API: users call fp8ops.convert(model).
+
+Data flow (hybrid format; DESIGN.md):
+    forward   x  -cast(e4m3, s_x, transpose)-> x8, x8t   (x8t saved for wgrad: FP8, not BF16)
+              W  -cast(e4m3, s_w, transpose)-> W8, W8t   (once per optimizer step, cached)
+              y  = gemm(x8, W8) / (s_x s_w) + b
+    backward  dy -cast(e5m2, s_g, transpose)-> g8, g8t
+              dx = gemm(g8, W8t) / (s_g s_w)
+              dW = gemm(g8t, x8t) / (s_g s_x)            (weight's dtype: fp32 or bf16 master)
+
+Scaling state lives in non-persistent buffers (never in state_dict):
+    fp8_amax_history [H, 3]   columns: 0 input, 1 weight, 2 grad_output; row 0 = this step
+    fp8_scale [3], fp8_scale_inv [3], fp8_max [3]
+Delayed scaling updates them after optimizer steps (see scaling.py); current
+scaling recomputes each tensor's scale from its own amax before each cast.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import ops
+from ._reference import FP8_MAX
+from .config import Fp8Config
+
+X, W, G = 0, 1, 2
+
+
+def _record_amax(history: torch.Tensor, col: int, amax: torch.Tensor) -> None:
+    # row 0 accumulates the max over every cast of this step (micro-batches too)
+    slot = history[0, col]
+    torch.maximum(slot, amax, out=slot)
+
+
+def _current_scale(t2d: torch.Tensor, history, scale, scale_inv, fp8_max, col: int, margin: float):
+    """Current (dynamic) scaling of one tensor: its amax now -> scale. Reuses
+    amax_update on the tensor's own column with most_recent, so the rules
+    (zero / non-finite amax keeps the previous scale) are the same code."""
+    a = ops.amax(t2d)
+    h = history[:1, col:col + 1]
+    h.copy_(a.reshape(1, 1))
+    ops.amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent")
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, bias, w8, w8t, history, scale, scale_inv, fp8_max, cfg_static):
+        x_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = cfg_static
+        if current:
+            _current_scale(x2, history, scale, scale_inv, fp8_max, X, margin)
+        x8, x8t, amax_x = ops.cast(x2, scale[X:X + 1], x_dtype, need_wgrad)
+        if not current:
+            _record_amax(history, X, amax_x)
+        sx_inv = scale_inv[X:X + 1]
+        if current:
+            # another micro-batch's forward may rescale x before this backward runs
+            sx_inv = sx_inv.clone()
+        b = None if bias is None else bias.to(ops._bias_dtype(out_dtype))
+        y = ops.gemm(x8, w8, sx_inv, scale_inv[W:W + 1], b, out_dtype, fast_accum)
+        ctx.save_for_backward(x8t, w8t, sx_inv, history, scale, scale_inv, fp8_max)
+        ctx.cfg = cfg_static
+        ctx.w_dtype = weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        ctx.x2_dtype = x2.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x8t, w8t, sx_inv, history, scale, scale_inv, fp8_max = ctx.saved_tensors
+        x_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = ctx.cfg
+        g2 = gy.contiguous()
+        if current or prime_g:
+            _current_scale(g2, history, scale, scale_inv, fp8_max, G, margin)
+        g8, g8t, amax_g = ops.cast(g2, scale[G:G + 1], g_dtype, need_wgrad)
+        if not current:
+            _record_amax(history, G, amax_g)
+        dx = dw = db = None
+        if need_dgrad and ctx.needs_input_grad[0]:
+            dx = ops.gemm(g8, w8t, scale_inv[G:G + 1], scale_inv[W:W + 1], None, ctx.x2_dtype, False)
+        if need_wgrad and ctx.needs_input_grad[1]:
+            w_out = ctx.w_dtype if ctx.w_dtype in ops.HP_DTYPES else torch.float32
+            dw = ops.gemm(g8t, x8t, scale_inv[G:G + 1], sx_inv, None, w_out, False)
+        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
+            db = g2.sum(0, dtype=torch.float32).to(ctx.b_dtype)
+        return dx, dw, db, None, None, None, None, None, None, None
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear with FP8 forward and backward. Same parameters, same
+    state_dict keys, shapes and dtypes as the nn.Linear it replaces."""
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
+                 config: Fp8Config | None = None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_fp8_state(config or Fp8Config())
+
+    def _init_fp8_state(self, config: Fp8Config) -> None:
+        self.fp8_config = config
+        dev = self.weight.device
+        x_dt, w_dt, g_dt = config.dtypes()
+        H = config.amax_history_len if config.recipe == "delayed" else 1
+        self.register_buffer("fp8_amax_history", torch.zeros(H, 3, device=dev), persistent=False)
+        self.register_buffer("fp8_scale", torch.ones(3, device=dev), persistent=False)
+        self.register_buffer("fp8_scale_inv", torch.ones(3, device=dev), persistent=False)
+        self.register_buffer("fp8_max", torch.tensor([FP8_MAX[x_dt], FP8_MAX[w_dt], FP8_MAX[g_dt]], device=dev),
+                             persistent=False)
+        # scale updates that met a NaN/inf amax (the scale was kept)
+        self.register_buffer("fp8_overflow_count", torch.zeros((), dtype=torch.int64, device=dev), persistent=False)
+        self.fp8_step = 0               # optimizer steps seen
+        self.fp8_fallback_calls = 0     # forwards that ran BF16 (input on CPU, M % 16 != 0)
+        self._fp8_primed = False        # delayed: first forward primes x/w scales from current amaxes
+        self._fp8_g_primed = False      # ... and the first backward the grad scale
+        self._w_cache = None            # (key, w8, w8t)
+        self.fp8_on_cpu = False         # tests: run the FP8 path on CPU with the C reference kernels
+        from .scaling import track  # noqa: PLC0415 -- scaling imports this module
+        track(self)                     # scales update after each optimizer step
+
+    @classmethod
+    def from_linear(cls, mod: nn.Linear, config: Fp8Config) -> "Fp8Linear":
+        """Reuse mod's Parameters (no copy): optimizers and tied weights keep working."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = mod.in_features, mod.out_features
+        new.weight = mod.weight
+        new.bias = mod.bias
+        for k, hook in mod._forward_pre_hooks.items():
+            new._forward_pre_hooks[k] = hook
+        for k, hook in mod._forward_hooks.items():
+            new._forward_hooks[k] = hook
+        new._init_fp8_state(config)
+        return new
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", fp8={self.fp8_config.short_str()}"
+
+    # ------------------------------------------------------------------ scales
+
+    def _prime_scales(self, x2: torch.Tensor) -> None:
+        """Delayed scaling has no history before the first step: start from the
+        current amaxes of input and weight (and of the first gradient, in
+        backward, via the 'current' path) instead of scale 1."""
+        cfg = self.fp8_config
+        _current_scale(x2, self.fp8_amax_history, self.fp8_scale, self.fp8_scale_inv, self.fp8_max, X, cfg.margin)
+        w2 = self.weight if self.weight.dtype in ops.HP_DTYPES else self.weight.float()
+        _current_scale(w2.detach(), self.fp8_amax_history, self.fp8_scale, self.fp8_scale_inv, self.fp8_max, W, cfg.margin)
+
+    def _weight_fp8(self, compute_dtype: torch.dtype, need_t: bool):
+        """Cast the weight once per optimizer step (reused by micro-batches).
+        The cache is keyed on the weight's version counter, which the optimizer's
+        in-place update bumps, and on the scale update count."""
+        cfg = self.fp8_config
+        w = self.weight
+        compiling = torch.compiler.is_compiling()
+        key = None if compiling else (w._version, w.data_ptr(), self.fp8_step, compute_dtype, need_t)
+        if key is not None and self._w_cache is not None and self._w_cache[0] == key:
+            return self._w_cache[1], self._w_cache[2]
+        if cfg.recipe == "current":
+            _current_scale(w.detach(), self.fp8_amax_history, self.fp8_scale, self.fp8_scale_inv, self.fp8_max, W, cfg.margin)
+        w8, w8t, amax_w = ops.cast(w.detach(), self.fp8_scale[W:W + 1], cfg.dtypes()[1], need_t)
+        if cfg.recipe == "delayed":
+            _record_amax(self.fp8_amax_history, W, amax_w)
+        if key is not None:
+            self._w_cache = (key, w8, w8t)
+        return w8, w8t
+
+    # ----------------------------------------------------------------- forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.device.type != "cuda" and not self.fp8_on_cpu) or x.numel() == 0:
+            self.fp8_fallback_calls += 1
+            return super().forward(x)
+        if torch.is_autocast_enabled("cuda"):
+            cdtype = torch.get_autocast_dtype("cuda")
+        else:
+            cdtype = x.dtype if x.dtype in ops.HP_DTYPES else torch.float32
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] % 16 != 0 and x.device.type == "cuda":
+            # cuBLASLt FP8 needs M % 16 == 0; this call (e.g. an odd eval batch) runs BF16
+            self.fp8_fallback_calls += 1
+            with torch.autocast("cuda", dtype=cdtype, enabled=cdtype != torch.float32):
+                return F.linear(x, self.weight, self.bias)
+        if x2.dtype != cdtype:
+            x2 = x2.to(cdtype)
+        x2 = x2.contiguous()
+        cfg = self.fp8_config
+        if cfg.recipe == "delayed" and not self._fp8_primed and not torch.compiler.is_compiling():
+            self._prime_scales(x2)
+            self._fp8_primed = True
+        grad = torch.is_grad_enabled()
+        need_wgrad = grad and self.weight.requires_grad
+        need_dgrad = grad and x.requires_grad
+        w8, w8t = self._weight_fp8(cdtype, need_dgrad)
+        x_dt, _, g_dt = cfg.dtypes()
+        prime_g = cfg.recipe == "delayed" and grad and not self._fp8_g_primed and not torch.compiler.is_compiling()
+        if prime_g:
+            self._fp8_g_primed = True
+        static = (x_dt, g_dt, cdtype, cfg.fast_accum, cfg.recipe == "current", float(cfg.margin),
+                  need_wgrad, need_dgrad, prime_g)
+        y = _Fp8LinearFn.apply(x2, self.weight, self.bias, w8, w8t, self.fp8_amax_history,
+                               self.fp8_scale, self.fp8_scale_inv, self.fp8_max, static)
+        return y.reshape(*x.shape[:-1], self.out_features)

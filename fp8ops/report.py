@@ -1,0 +1,61 @@
+"""fp8ops.report(model): what runs in FP8, what fell back to BF16, why, and the
+current scales and amaxes of every FP8 layer."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .convert import DECISIONS_ATTR
+from .linear import G, W, X, Fp8Linear
+
+
+def report(model: nn.Module, print_table: bool = True) -> list[dict]:
+    """One row per linear layer: name, backend ("fp8ops" | "bf16"), reason,
+    recipe, scale_x/w/g, amax_x/w/g (the latest completed step's amaxes),
+    overflow_steps, fallback_calls. Prints a table unless print_table=False.
+    Reading the scales synchronises with the GPU once."""
+    decisions = getattr(model, DECISIONS_ATTR, {})
+    rows = []
+    for name, m in model.named_modules():
+        if isinstance(m, Fp8Linear):
+            h = m.fp8_amax_history.detach().float().cpu()
+            # the newest completed step sits in the last row after a roll; before
+            # any update the running maxima are in row 0
+            last = h[-1] if m.fp8_step > 0 and h.shape[0] > 1 else h[0]
+            s = m.fp8_scale.detach().float().cpu()
+            rows.append({
+                "name": name or "<root>", "backend": "fp8ops",
+                "reason": decisions.get(name, ("fp8ops", "converted"))[1],
+                "recipe": m.fp8_config.short_str(),
+                "shape": f"{m.in_features}->{m.out_features}",
+                "scale_x": float(s[X]), "scale_w": float(s[W]), "scale_g": float(s[G]),
+                "amax_x": float(last[X]), "amax_w": float(last[W]), "amax_g": float(last[G]),
+                "overflow_steps": int(m.fp8_overflow_count), "fallback_calls": m.fp8_fallback_calls,
+            })
+        elif isinstance(m, nn.Linear):
+            backend, reason = decisions.get(name, ("bf16", "not converted (convert() was not called on it)"))
+            rows.append({"name": name or "<root>", "backend": "bf16", "reason": reason, "recipe": None,
+                         "shape": f"{m.in_features}->{m.out_features}",
+                         "scale_x": None, "scale_w": None, "scale_g": None,
+                         "amax_x": None, "amax_w": None, "amax_g": None,
+                         "overflow_steps": 0, "fallback_calls": 0})
+    if print_table:
+        print(format_table(rows))
+    return rows
+
+
+def _f(v):
+    return "-" if v is None else f"{v:.3g}"
+
+
+def format_table(rows: list[dict]) -> str:
+    n_fp8 = sum(r["backend"] == "fp8ops" for r in rows)
+    lines = [f"fp8ops report: {n_fp8}/{len(rows)} linear layers in FP8"]
+    hdr = f"{'layer':<32} {'shape':>11} {'backend':>7} {'scale x/w/g':>26} {'amax x/w/g':>26} {'ovf':>4}  reason"
+    lines += [hdr, "-" * len(hdr)]
+    for r in rows:
+        scales = "/".join(_f(r[k]) for k in ("scale_x", "scale_w", "scale_g")) if r["backend"] == "fp8ops" else "-"
+        amaxes = "/".join(_f(r[k]) for k in ("amax_x", "amax_w", "amax_g")) if r["backend"] == "fp8ops" else "-"
+        lines.append(f"{r['name'][:32]:<32} {r['shape']:>11} {r['backend']:>7} {scales:>26} {amaxes:>26} "
+                     f"{r['overflow_steps']:>4}  {r['reason']}")
+    return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""Delayed-scaling bookkeeping: after each optimizer step, update every
+Fp8Linear's scales from its amax history (one amax_update launch per layer,
+all three tensors at once), after reducing this step's amaxes across the
+data-parallel ranks in ONE all-reduce for all layers, so every rank casts with
+the same scales.
+
+Hooked on torch.optim's global step post-hook, so a training loop needs no
+extra call; `fp8ops.step(model)` does the same by hand (custom optimizers).
+Also: scaling_state_dict / load_scaling_state_dict (kept out of the model's
+state_dict so checkpoints stay the BF16 model's).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .linear import G, W, X, Fp8Linear
+
+# weight Parameter -> its Fp8Linear (weak both ways: no leak when models die)
+_OWNER: "weakref.WeakKeyDictionary[torch.nn.Parameter, weakref.ref]" = weakref.WeakKeyDictionary()
+_hook_handle = None
+
+
+def track(layer: Fp8Linear) -> None:
+    _OWNER[layer.weight] = weakref.ref(layer)
+    _install_hook()
+
+
+def _install_hook() -> None:
+    global _hook_handle
+    if _hook_handle is None:
+        _hook_handle = torch.optim.optimizer.register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _layers_of(optimizer) -> list[Fp8Linear]:
+    out, seen = [], set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _OWNER.get(p)
+            layer = ref() if ref is not None else None
+            if layer is not None and id(layer) not in seen:
+                seen.add(id(layer))
+                out.append(layer)
+    return out
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    layers = _layers_of(optimizer)
+    if layers:
+        update_scales(layers)
+
+
+def _reduce_amax(layers: list[Fp8Linear], group=None) -> None:
+    """Max-all-reduce row 0 (this step's amaxes) of every layer in one collective."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    rows = [layer.fp8_amax_history[0] for layer in layers]
+    flat = torch.cat(rows)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    torch._foreach_copy_(rows, list(flat.split([r.numel() for r in rows])))
+
+
+def update_scales(layers: list[Fp8Linear], group=None) -> None:
+    """One optimizer step has happened for these layers."""
+    delayed = [l for l in layers if l.fp8_config.recipe == "delayed"]
+    due = [l for l in delayed if (l.fp8_step + 1) % l.fp8_config.interval == 0]
+    if due:
+        _reduce_amax(due, group)
+    for layer in layers:
+        layer.fp8_step += 1
+    for layer in due:
+        cfg = layer.fp8_config
+        # count overflow events (NaN/inf amax this step; amax_update keeps the
+        # previous scale), on the device so the step never synchronises
+        layer.fp8_overflow_count += (~torch.isfinite(layer.fp8_amax_history[0])).any()
+        ops.amax_update(layer.fp8_amax_history, layer.fp8_scale, layer.fp8_scale_inv, layer.fp8_max,
+                        float(cfg.margin), cfg.amax_compute_algo)
+
+
+def step(model: torch.nn.Module) -> None:
+    """Mark an optimizer step by hand (only needed with optimizers that do not
+    subclass torch.optim.Optimizer)."""
+    update_scales([m for m in model.modules() if isinstance(m, Fp8Linear)])
+
+
+def scaling_state_dict(model: torch.nn.Module) -> dict:
+    """FP8 scaling state of every Fp8Linear, by module name (CPU tensors)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Fp8Linear):
+            out[name] = {
+                "config": m.fp8_config.short_str(),
+                "amax_history": m.fp8_amax_history.detach().cpu().clone(),
+                "scale": m.fp8_scale.detach().cpu().clone(),
+                "scale_inv": m.fp8_scale_inv.detach().cpu().clone(),
+                "step": m.fp8_step,
+                "primed": m._fp8_primed and m._fp8_g_primed,
+            }
+    return out
+
+
+def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = False) -> list[str]:
+    """Restore what scaling_state_dict saved. Layers whose history length
+    differs keep their fresh state; returns the names that were not restored
+    (raises instead when strict)."""
+    skipped = []
+    for name, m in model.named_modules():
+        if not isinstance(m, Fp8Linear):
+            continue
+        s = state.get(name)
+        if s is None or s["amax_history"].shape != m.fp8_amax_history.shape:
+            skipped.append(name)
+            continue
+        with torch.no_grad():
+            m.fp8_amax_history.copy_(s["amax_history"])
+            m.fp8_scale.copy_(s["scale"])
+            m.fp8_scale_inv.copy_(s["scale_inv"])
+        m.fp8_step = int(s["step"])
+        m._fp8_primed = m._fp8_g_primed = bool(s.get("primed", True))
+    if strict and skipped:
+        raise KeyError(f"load_scaling_state_dict: no compatible state for {skipped}")
+    return skipped

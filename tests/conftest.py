@@ -1,0 +1,29 @@
+"""Shared pytest setup: device parametrisation and GPU gating.
+
+GPU tests carry the `gpu` marker (and `fp8` when they need sm_89+): they run on
+the device machine and skip elsewhere, saying why.
+"""
+import pytest
+import torch
+
+import fp8ops
+
+HAS_CUDA = torch.cuda.is_available() and bool(fp8ops.build_info().get("cuda_kernels_registered"))
+HAS_FP8 = HAS_CUDA and torch.cuda.get_device_capability() >= (8, 9)
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and fp8ops built with nvcc")
+requires_fp8 = pytest.mark.skipif(not HAS_FP8, reason="needs an FP8 GPU (sm_89+: Ada, Hopper, Blackwell)")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])]
+FP8_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.fp8, requires_fp8])]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = ""):
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    ab, bb = bits(a.cpu()), bits(b.cpu())
+    diff = (ab != bb).nonzero()
+    assert diff.numel() == 0, f"{what}: {diff.shape[0]} of {ab.numel()} elements differ, first at {diff[:5].tolist()}"

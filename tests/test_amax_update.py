@@ -1,0 +1,117 @@
+"""fp8ops::amax_update (delayed scaling): history roll, max / most_recent,
+margin, and the rule that a zero or non-finite amax keeps the previous scale."""
+import pytest
+import torch
+
+from fp8ops import ops
+from fp8ops._reference import amax_update_ref
+
+from conftest import DEVICES, requires_cuda
+
+
+def _state(H, n, device, gen, fill=None):
+    hist = (torch.rand(H, n, generator=gen) * 100).to(device) if fill is None else torch.full((H, n), fill, device=device)
+    scale = (torch.rand(n, generator=gen) + 0.5).to(device)
+    fmax = torch.tensor([448.0, 57344.0] * n, device=device)[:n].contiguous()
+    return hist, scale, torch.empty(n, device=device), fmax
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 1, 2.5])
+@pytest.mark.parametrize("H,n", [(1, 1), (31, 3), (1024, 7), (5, 1000)])
+def test_amax_update_matches_reference(H, n, margin, algo, device):
+    gen = torch.Generator().manual_seed(H * 131 + n)
+    hist, scale, sinv, fmax = _state(H, n, device, gen)
+    hist[0, :: 3] = 0.0                      # zero amax: keeps scale if the history is zero too
+    if H == 1:
+        hist[0, 1::4] = float("nan")
+    ref_h, ref_s, ref_si = amax_update_ref(hist, scale, sinv, fmax, margin, algo)
+    ops.amax_update(hist, scale, sinv, fmax, margin, algo)
+    assert torch.equal(hist.cpu(), ref_h.cpu())           # exact: the roll is a copy
+    torch.testing.assert_close(scale.cpu(), ref_s.cpu(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(sinv.cpu(), ref_si.cpu(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_roll_direction(device):
+    hist = torch.tensor([[5.0], [1.0], [2.0], [3.0]], device=device)
+    scale, sinv, fmax = torch.ones(1, device=device), torch.ones(1, device=device), torch.tensor([448.0], device=device)
+    ops.amax_update(hist, scale, sinv, fmax, 0.0, "max")
+    assert hist.flatten().tolist() == [0.0, 2.0, 3.0, 5.0]   # torch.roll(h, -1); row 0 zeroed
+    assert scale.item() == pytest.approx(448.0 / 5.0)
+    assert sinv.item() == pytest.approx(5.0 / 448.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [0.0, float("nan"), float("inf"), float("-inf")])
+def test_bad_amax_keeps_previous_scale(bad, device):
+    hist = torch.tensor([[bad]], device=device)
+    scale = torch.tensor([3.0], device=device)
+    sinv, fmax = torch.zeros(1, device=device), torch.tensor([448.0], device=device)
+    ops.amax_update(hist, scale, sinv, fmax, 0.0, "most_recent")
+    assert scale.item() == 3.0 and sinv.item() == pytest.approx(1 / 3.0)
+    assert torch.isfinite(scale).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiny_amax_scale_is_clamped_finite(device):
+    hist = torch.tensor([[1e-45]], device=device)  # 448 / 1e-45 overflows fp32
+    scale, sinv, fmax = torch.ones(1, device=device), torch.ones(1, device=device), torch.tensor([448.0], device=device)
+    ops.amax_update(hist, scale, sinv, fmax, 0.0, "max")
+    assert scale.item() == torch.finfo(torch.float32).max
+    assert torch.isfinite(sinv).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_single_tensor_1d_history(device):
+    hist = torch.tensor([4.0, 8.0, 2.0], device=device)
+    scale, sinv, fmax = torch.ones(1, device=device), torch.ones(1, device=device), torch.tensor([448.0], device=device)
+    ops.amax_update(hist, scale, sinv, fmax, 1.0, "max")
+    assert hist.tolist() == [0.0, 2.0, 4.0]          # [8, 2, 4] rolled up, row 0 zeroed
+    assert scale.item() == pytest.approx(448.0 / 8.0 / 2.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_amax_update_errors(device):
+    h, s, si, m = torch.zeros(4, 3, device=device), torch.ones(3, device=device), torch.ones(3, device=device), torch.ones(3, device=device)
+    cases = [
+        (lambda: ops.amax_update(h.double(), s, si, m), r"amax_history must be float32, found float64"),
+        (lambda: ops.amax_update(h, torch.ones(2, device=device), si, m), r"scale must have 3 elements.*found 2"),
+        (lambda: ops.amax_update(h, s, si[:2], m), r"scale_inv must have 3 elements"),
+        (lambda: ops.amax_update(h, s, si, torch.ones(4, device=device)), r"fp8_max must have 3 elements"),
+        (lambda: ops.amax_update(h.t(), s, si, m), r"amax_history must be contiguous"),
+        (lambda: ops.amax_update(torch.zeros(2, 2, 2, device=device), s, si, m), r"must be \[H\].*found 3 dims"),
+        (lambda: ops.amax_update(torch.zeros(0, 3, device=device), s, si, m), r"at least 1 row"),
+        (lambda: torch.ops.fp8ops.amax_update(h, s, si, m, 0.0, 7), r"algo must be 0 \(max\) or 1"),
+        (lambda: ops.amax_update(h, s, si, m, float("nan")), r"margin must be a finite number"),
+    ]
+    for fn, pattern in cases:
+        with pytest.raises(RuntimeError, match=pattern):
+            fn()
+    with pytest.raises(ValueError, match="algo must be one of"):
+        ops.amax_update(h, s, si, m, 0.0, "mean")
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_amax_update_mixed_devices():
+    with pytest.raises(RuntimeError, match=r"scale is on cpu:-1 but amax_history is on cuda:0"):
+        ops.amax_update(torch.zeros(4, 1, device="cuda"), torch.ones(1), torch.ones(1, device="cuda"), torch.ones(1, device="cuda"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_amax_update_opcheck_and_compile(device):
+    h, s, si, m = torch.rand(8, 3, device=device), torch.ones(3, device=device), torch.ones(3, device=device), torch.full((3,), 448.0, device=device)
+    torch.library.opcheck(torch.ops.fp8ops.amax_update.default, (h.clone(), s.clone(), si.clone(), m, 0.0, 0))
+
+    def f(h, s, si, m):
+        ops.amax_update(h, s, si, m, 0.0, "max")
+        return s * 2
+
+    torch._dynamo.reset()
+    h2, s2, si2 = h.clone(), s.clone(), si.clone()
+    out = torch.compile(f, fullgraph=True)(h2, s2, si2, m)
+    h3, s3, si3 = h.clone(), s.clone(), si.clone()
+    f(h3, s3, si3, m)
+    assert torch.equal(h2, h3) and torch.equal(s2, s3) and torch.equal(out, s3 * 2)

@@ -1,0 +1,376 @@
+"""The training workflow on CPU: FP8 flags, prepare_model's decisions and fallbacks, and
+examples/train_fp8.py end to end (train, checkpoint, resume into FP8, Ctrl-C).
+
+    python -m pytest tests/test_training.py -q
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fp8ops
+from fp8ops.training import add_fp8_args, config_from_args, portable_state_dict, prepare_model
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(EXAMPLES))
+from gpt2 import GPT, LM_HEAD_FILTER, GPTConfig  # noqa: E402
+
+FP8_HERE = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def parse(*argv):
+    p = argparse.ArgumentParser()
+    add_fp8_args(p)
+    return p.parse_args(list(argv))
+
+
+def tiny_gpt():
+    torch.manual_seed(0)
+    return GPT(GPTConfig.preset("tiny"))
+
+
+# ------------------------------------------------------------------------------------------------
+# flags
+
+def test_add_fp8_args_defaults():
+    a = parse()
+    assert a.use_fp8 is False
+    assert (a.fp8_backend, a.fp8_fallback, a.fp8_recipe, a.fp8_format) == \
+        ("fp8ops", "bf16", "delayed", "hybrid")
+    assert (a.fp8_margin, a.fp8_interval, a.fp8_amax_history_len) == (0, 1, 1024)
+    assert (a.fp8_amax_compute_algo, a.fp8_policy) == ("max", "auto")
+
+
+def test_add_fp8_args_parses_every_flag():
+    a = parse("--use_fp8", "--fp8_backend", "torchao", "--fp8_fallback", "fp8ops",
+              "--fp8_recipe", "current", "--fp8_format", "e4m3", "--fp8_margin", "2",
+              "--fp8_interval", "4", "--fp8_amax_history_len", "16",
+              "--fp8_amax_compute_algo", "most_recent", "--fp8_policy", "always")
+    assert a.use_fp8 and a.fp8_backend == "torchao" and a.fp8_fallback == "fp8ops"
+    assert (a.fp8_recipe, a.fp8_format, a.fp8_margin, a.fp8_interval) == ("current", "e4m3", 2, 4)
+    assert (a.fp8_amax_history_len, a.fp8_amax_compute_algo, a.fp8_policy) == \
+        (16, "most_recent", "always")
+    for backend in ("fp8ops", "torchao", "te", "bf16"):
+        assert parse("--fp8_backend", backend).fp8_backend == backend
+
+
+@pytest.mark.parametrize("argv", [["--fp8_backend", "msamp"], ["--fp8_format", "e3m4"],
+                                  ["--fp8_amax_compute_algo", "mean"], ["--fp8_recipe", "static"]])
+def test_add_fp8_args_rejects_unknown_choices(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_config_from_args():
+    cfg = config_from_args(parse("--fp8_recipe", "current", "--fp8_format", "e4m3",
+                                 "--fp8_margin", "1", "--fp8_interval", "2",
+                                 "--fp8_amax_history_len", "31",
+                                 "--fp8_amax_compute_algo", "most_recent",
+                                 "--fp8_policy", "always"))
+    assert isinstance(cfg, fp8ops.Fp8Config)
+    assert (cfg.recipe, cfg.fp8_format, cfg.margin, cfg.interval, cfg.amax_history_len,
+            cfg.amax_compute_algo, cfg.policy) == ("current", "e4m3", 1, 2, 31, "most_recent", "always")
+
+
+# ------------------------------------------------------------------------------------------------
+# prepare_model
+
+@pytest.mark.parametrize("argv", [[], ["--use_fp8", "--fp8_backend", "bf16"]])
+def test_prepare_model_without_fp8_leaves_model_unchanged(argv):
+    model = tiny_gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    types = [type(m) for m in model.modules()]
+    lines = []
+    out, info = prepare_model(model, parse(*argv), logger=lines.append)
+    assert out is model and [type(m) for m in out.modules()] == types
+    assert all(torch.equal(before[k], v) for k, v in out.state_dict().items())
+    assert info["backend"] == "bf16" and info["fp8_layers"] == 0
+    if not argv:
+        assert info["summary"] == "bf16 (FP8 not requested)"
+    assert len(lines) == 1 and lines[0].startswith("FP8: off")
+    with info["autocast"]():
+        pass
+
+
+@pytest.mark.skipif(FP8_HERE, reason="this machine can run FP8; the fallback is for machines without")
+def test_prepare_model_fp8ops_falls_back_and_says_why(recwarn):
+    model = tiny_gpt()
+    lines = []
+    out, info = prepare_model(model, parse("--use_fp8"), logger=lines.append,
+                              module_filter_fn=LM_HEAD_FILTER)
+    assert info["requested"] == "fp8ops" and info["backend"] == "bf16"
+    assert info["fp8_layers"] == 0 and info["reason"]
+    assert all(type(m) is nn.Linear for m in out.modules() if isinstance(m, nn.Linear))
+    # one plain line, carrying the reason; convert's own warning is not repeated on top of it
+    assert len(lines) == 1 and lines[0].startswith("FP8: off") and info["reason"] in lines[0]
+    assert not [w for w in recwarn if "fp8ops" in str(w.message)]
+    x = torch.randint(0, 256, (2, 16))
+    assert torch.isfinite(out(x, x)[1])
+
+
+@pytest.mark.parametrize("backend, module", [("torchao", "torchao"), ("te", "transformer_engine")])
+def test_prepare_model_missing_backend_continues(backend, module):
+    try:
+        __import__(module)
+        pytest.skip(f"{module} is installed")
+    except ImportError:
+        pass
+    model = tiny_gpt()
+    lines = []
+    out, info = prepare_model(model, parse("--use_fp8", "--fp8_backend", backend),
+                              logger=lines.append)
+    assert out is model and info["backend"] == "bf16" and info["requested"] == backend
+    assert "not installed" in info["reason"] and "--fp8_backend fp8ops" in info["reason"]
+    assert len(lines) == 1 and "continuing in BF16" in lines[0]
+
+    # --fp8_fallback fp8ops: hand over to fp8ops, which makes its own decision
+    lines.clear()
+    out, info = prepare_model(tiny_gpt(), parse("--use_fp8", "--fp8_backend", backend,
+                                                "--fp8_fallback", "fp8ops"),
+                              logger=lines.append, module_filter_fn=LM_HEAD_FILTER)
+    assert "falling back to fp8ops" in lines[0]
+    assert info["config"] is not None
+
+
+def test_prepare_model_e5m2_runs_as_hybrid():
+    lines = []
+    _, info = prepare_model(tiny_gpt(), parse("--use_fp8", "--fp8_format", "e5m2"),
+                            logger=lines.append, module_filter_fn=LM_HEAD_FILTER)
+    assert "e5m2 cannot run" in lines[0]
+    assert info["config"].fp8_format == "hybrid"
+
+
+def test_prepare_model_counts_fp8_layers(monkeypatch):
+    """The decision line, read back from fp8ops.report, when convert does swap layers."""
+    class FakeFp8Linear(nn.Linear):
+        pass
+
+    def fake_convert(model, *, config=None, module_filter_fn=None):
+        for fqn, m in list(model.named_modules()):
+            if type(m) is nn.Linear and module_filter_fn(m, fqn):
+                m.__class__ = FakeFp8Linear
+        return model
+
+    def fake_report(model, print_table=True):
+        return [{"name": n, "backend": "fp8ops" if type(m) is FakeFp8Linear else "bf16",
+                 "reason": "converted" if type(m) is FakeFp8Linear else "excluded by module_filter_fn"}
+                for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+    monkeypatch.setattr(fp8ops, "convert_to_fp8_training", fake_convert)
+    monkeypatch.setattr(fp8ops, "report", fake_report)
+    lines = []
+    _, info = prepare_model(tiny_gpt(), parse("--use_fp8"), logger=lines.append,
+                            module_filter_fn=LM_HEAD_FILTER)
+    assert info["backend"] == "fp8ops" and info["fp8_layers"] == 8
+    assert "8 linear layers run FP8, 1 run BF16" in lines[0]
+    assert "excluded by module_filter_fn" in lines[0]
+
+
+def _fake_modules(monkeypatch, modules):
+    """Install stand-in packages and pretend the GPU can run FP8, to test the plumbing on CPU."""
+    import fp8ops.training as training
+    for name, mod in modules.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(training, "_gpu_reason", lambda model: None)
+
+
+def test_prepare_model_torchao_plumbing(monkeypatch):
+    import dataclasses
+    import types
+
+    class Float8Linear(nn.Linear):
+        pass
+
+    @dataclasses.dataclass(frozen=True)
+    class CastConfig:
+        target_dtype: object = None
+
+    @dataclasses.dataclass(frozen=True)
+    class Float8LinearConfig:
+        cast_config_grad_output: object = None
+
+    seen = {}
+
+    def convert_to_float8_training(model, *, module_filter_fn=None, config=None):
+        seen["config"] = config
+        for fqn, m in model.named_modules():
+            if type(m) is nn.Linear and module_filter_fn(m, fqn):
+                m.__class__ = Float8Linear
+        return model
+
+    f8 = types.SimpleNamespace(CastConfig=CastConfig, Float8LinearConfig=Float8LinearConfig,
+                               convert_to_float8_training=convert_to_float8_training)
+    _fake_modules(monkeypatch, {"torchao": types.ModuleType("torchao"), "torchao.float8": f8})
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 24), nn.Linear(24, 32))
+    lines = []
+    _, info = prepare_model(model, parse("--use_fp8", "--fp8_backend", "torchao",
+                                         "--fp8_format", "e4m3"), logger=lines.append,
+                            module_filter_fn=lambda m, fqn: fqn != "2")
+    # 64->24 is not a multiple of 16 and "2" is filtered out: only the first layer converts
+    assert [type(m).__name__ for m in model] == ["Float8Linear", "Linear", "Linear"]
+    assert info["backend"] == "torchao" and info["fp8_layers"] == 1
+    assert seen["config"].cast_config_grad_output.target_dtype == torch.float8_e4m3fn
+    assert any("FP8: on (torchao" in line for line in lines)
+
+
+def test_prepare_model_te_plumbing(monkeypatch):
+    import contextlib
+    import dataclasses
+    import enum
+    import types
+
+    class Linear(nn.Linear):
+        def __init__(self, i, o, bias=True, params_dtype=None, device=None):
+            super().__init__(i, o, bias=bias, dtype=params_dtype, device=device)
+
+    class Format(enum.Enum):
+        E4M3 = 1
+        HYBRID = 2
+
+    @dataclasses.dataclass
+    class DelayedScaling:
+        margin: int = 0
+        fp8_format: Format = Format.HYBRID
+        amax_history_len: int = 1024
+        amax_compute_algo: str = "max"
+
+    entered = []
+
+    @contextlib.contextmanager
+    def autocast(enabled=True, recipe=None):
+        entered.append(recipe)
+        yield
+
+    te = types.SimpleNamespace(Linear=Linear, autocast=autocast)
+    recipe = types.SimpleNamespace(Format=Format, DelayedScaling=DelayedScaling)
+    common = types.SimpleNamespace(recipe=recipe)
+    _fake_modules(monkeypatch, {"transformer_engine": types.ModuleType("transformer_engine"),
+                                "transformer_engine.pytorch": te,
+                                "transformer_engine.common": common})
+    model = tiny_gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lines = []
+    model, info = prepare_model(model, parse("--use_fp8", "--fp8_backend", "te",
+                                             "--fp8_amax_history_len", "16"),
+                                logger=lines.append, module_filter_fn=LM_HEAD_FILTER)
+    assert info["backend"] == "te" and info["fp8_layers"] == 8
+    assert type(model.transformer.h[0].mlp.c_fc) is Linear and type(model.lm_head) is nn.Linear
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    after = portable_state_dict(model)
+    assert list(after) == list(before) and all(torch.equal(before[k], after[k]) for k in before)
+    with info["autocast"]():
+        pass
+    assert entered[0].amax_history_len == 16 and entered[0].fp8_format is Format.HYBRID
+
+
+def test_portable_state_dict_drops_extra_state_and_compile_prefix():
+    class WithExtra(nn.Linear):
+        def get_extra_state(self):
+            return torch.zeros(1)
+
+        def set_extra_state(self, state):
+            pass
+
+    model = nn.Sequential(WithExtra(16, 16))
+    assert "0._extra_state" in model.state_dict()
+    wrapped = nn.Module()
+    wrapped._orig_mod = model
+    assert list(portable_state_dict(wrapped)) == ["0.weight", "0.bias"]
+
+
+# ------------------------------------------------------------------------------------------------
+# examples/train_fp8.py, as a user runs it
+
+SMALL_RUN = ["--model", "tiny", "--batch_size", "4", "--block_size", "64", "--eval_iters", "2",
+             "--log_every", "2"]
+
+
+def run_example(*argv, timeout=120):
+    # The child imports the same fp8ops as this test process (source tree or installed).
+    env = dict(os.environ, PYTHONPATH=str(Path(fp8ops.__file__).resolve().parent.parent))
+    return subprocess.run([sys.executable, str(EXAMPLES / "train_fp8.py"), *argv],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    r = run_example(*SMALL_RUN, "--steps", "6", "--eval_every", "3", "--save_every", "3",
+                    "--device", "cpu", "--out_dir", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out, r.stdout
+
+
+def test_example_runs_and_writes_checkpoints(trained):
+    out, stdout = trained
+    for name in ("ckpt_latest.pt", "ckpt_best.pt", "ckpt_step3.pt", "ckpt_step6.pt",
+                 "metrics.json"):
+        assert (out / name).exists(), name
+    assert "FP8: off" in stdout and "summary" in stdout
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["steps"] == [1, 2, 3, 4, 5, 6] and len(m["train_loss"]) == 6
+    assert m["val_steps"] == [3, 6] and all(v == v for v in m["val_loss"])
+    assert m["mean_tokens_per_s"] > 0 and m["last_step"] == 6
+
+
+def test_checkpoint_holds_the_plain_models_state(trained):
+    out, _ = trained
+    ckpt = torch.load(out / "ckpt_latest.pt", map_location="cpu", weights_only=True)
+    assert ckpt["step"] == 6 and ckpt["best_val_loss"] < float("inf")
+    assert {"optimizer", "args", "rng", "model_config", "fp8_scaling"} <= set(ckpt)
+    plain = GPT(GPTConfig(**ckpt["model_config"])).state_dict()
+    assert list(ckpt["model"]) == list(plain)
+    for k, v in plain.items():
+        assert ckpt["model"][k].shape == v.shape and ckpt["model"][k].dtype == v.dtype, k
+
+
+def test_resume_with_use_fp8_continues_from_saved_step(trained, tmp_path):
+    out, _ = trained
+    r = run_example(*SMALL_RUN, "--steps", "8", "--eval_every", "4", "--save_every", "100",
+                    "--device", "cpu", "--out_dir", str(tmp_path),
+                    "--resume", str(out / "ckpt_latest.pt"), "--use_fp8")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step 6" in r.stdout and "training steps 6..8" in r.stdout
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["steps"] == list(range(1, 9)) and m["last_step"] == 8
+    assert torch.load(tmp_path / "ckpt_latest.pt", weights_only=True)["step"] == 8
+
+
+def test_help_describes_default_corpus():
+    r = run_example("--help")
+    text = " ".join(r.stdout.split())  # argparse wraps lines
+    assert r.returncode == 0 and "standard library" in text and "--use_fp8" in text
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT delivery differs on Windows")
+def test_ctrl_c_saves_a_checkpoint(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(Path(fp8ops.__file__).resolve().parent.parent))
+    err = open(tmp_path / "stderr.txt", "w")
+    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "train_fp8.py"), *SMALL_RUN,
+                             "--steps", "1000000", "--device", "cpu", "--out_dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    try:
+        for line in proc.stdout:  # wait until the training loop has started
+            if line.startswith("training steps"):
+                break
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        err.close()
+    assert proc.returncode == 130, rest
+    assert "interrupted (Ctrl-C)" in rest
+    ckpt = torch.load(tmp_path / "ckpt_latest.pt", map_location="cpu", weights_only=True)
+    assert ckpt["step"] > 0
