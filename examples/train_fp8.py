@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import sysconfig
@@ -321,7 +322,8 @@ def main(argv=None):
             metrics["train_loss"] += torch.stack([l for _, l in pending]).tolist()
             pending.clear()
 
-    def checkpoint(step, name):
+    def checkpoint(step, *names):
+        """Save once, then copy: serializing a large model twice costs more than a file copy."""
         flush_losses()
         sd = getattr(fp8ops, "scaling_state_dict", None)
         save_atomic({
@@ -339,7 +341,11 @@ def main(argv=None):
             # the model keys stay the BF16 model's. It rides along under its own key.
             "fp8_scaling": (sd(model) or None) if sd and fp8_info["backend"] == "fp8ops" else None,
             "metrics": metrics,
-        }, out_dir / name)
+        }, out_dir / names[0])
+        for name in names[1:]:
+            tmp = out_dir / (name + ".tmp")
+            shutil.copyfile(out_dir / names[0], tmp)
+            os.replace(tmp, out_dir / name)
 
     def write_metrics(step):
         flush_losses()
@@ -449,8 +455,7 @@ def main(argv=None):
                     f"val loss {val:.4f}{' (best)' if best else ''}, lr {lr:.2e}")
                 write_metrics(step)
             if step % args.save_every == 0:
-                checkpoint(step, f"ckpt_step{step}.pt")
-                checkpoint(step, "ckpt_latest.pt")
+                checkpoint(step, "ckpt_latest.pt", f"ckpt_step{step}.pt")
                 last_saved = step
             window_t0 += time.perf_counter() - paused
     except KeyboardInterrupt:

@@ -51,5 +51,5 @@ def gemm_ref(a, b, a_scale_inv, b_scale_inv, bias=None, out_dtype=torch.bfloat16
 
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
     """Signal-to-quantisation-noise ratio in dB (torchao's compute_error)."""
-    ref, x = ref.double(), x.double()
+    ref, x = ref.detach().double(), x.detach().double()
     return float(20 * torch.log10(ref.norm() / (ref - x).norm()))

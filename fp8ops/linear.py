@@ -30,18 +30,20 @@ X, W, G = 0, 1, 2
 
 def _record_amax(history: torch.Tensor, col: int, amax: torch.Tensor) -> None:
     # row 0 accumulates the max over every cast of this step (micro-batches too)
-    slot = history[0, col]
-    torch.maximum(slot, amax, out=slot)
+    with torch.no_grad():
+        slot = history[0, col]
+        torch.maximum(slot, amax.detach(), out=slot)
 
 
 def _current_scale(t2d: torch.Tensor, history, scale, scale_inv, fp8_max, col: int, margin: float):
     """Current (dynamic) scaling of one tensor: its amax now -> scale. Reuses
     amax_update on the tensor's own column with most_recent, so the rules
     (zero / non-finite amax keeps the previous scale) are the same code."""
-    a = ops.amax(t2d)
-    h = history[:1, col:col + 1]
-    h.copy_(a.reshape(1, 1))
-    ops.amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent")
+    with torch.no_grad():
+        a = ops.amax(t2d.detach())
+        h = history[:1, col:col + 1]
+        h.copy_(a.reshape(1, 1))
+        ops.amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent")
 
 
 class _Fp8LinearFn(torch.autograd.Function):

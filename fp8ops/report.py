@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .convert import DECISIONS_ATTR
+from .conversion import DECISIONS_ATTR
 from .linear import G, W, X, Fp8Linear
 
 

@@ -15,32 +15,37 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import ops
 from .linear import G, W, X, Fp8Linear
 
-# weight Parameter -> its Fp8Linear (weak both ways: no leak when models die)
-_OWNER: "weakref.WeakKeyDictionary[torch.nn.Parameter, weakref.ref]" = weakref.WeakKeyDictionary()
+# id(weight Parameter) -> (weakref to it, weakref to its Fp8Linear). Keyed by id
+# because tensors compare elementwise; weak so dead models are not kept alive.
+_OWNER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 _hook_handle = None
 
 
 def track(layer: Fp8Linear) -> None:
-    _OWNER[layer.weight] = weakref.ref(layer)
+    if len(_OWNER) > 4096:  # drop entries of collected models now and then
+        for k in [k for k, (p, l) in _OWNER.items() if p() is None or l() is None]:
+            del _OWNER[k]
+    _OWNER[id(layer.weight)] = (weakref.ref(layer.weight), weakref.ref(layer))
     _install_hook()
 
 
 def _install_hook() -> None:
     global _hook_handle
     if _hook_handle is None:
-        _hook_handle = torch.optim.optimizer.register_optimizer_step_post_hook(_after_optimizer_step)
+        _hook_handle = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 def _layers_of(optimizer) -> list[Fp8Linear]:
     out, seen = [], set()
     for group in optimizer.param_groups:
         for p in group["params"]:
-            ref = _OWNER.get(p)
-            layer = ref() if ref is not None else None
+            refs = _OWNER.get(id(p))
+            layer = refs[1]() if refs is not None and refs[0]() is p else None
             if layer is not None and id(layer) not in seen:
                 seen.add(id(layer))
                 out.append(layer)

@@ -154,11 +154,13 @@ def prepare_model(model, args, logger=print, module_filter_fn=None, precision="B
 
     # The requested backend cannot run here: say why, then carry on without it.
     name = {"torchao": "torchao", "te": "Transformer Engine"}[backend]
+    if not reason.startswith(name):
+        reason = f"{name} cannot run here: {reason}"
     if getattr(args, "fp8_fallback", "bf16") == "fp8ops":
-        logger(f"FP8: {name} cannot run ({reason}); falling back to fp8ops (--fp8_fallback fp8ops)")
+        logger(f"FP8: {reason}; falling back to fp8ops (--fp8_fallback fp8ops)")
         return _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision)
     info["reason"] = reason
-    info["summary"] = f"bf16 ({name}: {reason})"
+    info["summary"] = f"bf16 ({reason})"
     logger(f"FP8: off, continuing in {precision}: {reason}")
     return model, info
 
@@ -328,7 +330,8 @@ def _prepare_torchao(model, args, logger, module_filter_fn, info):
                                module_filter_fn=model_filter)
     n_fp8 = n_before - sum(type(m) is nn.Linear for m in model.modules())
     if n_fp8 == 0:
-        return "no linear layer has in/out features that are multiples of 16"
+        return ("no linear layer is eligible (in/out features multiples of 16, accepted by "
+                "module_filter_fn)")
     info.update(backend="torchao", fp8_layers=n_fp8,
                 summary=f"torchao ({n_fp8} FP8 layers, current scaling, {fmt})")
     logger(f"FP8: on (torchao, current tensorwise scaling, {fmt}): {n_fp8} of {n_before} linear"
@@ -377,7 +380,8 @@ def _prepare_te(model, args, logger, module_filter_fn, info):
     swaps = [(fqn, m) for fqn, m in model.named_modules()
              if type(m) is nn.Linear and eligible(m, fqn)]
     if not swaps:
-        return "no linear layer has in/out features that are multiples of 16"
+        return ("no linear layer is eligible (in/out features multiples of 16, accepted by "
+                "module_filter_fn)")
     for fqn, old in swaps:
         new = te.Linear(old.in_features, old.out_features, bias=old.bias is not None,
                         params_dtype=old.weight.dtype, device=old.weight.device)

@@ -1,0 +1,240 @@
+"""Fp8Linear, convert_to_fp8_training, report, fallbacks and checkpoints.
+
+CPU tests run the FP8 path through the C reference kernels (fp8_on_cpu), so
+the whole forward/backward logic is checked everywhere; GPU tests check SQNR
+against BF16 and the real speed path on the device."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fp8ops
+from fp8ops import Fp8Config
+from fp8ops._reference import sqnr
+from fp8ops.linear import Fp8Linear
+
+from conftest import requires_fp8
+
+
+class MLP(nn.Module):
+    def __init__(self, d=32, h=64, odd=False):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+        self.head = nn.Linear(d, 10 if odd else 16, bias=False)
+
+    def forward(self, x):
+        return self.head(self.down(torch.relu(self.up(x))))
+
+
+def _fp8_on_cpu(model, config=None):
+    """Convert regardless of this machine (tests the FP8 logic on CPU kernels)."""
+    for name, m in list(model.named_modules()):
+        for cname, c in list(m.named_children()):
+            if type(c) is nn.Linear and c.in_features % 16 == 0 and c.out_features % 16 == 0:
+                new = Fp8Linear.from_linear(c, config or Fp8Config())
+                new.fp8_on_cpu = True
+                setattr(m, cname, new)
+    return model
+
+
+# ------------------------------------------------------------- numerics (CPU)
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_fp8_linear_cpu_close_to_fp32(recipe, fmt):
+    torch.manual_seed(0)
+    ref = nn.Linear(64, 32)
+    lin = Fp8Linear.from_linear(copy.deepcopy(ref), Fp8Config(recipe=recipe, fp8_format=fmt))
+    lin.fp8_on_cpu = True
+    x = torch.randn(48, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y_ref = lin(x), ref(x2)
+    g = torch.randn_like(y_ref)
+    y.backward(g)
+    y_ref.backward(g)
+    print(f"sqnr y {sqnr(y_ref, y):.1f} dx {sqnr(x2.grad, x.grad):.1f} dw {sqnr(ref.weight.grad, lin.weight.grad):.1f}")
+    assert sqnr(y_ref, y) >= 25
+    assert sqnr(x2.grad, x.grad) >= 18
+    assert sqnr(ref.weight.grad, lin.weight.grad) >= 18
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
+
+
+def test_delayed_scaling_updates_after_optimizer_step():
+    torch.manual_seed(0)
+    lin = Fp8Linear(32, 16, config=Fp8Config(amax_history_len=4))
+    lin.fp8_on_cpu = True
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = torch.randn(16, 32) * 3
+    lin(x).sum().backward()
+    amax_x = x.abs().max().item()
+    assert lin.fp8_amax_history[0, 0].item() == amax_x          # recorded this step
+    opt.step()                                                    # global post-step hook
+    assert lin.fp8_step == 1
+    assert lin.fp8_amax_history[-1, 0].item() == amax_x           # rolled to the end
+    assert lin.fp8_amax_history[0].abs().sum() == 0               # slot cleared
+    assert lin.fp8_scale[0].item() == pytest.approx(448.0 / amax_x)
+
+
+def test_weight_cast_cached_across_microbatches():
+    lin = Fp8Linear(32, 16)
+    lin.fp8_on_cpu = True
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    calls = []
+    orig = fp8ops.ops.cast
+    fp8ops.linear.ops.cast = lambda *a, **k: (calls.append(a[0].shape), orig(*a, **k))[1]
+    try:
+        for _ in range(3):                       # three micro-batches, one step
+            lin(torch.randn(48, 32)).sum().backward()
+        n_weight_casts = sum(1 for s in calls if s == (16, 32))
+        opt.step()
+        lin(torch.randn(48, 32)).sum().backward()
+        n_after = sum(1 for s in calls if s == (16, 32))
+    finally:
+        fp8ops.linear.ops.cast = orig
+    assert n_weight_casts == 1 and n_after == 2
+
+
+def test_nan_gradient_keeps_scales_and_counts_overflow():
+    torch.manual_seed(0)
+    lin = Fp8Linear(32, 16, config=Fp8Config(amax_history_len=2))
+    lin.fp8_on_cpu = True
+    opt = torch.optim.SGD(lin.parameters(), lr=0.0)
+    lin(torch.randn(16, 32)).sum().backward()
+    opt.step()
+    scales = lin.fp8_scale.clone()
+    y = lin(torch.randn(16, 32))
+    (y * torch.tensor(float("nan"))).sum().backward()            # poisoned gradient
+    opt.step()
+    assert torch.isfinite(lin.fp8_scale).all() and (lin.fp8_scale > 0).all()
+    assert lin.fp8_scale[2] == scales[2]                          # grad scale kept
+    assert int(lin.fp8_overflow_count) == 1
+    row = [r for r in fp8ops.report(nn.Sequential(lin), print_table=False)][0]
+    assert row["overflow_steps"] == 1
+    for _ in range(3):                                            # recovers with clean data
+        lin.zero_grad()
+        lin(torch.randn(16, 32)).sum().backward()
+        opt.step()
+    assert torch.isfinite(lin.fp8_scale).all()
+
+
+# ------------------------------------------------------ convert and fallback
+
+def test_convert_falls_back_on_this_machine_when_no_fp8():
+    ok, reason = fp8ops.fp8_supported_here()
+    if ok:
+        pytest.skip("FP8 runs here; the fallback test is for machines without it")
+    model = MLP()
+    before = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="FP8 is OFF"):
+        out = fp8ops.convert(model)
+    assert out is model
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    rows = fp8ops.report(model, print_table=False)
+    assert [r["backend"] for r in rows] == ["bf16"] * 3
+    assert all(r["reason"] == reason for r in rows)
+    x = torch.randn(4, 32)
+    assert torch.equal(model(x), before(x))          # trains exactly like the plain model
+
+
+def test_convert_per_layer_decisions(monkeypatch):
+    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
+    model = MLP(odd=True)
+    fp8ops.convert(model, module_filter_fn=lambda m, fqn: fqn != "down")
+    assert isinstance(model.up, Fp8Linear)
+    assert type(model.down) is nn.Linear and type(model.head) is nn.Linear
+    rows = {r["name"]: r for r in fp8ops.report(model, print_table=False)}
+    assert rows["up"]["backend"] == "fp8ops"
+    assert rows["down"]["reason"] == "excluded by module_filter_fn"
+    assert "multiples of 16" in rows["head"]["reason"]
+    root = fp8ops.convert(nn.Linear(32, 32))
+    assert isinstance(root, Fp8Linear)
+
+
+def test_state_dict_is_the_bf16_models():
+    torch.manual_seed(0)
+    plain = MLP().to(torch.bfloat16)
+    conv = _fp8_on_cpu(copy.deepcopy(plain))
+    sd_p, sd_c = plain.state_dict(), conv.state_dict()
+    assert list(sd_p) == list(sd_c)
+    for k in sd_p:
+        assert sd_p[k].shape == sd_c[k].shape and sd_p[k].dtype == sd_c[k].dtype
+
+
+def test_checkpoint_roundtrip_bf16_fp8_bf16(tmp_path):
+    """BF16 checkpoint -> converted model -> train -> save -> plain BF16 model: bit-exact weights."""
+    torch.manual_seed(0)
+    plain = MLP()
+    torch.save(plain.state_dict(), tmp_path / "bf16.pt")
+    conv = _fp8_on_cpu(MLP())
+    conv.load_state_dict(torch.load(tmp_path / "bf16.pt"))
+    for k, v in plain.state_dict().items():
+        assert torch.equal(conv.state_dict()[k], v)
+    opt = torch.optim.AdamW(conv.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        conv(torch.randn(16, 32)).square().mean().backward()
+        opt.step()
+    torch.save(conv.state_dict(), tmp_path / "fp8.pt")
+    torch.save(fp8ops.scaling_state_dict(conv), tmp_path / "scaling.pt")
+    back = MLP()
+    back.load_state_dict(torch.load(tmp_path / "fp8.pt"))
+    for k, v in conv.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v)
+    again = _fp8_on_cpu(MLP())
+    again.load_state_dict(torch.load(tmp_path / "fp8.pt"))
+    assert fp8ops.load_scaling_state_dict(again, torch.load(tmp_path / "scaling.pt")) == []
+    assert torch.equal(again.up.fp8_scale, conv.up.fp8_scale)
+    assert torch.equal(again.up.fp8_amax_history, conv.up.fp8_amax_history)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        Fp8Config(recipe="fast")
+    with pytest.raises(ValueError, match="E5M2 x E5M2"):
+        Fp8Config(fp8_format="e5m2")
+    with pytest.raises(ValueError, match="interval must be"):
+        Fp8Config(interval=0)
+    assert Fp8Config().short_str() == "delayed/hybrid/h1024/max"
+
+
+# ------------------------------------------------------------------ GPU-only
+
+@requires_fp8
+@pytest.mark.gpu
+@pytest.mark.fp8
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("master", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp8_linear_cuda_sqnr_vs_bf16(recipe, master):
+    torch.manual_seed(0)
+    ref = nn.Linear(1024, 512).cuda().to(master)
+    model = fp8ops.convert(nn.Sequential(copy.deepcopy(ref)), config=Fp8Config(recipe=recipe))
+    assert isinstance(model[0], Fp8Linear)
+    x = torch.randn(4, 256, 1024, device="cuda")
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, y_ref = model(xa), ref(xb)
+    g = torch.randn_like(y_ref)
+    y.backward(g)
+    y_ref.backward(g)
+    assert y.dtype == torch.bfloat16
+    assert sqnr(y_ref.float(), y.float()) >= 25
+    assert sqnr(xb.grad, xa.grad) >= 20
+    assert sqnr(ref.weight.grad.float(), model[0].weight.grad.float()) >= 20
+    assert model[0].weight.grad.dtype == master
+
+
+@requires_fp8
+@pytest.mark.gpu
+@pytest.mark.fp8
+def test_fp8_linear_cuda_compile_and_graph():
+    torch.manual_seed(0)
+    model = fp8ops.convert(MLP(256, 512).cuda())
+    x = torch.randn(64, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = model(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True)(x)
+    torch.testing.assert_close(compiled.float(), eager.float(), rtol=0.05, atol=0.05)
