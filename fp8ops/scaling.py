@@ -20,17 +20,15 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import ops
 from .linear import G, W, X, Fp8Linear
 
-# id(weight Parameter) -> (weakref to it, weakref to its Fp8Linear). Keyed by id
-# because tensors compare elementwise; weak so dead models are not kept alive.
-_OWNER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+# Every live Fp8Linear (weak: dead models are not kept alive). The optimizer
+# hook matches layers by the identity of their *current* weight Parameter, so
+# wrappers that swap Parameters after conversion (FSDP2's DTensor shards) work.
+_LAYERS: "weakref.WeakSet[Fp8Linear]" = weakref.WeakSet()
 _hook_handle = None
 
 
 def track(layer: Fp8Linear) -> None:
-    if len(_OWNER) > 4096:  # drop entries of collected models now and then
-        for k in [k for k, (p, l) in _OWNER.items() if p() is None or l() is None]:
-            del _OWNER[k]
-    _OWNER[id(layer.weight)] = (weakref.ref(layer.weight), weakref.ref(layer))
+    _LAYERS.add(layer)
     _install_hook()
 
 
@@ -41,15 +39,12 @@ def _install_hook() -> None:
 
 
 def _layers_of(optimizer) -> list[Fp8Linear]:
-    out, seen = [], set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            refs = _OWNER.get(id(p))
-            layer = refs[1]() if refs is not None and refs[0]() is p else None
-            if layer is not None and id(layer) not in seen:
-                seen.add(id(layer))
-                out.append(layer)
-    return out
+    if not _LAYERS:
+        return []
+    # ordered as the optimizer's params, so every rank concatenates amaxes alike
+    pos = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    found = [layer for layer in list(_LAYERS) if id(layer.weight) in pos]
+    return sorted(found, key=lambda layer: pos[id(layer.weight)])
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
