@@ -152,7 +152,8 @@ def load_data(args, device, block_size):
         raise SystemExit(f"corpus too small: {len(tokens)} bytes leaves {len(val)} for validation; "
                          f"need more than block_size + 1 = {block_size + 1}")
     # The whole corpus lives on the device: a batch is then one gather, with no host transfer.
-    return train.to(device), val.to(device), f"{desc}: {len(tokens) / 1e6:.1f} MB, 90/10 split"
+    size = f"{len(tokens) / 1e6:.1f} MB" if len(tokens) >= 100_000 else f"{len(tokens):,} bytes"
+    return train.to(device), val.to(device), f"{desc}: {size}, 90/10 split"
 
 
 def get_batch(data, batch_size, block_size, generator):

@@ -116,6 +116,8 @@ class Fp8Linear(nn.Linear):
         self._fp8_g_primed = False      # ... and the first backward the grad scale
         self._w_cache = None            # (key, w8, w8t)
         self.fp8_on_cpu = False         # tests: run the FP8 path on CPU with the C reference kernels
+        self.fp8_policy_measuring = False  # policy.py's throwaway layers skip the policy
+        self.fp8_policy = {}            # M -> (fp8 wins, speedup): policy="auto" verdicts for this layer
         from .scaling import track  # noqa: PLC0415 -- scaling imports this module
         track(self)                     # scales update after each optimizer step
 
@@ -167,6 +169,19 @@ class Fp8Linear(nn.Linear):
             self._w_cache = (key, w8, w8t)
         return w8, w8t
 
+    def _fp8_pays(self, M: int, cdtype: torch.dtype) -> bool:
+        """policy="auto": is FP8 faster than BF16 for this shape on this GPU?
+        Measured once per shape (policy.py); under torch.compile or CUDA-graph
+        capture nothing is measured and an unknown shape runs FP8."""
+        hit = self.fp8_policy.get((M, cdtype))
+        if hit is None:
+            if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+                return True
+            from . import policy  # noqa: PLC0415
+            hit = policy.measure(self, M, cdtype)
+            self.fp8_policy[(M, cdtype)] = hit
+        return hit[0]
+
     # ----------------------------------------------------------------- forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,6 +195,11 @@ class Fp8Linear(nn.Linear):
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] % 16 != 0 and x.device.type == "cuda":
             # cuBLASLt FP8 needs M % 16 == 0; this call (e.g. an odd eval batch) runs BF16
+            self.fp8_fallback_calls += 1
+            with torch.autocast("cuda", dtype=cdtype, enabled=cdtype != torch.float32):
+                return F.linear(x, self.weight, self.bias)
+        if (self.fp8_config.policy == "auto" and x.device.type == "cuda" and not self.fp8_policy_measuring
+                and not self._fp8_pays(x2.shape[0], cdtype)):
             self.fp8_fallback_calls += 1
             with torch.autocast("cuda", dtype=cdtype, enabled=cdtype != torch.float32):
                 return F.linear(x, self.weight, self.bias)

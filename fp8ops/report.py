@@ -32,6 +32,9 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                 "amax_x": float(last[X]), "amax_w": float(last[W]), "amax_g": float(last[G]),
                 "overflow_steps": int(m.fp8_overflow_count), "fallback_calls": m.fp8_fallback_calls,
             })
+            slow = [f"M={M}: BF16 (FP8 {v[1]:.2f}x)" for (M, _), v in m.fp8_policy.items() if not v[0]]
+            if slow:
+                rows[-1]["reason"] += "; policy auto measured FP8 slower for " + ", ".join(slow)
         elif isinstance(m, nn.Linear):
             backend, reason = decisions.get(name, ("bf16", "not converted (convert() was not called on it)"))
             rows.append({"name": name or "<root>", "backend": "bf16", "reason": reason, "recipe": None,
