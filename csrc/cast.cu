@@ -30,27 +30,86 @@
 #include "fp8_convert.h"  // defines: fp8ops_f32_to_e4m3/e5m2, fp8ops_bf16/f16_to_f32
 
 // ----------------------------------------------------------------------------
-// CUDA helpers
+// CUDA helpers (element conversion)
+//
+// Why not call fp8ops_f32_to_e4m3 per element: its if / else-if chain compiles
+// to a real branch per element (BSSY / BSYNC, no interleaving across
+// elements), about 29 instructions per element in the transposing kernel,
+// which then cannot reach the memory bandwidth (at ~4.1 elements per clock
+// per SM on an H200 the kernel is issue-bound, not memory-bound). The
+// conversion below is branch-free, ~7 instructions per element, and gives the
+// same bits as `y = v * s; clamp to +-max (NaN passes); fp8ops_f32_to_e4m3/
+// e5m2(y)` of cast_cpu.c for every fp32 y: benchmarks/dev/cast_check.cu
+// compares it exhaustively (all 2^32 inputs) against fp8_convert.h.
+//
+// Rounding: for a = |y| clamped to max, with k = max(exponent of a, emin)
+// (emin = -6 for e4m3, -14 for e5m2) the fp8 grid step there is
+// q = 2^(k - mbits). Adding M = 2^(k + 23 - mbits) + delta * q puts a into a
+// binade whose fp32 ulp is exactly q, so the fp32 add rounds a to the fp8 grid
+// with ties to even (delta is even), subnormals included. The sum's bits are
+// bits(2^K) + delta + n (n = round(a / q)), and the fp8 code is
+// n + (bits(M) >> (23 - mbits)) - const; delta is chosen so that const
+// vanishes mod 256 (152 for e4m3, 232 for e5m2): the code is the low byte of
+// `sum_bits + (M_bits >> (23 - mbits))` (one LEA.HI). M itself is one
+// VIADDMNMX: max(exponent_bits(a) + offset, floor) on sm_90+.
+// NaN never reaches this (callers patch it: 0x7F), +inf clamps to max.
 
-// Saturate, convert, return the fp8 byte in the low 8 bits; the same bits as
-// cast_cpu.c's `y = v * s; if (y > max) y = max; if (y < -max) y = -max;
-// fp8ops_f32_to_e4m3/e5m2(y)`. The product uses __fmul_rn so that it can never
-// be contracted into an FMA: it must round exactly like the CPU's `v * s`.
-// The clamp is done on the ordered |bits| (for every non-NaN y, min(|y|, max)
-// with the sign put back is exactly torch's clamp, -0 and +-inf included), and
-// NaN is patched afterwards to what both conversions return for NaN (0x7F,
-// sign kept). Written this way the compiler can prove the conversion's
-// ">= 480 or NaN" branch dead and emits straight-line predicated code; a
-// float clamp that lets NaN through leaves that branch (and a BSSY/BSYNC pair
-// per element) in, about 40% more instructions in an issue-bound kernel.
+// fp32 arithmetic that must round exactly like the CPU's: the _rn intrinsics
+// are never contracted into an FMA. Host versions for tests.
+__host__ __device__ __forceinline__ float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+__host__ __device__ __forceinline__ float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+__host__ __device__ __forceinline__ uint32_t umin32(uint32_t a, uint32_t b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ uint32_t umax32(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
 template <int FMT>
-__device__ __forceinline__ uint32_t cast_elem(float v, float scale) {
-  constexpr uint32_t max_bits = FMT == FP8OPS_E4M3 ? 0x43E00000u /* 448 */ : 0x47600000u /* 57344 */;
-  const uint32_t b = fp8ops_f32_bits(__fmul_rn(v, scale));
-  const uint32_t sign = b & 0x80000000u, a = b ^ sign;
-  const float c = fp8ops_bits_f32(min(a, max_bits));  // |clamped y|
-  const uint32_t q = FMT == FP8OPS_E4M3 ? fp8ops_f32_to_e4m3(c) : fp8ops_f32_to_e5m2(c);
-  return (a > 0x7F800000u ? 0x7Fu : q) | (sign >> 24);
+struct Fp8Consts {
+  static constexpr uint32_t max_bits = FMT == FP8OPS_E4M3 ? 0x43E00000u : 0x47600000u;  // 448 / 57344
+  static constexpr uint32_t shift = FMT == FP8OPS_E4M3 ? 20 : 21;  // 23 - mantissa bits
+  static constexpr uint32_t min_exp = FMT == FP8OPS_E4M3 ? 121 : 113;  // fp32 biased exponent of emin
+  static constexpr uint32_t delta = FMT == FP8OPS_E4M3 ? 152 : 232;
+  static constexpr uint32_t magic_add = (shift << 23) + delta;
+  static constexpr uint32_t magic_min = ((min_exp + shift) << 23) + delta;
+};
+
+// |y| as bits (not NaN; +inf allowed) -> fp8 code of the saturated value in
+// the low 8 bits (upper bits are garbage; callers take the low byte).
+template <int FMT>
+__host__ __device__ __forceinline__ uint32_t fp8_code(uint32_t a) {
+  using K = Fp8Consts<FMT>;
+  const uint32_t c = umin32(a, K::max_bits);
+  const uint32_t m = umax32((c & 0x7F800000u) + K::magic_add, K::magic_min);
+  const uint32_t s = fp8ops_f32_bits(add_rn(fp8ops_bits_f32(c), fp8ops_bits_f32(m)));
+  return s + (m >> K::shift);
+}
+
+// The complete fp8 byte of x * scale for any x and scale, as cast_cpu.c
+// computes it on x86. NaN: 0x7F with a sign bit. The GPU's fmul returns a
+// canonical (positive) NaN, x86's mulss does not, so the sign is the one
+// x86 gives `x * scale`: a NaN operand's own sign (x first), or negative for
+// an invalid product (0 * inf: x86's default NaN is negative).
+template <int FMT>
+__host__ __device__ __forceinline__ uint32_t cast_byte(float x, float scale) {
+  const uint32_t yb = fp8ops_f32_bits(mul_rn(x, scale));
+  const uint32_t a = yb & 0x7FFFFFFFu;
+  const uint32_t xb = fp8ops_f32_bits(x), sb = fp8ops_f32_bits(scale);
+  const uint32_t nan_sign = (xb & 0x7FFFFFFFu) > 0x7F800000u   ? xb
+                            : (sb & 0x7FFFFFFFu) > 0x7F800000u ? sb
+                                                               : 0x80000000u;
+  const bool nan = a > 0x7F800000u;
+  const uint32_t code = nan ? 0x7Fu : fp8_code<FMT>(a) & 0xFFu;
+  return code | (((nan ? nan_sign : yb) >> 24) & 0x80u);
 }
 
 // One element of dtype DT, loaded by index (scalar paths), as float.
@@ -65,51 +124,80 @@ __device__ __forceinline__ float load_elem(const void* x, int64_t i) {
   }
 }
 
-// Running max of |x| over one thread's elements, kept as ordered bits.
-// fp32: the |bits| of each float. bf16 / fp16: the 16-bit |bits| are ordered
-// like the values too (NaN above inf), so two elements of a 32-bit word are
-// reduced at once and converted to fp32 bits only at the end; sm_90+ has a
-// 16x2 integer max (VIMNMX.U16x2), older parts keep two 32-bit maxima.
+// ----------------------------------------------------------------------------
+// CUDA helpers (amax, packing)
+
+// Running max of |x| over one thread's elements, as ordered bits.
+// fp32: max of |bits|. bf16 / fp16: the 16-bit sign-magnitude patterns order
+// like the values too (NaN above inf), so 32-bit words (two elements) are
+// reduced raw and turned into fp32 bits only at the end. On sm_90+ with the
+// 16x2 integer max (VIMNMX3): the unsigned max of the raw halves is
+// 0x8000 + the largest negative magnitude (when there is one), the signed
+// max (from 0) the largest positive one; no masking per word. Older parts
+// keep two 32-bit maxima of masked halves. Scalar paths fold fp32 bits into
+// `f32`.
 template <int DT>
 struct AbsMax {
+  uint32_t f32 = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t m = 0;
+  uint32_t mu = 0, ms = 0;
   __device__ __forceinline__ void add_word(uint32_t w) {
     if constexpr (DT == FP8OPS_F32) {
-      m = max(m, w & 0x7FFFFFFFu);
+      f32 = max(f32, w & 0x7FFFFFFFu);
     } else {
-      m = __vmaxu2(m, w & 0x7FFF7FFFu);
+      mu = __vmaxu2(mu, w);
+      ms = __vmaxs2(ms, w);
     }
   }
-  __device__ __forceinline__ uint32_t m16() const { return max(m & 0xFFFFu, m >> 16); }
+  __device__ __forceinline__ void merge(const AbsMax& o) {
+    f32 = max(f32, o.f32);
+    mu = __vmaxu2(mu, o.mu);
+    ms = __vmaxs2(ms, o.ms);
+  }
+  // largest |x| of the words as 16-bit bits (ms halves are in [0, 0x7FFF]; a
+  // mu half below 0x8000 is a positive value, already in ms)
+  __device__ __forceinline__ uint32_t m16() const {
+    const uint32_t t = max(ms, mu & 0x7FFF7FFFu);
+    return max(t & 0xFFFFu, t >> 16);
+  }
 #else
-  uint32_t m = 0, hi = 0;
+  uint32_t lo = 0, hi = 0;
   __device__ __forceinline__ void add_word(uint32_t w) {
     if constexpr (DT == FP8OPS_F32) {
-      m = max(m, w & 0x7FFFFFFFu);
+      f32 = max(f32, w & 0x7FFFFFFFu);
     } else {
-      m = max(m, w & 0x7FFFu);
+      lo = max(lo, w & 0x7FFFu);
       hi = max(hi, w & 0x7FFF0000u);
     }
   }
-  __device__ __forceinline__ uint32_t m16() const { return max(m, hi >> 16); }
+  __device__ __forceinline__ void merge(const AbsMax& o) {
+    f32 = max(f32, o.f32);
+    lo = max(lo, o.lo);
+    hi = max(hi, o.hi);
+  }
+  __device__ __forceinline__ uint32_t m16() const { return max(lo, hi >> 16); }
 #endif
-  // one scalar element (already a float)
+  __device__ __forceinline__ void add_vec(const uint4& v) {
+    add_word(v.x);
+    add_word(v.y);
+    add_word(v.z);
+    add_word(v.w);
+  }
   __device__ __forceinline__ void add_f32(float v) {
-    const uint32_t a = fp8ops_f32_bits(v) & 0x7FFFFFFFu;
+    f32 = max(f32, fp8ops_f32_bits(v) & 0x7FFFFFFFu);
+  }
+  // every element added with add_word is finite
+  __device__ __forceinline__ bool words_finite() const {
     if constexpr (DT == FP8OPS_F32) {
-      m = max(m, a);
+      return f32 < 0x7F800000u;
     } else {
-      // scalar paths of 16-bit inputs convert to fp32 bits, which order the
-      // same way; fold them into the fp32-bits result below
-      f32 = max(f32, a);
+      return m16() < (DT == FP8OPS_BF16 ? 0x7F80u : 0x7C00u);
     }
   }
-  uint32_t f32 = 0;
-  // the result as |fp32| bits
+  // the result: |amax| as fp32 bits
   __device__ __forceinline__ uint32_t bits() const {
     if constexpr (DT == FP8OPS_F32) {
-      return m;
+      return f32;
     } else if constexpr (DT == FP8OPS_BF16) {
       return max(f32, m16() << 16);
     } else {
@@ -119,19 +207,17 @@ struct AbsMax {
 };
 
 // Block-wide max of `v` (uint32 bits of |amax|), then one atomicMax into
-// *amax by thread 0. Every thread of the block must call it (warp shuffles
-// and a barrier inside). `red` holds one word per warp.
+// *amax by thread 0. Every thread of the block must call it (warp reduce and
+// a barrier inside). `red` holds one word per warp; 1-D blocks.
 __device__ __forceinline__ void block_amax_atomic(uint32_t v, uint32_t* red, float* amax) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nwarps = (blockDim.x * blockDim.y + 31) >> 5;
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
   v = __reduce_max_sync(0xFFFFFFFFu, v);
   if (lane == 0) red[warp] = v;
   __syncthreads();
-  if (tid == 0) {
+  if (threadIdx.x == 0) {
     uint32_t m = 0;
-    for (int w = 0; w < nwarps; ++w) m = max(m, red[w]);
-    if (m != 0) atomicMax((unsigned int*)amax, m);  // *amax starts at 0: 0 changes nothing
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) m = max(m, red[w]);
+    if (m != 0) atomicMax((unsigned int*)amax, m);  // *amax starts at +0: 0 changes nothing
   }
 }
 
@@ -150,43 +236,102 @@ __device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c,
   c3 = __byte_perm(s1, s3, 0x7632);
 }
 
-// Four fp8 bytes (low byte of each argument) packed into one word, b0 first.
+// The low bytes of four words packed into one, b0 first. Three PRMTs.
 __device__ __forceinline__ uint32_t pack4(uint32_t b0, uint32_t b1, uint32_t b2, uint32_t b3) {
   return __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
 }
 
-// One 16-byte vector of input -> its fp8 bytes packed in words (2 words for
-// 8 bf16/fp16 elements, 1 word for 4 fp32 elements), amax updated.
+// Elements per 16-byte vector and packed fp8 words per vector.
+template <int DT>
+struct VecInfo {
+  static constexpr int esz = DT == FP8OPS_F32 ? 4 : 2;
+  static constexpr int vec = 16 / esz;   // 4 or 8 elements
+  static constexpr int words = vec / 4;  // 1 or 2 words of fp8 bytes
+};
+
+// Fast conversion of one 16-byte vector whose elements are all finite, with a
+// finite scale (so no NaN anywhere): codes from |x| * |scale|, the sign bits
+// straight from the input words, flipped for a negative scale (`neg` is
+// 0x80808080 then, else 0). p gets VecInfo::words packed words.
 template <int DT, int FMT>
-__device__ __forceinline__ void cast_vec16(const uint4& v, float scale, AbsMax<DT>& am,
-                                           uint32_t* p) {
+__device__ __forceinline__ void cast_vec_fast(const uint4& v, float abs_scale, uint32_t neg,
+                                              uint32_t* p) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
   if constexpr (DT == FP8OPS_F32) {
-    uint32_t b[4];
+    uint32_t c[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      c[k] = fp8_code<FMT>(fp8ops_f32_bits(mul_rn(fabsf(fp8ops_bits_f32(w[k])), abs_scale)));
+    const uint32_t signs = __byte_perm(__byte_perm(w[0], w[1], 0x0073),
+                                       __byte_perm(w[2], w[3], 0x0073), 0x5410);
+    p[0] = (pack4(c[0], c[1], c[2], c[3]) | (signs & 0x80808080u)) ^ neg;
+  } else {
+    uint32_t c[8];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      am.add_word(w[k]);
-      b[k] = cast_elem<FMT>(fp8ops_bits_f32(w[k]), scale);
+      float lo, hi;
+      if constexpr (DT == FP8OPS_BF16) {
+        lo = fabsf(fp8ops_bits_f32(w[k] << 16));  // exact: bf16 is the top half of fp32
+        hi = fabsf(fp8ops_bits_f32(w[k] & 0xFFFF0000u));
+      } else {
+        // fp16 magnitude bits shifted into fp32 position read as a float that
+        // is exactly 2^-112 times the value (fp16 subnormals land on fp32
+        // subnormals); the power-of-two product is exact. Finite inputs only.
+        lo = mul_rn(fp8ops_bits_f32((w[k] & 0x7FFFu) << 13), 0x1p112f);
+        hi = mul_rn(fp8ops_bits_f32((w[k] >> 3) & 0x0FFFE000u), 0x1p112f);
+      }
+      c[2 * k] = fp8_code<FMT>(fp8ops_f32_bits(mul_rn(lo, abs_scale)));
+      c[2 * k + 1] = fp8_code<FMT>(fp8ops_f32_bits(mul_rn(hi, abs_scale)));
     }
-    p[0] = pack4(b[0], b[1], b[2], b[3]);
+    // sign bits of elements 0..3 are the top bits of bytes 1, 3 of w0, w1
+    const uint32_t s01 = __byte_perm(w[0], w[1], 0x7531);
+    const uint32_t s23 = __byte_perm(w[2], w[3], 0x7531);
+    p[0] = (pack4(c[0], c[1], c[2], c[3]) | (s01 & 0x80808080u)) ^ neg;
+    p[1] = (pack4(c[4], c[5], c[6], c[7]) | (s23 & 0x80808080u)) ^ neg;
+  }
+}
+
+// Exact conversion of one 16-byte vector for any values (NaN, inf): each
+// element through cast_byte.
+template <int DT, int FMT>
+__device__ __forceinline__ void cast_vec_full(const uint4& v, float scale, uint32_t* p) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  if constexpr (DT == FP8OPS_F32) {
+    p[0] = pack4(cast_byte<FMT>(fp8ops_bits_f32(w[0]), scale),
+                 cast_byte<FMT>(fp8ops_bits_f32(w[1]), scale),
+                 cast_byte<FMT>(fp8ops_bits_f32(w[2]), scale),
+                 cast_byte<FMT>(fp8ops_bits_f32(w[3]), scale));
   } else {
     uint32_t b[8];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      am.add_word(w[k]);
-      float lo, hi;
-      if constexpr (DT == FP8OPS_BF16) {
-        lo = fp8ops_bf16_to_f32((uint16_t)(w[k] & 0xFFFFu));
-        hi = fp8ops_bf16_to_f32((uint16_t)(w[k] >> 16));
-      } else {
-        lo = fp8ops_f16_to_f32((uint16_t)(w[k] & 0xFFFFu));
-        hi = fp8ops_f16_to_f32((uint16_t)(w[k] >> 16));
-      }
-      b[2 * k] = cast_elem<FMT>(lo, scale);
-      b[2 * k + 1] = cast_elem<FMT>(hi, scale);
+    for (int k = 0; k < 8; ++k) {
+      const uint16_t h = (uint16_t)(w[k >> 1] >> (16 * (k & 1)));
+      b[k] = cast_byte<FMT>(DT == FP8OPS_BF16 ? fp8ops_bf16_to_f32(h) : fp8ops_f16_to_f32(h), scale);
     }
     p[0] = pack4(b[0], b[1], b[2], b[3]);
     p[1] = pack4(b[4], b[5], b[6], b[7]);
+  }
+}
+
+// Converts N vectors, updates `am`. The fast conversion runs when the scale
+// and all N * vec inputs are finite (then no product is NaN); else the exact
+// one (a branch per thread per batch, not per element).
+template <int DT, int FMT, int N>
+__device__ __forceinline__ void cast_batch(const uint4 (&v)[N], float scale, AbsMax<DT>& am,
+                                           uint32_t (&p)[N][VecInfo<DT>::words]) {
+  AbsMax<DT> local;
+#pragma unroll
+  for (int i = 0; i < N; ++i) local.add_vec(v[i]);
+  am.merge(local);
+  const uint32_t sb = fp8ops_f32_bits(scale);
+  if (local.words_finite() && (sb & 0x7FFFFFFFu) < 0x7F800000u) {
+    const float abs_scale = fabsf(scale);
+    const uint32_t neg = (sb & 0x80000000u) ? 0x80808080u : 0u;
+#pragma unroll
+    for (int i = 0; i < N; ++i) cast_vec_fast<DT, FMT>(v[i], abs_scale, neg, p[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) cast_vec_full<DT, FMT>(v[i], scale, p[i]);
   }
 }
 
@@ -258,8 +403,7 @@ __global__ void __launch_bounds__(CT_THREADS)
 
   AbsMax<DT> am;
   uint32_t p[CT_RB][WORDS];  // p[i][w]: row i, cols 4w..4w+3 (byte k = col 4w+k)
-#pragma unroll
-  for (int i = 0; i < CT_RB; ++i) cast_vec16<DT, FMT>(v[i], scale, am, p[i]);
+  cast_batch<DT, FMT, CT_RB>(v, scale, am, p);
 
   if (valid) {
     uint8_t* dst = out + r * cols + c;
@@ -342,7 +486,7 @@ __global__ void __launch_bounds__(256)
     if (rr < rows && cc < cols) {
       const float v = load_elem<DT>(x, rr * cols + cc);
       am.add_f32(v);
-      const uint8_t q = (uint8_t)cast_elem<FMT>(v, scale);
+      const uint8_t q = (uint8_t)cast_byte<FMT>(v, scale);
       out[rr * cols + cc] = q;
       tile[ty + 8 * i][tx] = q;
     }
@@ -397,7 +541,7 @@ __global__ void __launch_bounds__(EW_THREADS)
     const int64_t i = s < head ? s : tail0 + (s - head);
     const float v = load_elem<DT>(x, i);
     am.add_f32(v);
-    if constexpr (WRITE) out[i] = (uint8_t)cast_elem<FMT>(v, scale);
+    if constexpr (WRITE) out[i] = (uint8_t)cast_byte<FMT>(v, scale);
   }
 
   // vector body
@@ -410,26 +554,24 @@ __global__ void __launch_bounds__(EW_THREADS)
       const int64_t idx = base + j * EW_THREADS;
       v[j] = idx < nvec ? __ldcs(src + idx) : make_uint4(0, 0, 0, 0);
     }
+    if constexpr (WRITE) {
+      uint32_t p[EW_UNROLL][WORDS];
+      cast_batch<DT, FMT, EW_UNROLL>(v, scale, am, p);
 #pragma unroll
-    for (int j = 0; j < EW_UNROLL; ++j) {
-      const int64_t idx = base + j * EW_THREADS;
-      if constexpr (WRITE) {
-        uint32_t p[WORDS];
-        cast_vec16<DT, FMT>(v[j], scale, am, p);
+      for (int j = 0; j < EW_UNROLL; ++j) {
+        const int64_t idx = base + j * EW_THREADS;
         uint8_t* dst = out + head + idx * VEC;
         if (idx < nvec) {
           if constexpr (WORDS == 2) {
-            *(uint2*)dst = make_uint2(p[0], p[1]);
+            *(uint2*)dst = make_uint2(p[j][0], p[j][1]);
           } else {
-            *(uint32_t*)dst = p[0];
+            *(uint32_t*)dst = p[j][0];
           }
         }
-      } else {
-        am.add_word(v[j].x);
-        am.add_word(v[j].y);
-        am.add_word(v[j].z);
-        am.add_word(v[j].w);
       }
+    } else {
+#pragma unroll
+      for (int j = 0; j < EW_UNROLL; ++j) am.add_vec(v[j]);
     }
   }
   block_amax_atomic(am.bits(), red, amax);
