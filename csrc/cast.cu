@@ -250,21 +250,20 @@ struct VecInfo {
 };
 
 // Fast conversion of one 16-byte vector whose elements are all finite, with a
-// finite scale (so no NaN anywhere): codes from |x| * |scale|, the sign bits
-// straight from the input words, flipped for a negative scale (`neg` is
-// 0x80808080 then, else 0). p gets VecInfo::words packed words.
+// finite scale >= +0 (so no NaN anywhere, and sign(x * scale) = sign(x)):
+// codes from |x| * scale, the sign bits straight from the input words.
+// p gets VecInfo::words packed words.
 template <int DT, int FMT>
-__device__ __forceinline__ void cast_vec_fast(const uint4& v, float abs_scale, uint32_t neg,
-                                              uint32_t* p) {
+__device__ __forceinline__ void cast_vec_fast(const uint4& v, float scale, uint32_t* p) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
   if constexpr (DT == FP8OPS_F32) {
     uint32_t c[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k)
-      c[k] = fp8_code<FMT>(fp8ops_f32_bits(mul_rn(fabsf(fp8ops_bits_f32(w[k])), abs_scale)));
+      c[k] = fp8_code<FMT>(fp8ops_f32_bits(mul_rn(fabsf(fp8ops_bits_f32(w[k])), scale)));
     const uint32_t signs = __byte_perm(__byte_perm(w[0], w[1], 0x0073),
                                        __byte_perm(w[2], w[3], 0x0073), 0x5410);
-    p[0] = (pack4(c[0], c[1], c[2], c[3]) | (signs & 0x80808080u)) ^ neg;
+    p[0] = (pack4(c[0], c[1], c[2], c[3]) | (signs & 0x80808080u));
   } else {
     uint32_t c[8];
 #pragma unroll
@@ -280,14 +279,14 @@ __device__ __forceinline__ void cast_vec_fast(const uint4& v, float abs_scale, u
         lo = mul_rn(fp8ops_bits_f32((w[k] & 0x7FFFu) << 13), 0x1p112f);
         hi = mul_rn(fp8ops_bits_f32((w[k] >> 3) & 0x0FFFE000u), 0x1p112f);
       }
-      c[2 * k] = fp8_code<FMT>(fp8ops_f32_bits(mul_rn(lo, abs_scale)));
-      c[2 * k + 1] = fp8_code<FMT>(fp8ops_f32_bits(mul_rn(hi, abs_scale)));
+      c[2 * k] = fp8_code<FMT>(fp8ops_f32_bits(mul_rn(lo, scale)));
+      c[2 * k + 1] = fp8_code<FMT>(fp8ops_f32_bits(mul_rn(hi, scale)));
     }
     // sign bits of elements 0..3 are the top bits of bytes 1, 3 of w0, w1
     const uint32_t s01 = __byte_perm(w[0], w[1], 0x7531);
     const uint32_t s23 = __byte_perm(w[2], w[3], 0x7531);
-    p[0] = (pack4(c[0], c[1], c[2], c[3]) | (s01 & 0x80808080u)) ^ neg;
-    p[1] = (pack4(c[4], c[5], c[6], c[7]) | (s23 & 0x80808080u)) ^ neg;
+    p[0] = (pack4(c[0], c[1], c[2], c[3]) | (s01 & 0x80808080u));
+    p[1] = (pack4(c[4], c[5], c[6], c[7]) | (s23 & 0x80808080u));
   }
 }
 
@@ -314,8 +313,9 @@ __device__ __forceinline__ void cast_vec_full(const uint4& v, float scale, uint3
 }
 
 // Converts N vectors, updates `am`. The fast conversion runs when the scale
-// and all N * vec inputs are finite (then no product is NaN); else the exact
-// one (a branch per thread per batch, not per element).
+// is finite and not negative and all N * vec inputs are finite (then no
+// product is NaN); else the exact one (a branch per thread per batch, not per
+// element; scales are positive in practice, NaN / inf inputs rare).
 template <int DT, int FMT, int N>
 __device__ __forceinline__ void cast_batch(const uint4 (&v)[N], float scale, AbsMax<DT>& am,
                                            uint32_t (&p)[N][VecInfo<DT>::words]) {
@@ -323,12 +323,10 @@ __device__ __forceinline__ void cast_batch(const uint4 (&v)[N], float scale, Abs
 #pragma unroll
   for (int i = 0; i < N; ++i) local.add_vec(v[i]);
   am.merge(local);
-  const uint32_t sb = fp8ops_f32_bits(scale);
-  if (local.words_finite() && (sb & 0x7FFFFFFFu) < 0x7F800000u) {
-    const float abs_scale = fabsf(scale);
-    const uint32_t neg = (sb & 0x80000000u) ? 0x80808080u : 0u;
+  // a positive finite scale (+0 included: bits below +inf), finite inputs
+  if (local.words_finite() && fp8ops_f32_bits(scale) < 0x7F800000u) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) cast_vec_fast<DT, FMT>(v[i], abs_scale, neg, p[i]);
+    for (int i = 0; i < N; ++i) cast_vec_fast<DT, FMT>(v[i], scale, p[i]);
   } else {
 #pragma unroll
     for (int i = 0; i < N; ++i) cast_vec_full<DT, FMT>(v[i], scale, p[i]);
@@ -345,54 +343,67 @@ __device__ __forceinline__ void cast_batch(const uint4 (&v)[N], float scale, Abs
 // tile cols = 16 lanes * VEC: 128 for bf16/fp16 (VEC 8), 64 for fp32 (VEC 4)
 #define CT_VEC(DT) ((DT) == FP8OPS_F32 ? 4 : 8)
 #define CT_TN(DT) (16 * CT_VEC(DT))
+// Blocks per SM the register allocation must allow: 4 (<= 64 registers,
+// 1024 threads, 128 KB of loads in flight per SM) for bf16 / fp16 on sm_90+;
+// 3 (<= 80 registers) for fp32, where 64 would spill. sm_89 lacks the 16x2
+// integer max and VIADDMNMX and needs more registers: 3 for fp32, 2 for
+// bf16 / fp16 (80 would spill).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define CT_MIN_BLOCKS(DT) ((DT) == FP8OPS_F32 ? 3 : 2)
+#else
+#define CT_MIN_BLOCKS(DT) ((DT) == FP8OPS_F32 ? 3 : 4)
+#endif
 
 // cast + transpose + amax, fast path (rows % 16 == 0, cols % 16 == 0, x / out
 // / out_t 16-byte aligned).
-// Block dims: (256). Grid dims: (tiles_m * tiles_n), one 128 x TN tile each,
-// row-major over tiles so that neighbouring blocks read neighbouring columns.
+// Block dims: (256). Grid dims: (tiles_n, tiles_m), one 128 x TN tile each
+// (TN = 128 columns for bf16 / fp16, 64 for fp32); blockIdx.x runs along a
+// row band, so the blocks in flight read neighbouring columns.
 // Thread (h = tid / 16, l = tid % 16) loads the 8 x VEC block at tile rows
-// 8h..8h+7, cols VEC*l..: eight independent 16-byte loads in flight (a
-// half-warp reads 256 contiguous bytes of one row). It converts them, stores
-// each row's VEC fp8 bytes to `out` (8 or 4 bytes; a half-warp writes 128 or
-// 64 contiguous bytes), transposes the 8 x VEC byte block in registers and
-// writes each column's 8 bytes (8 rows) as one u64 into the shared tile
-// tile_t[TN][128] (column-major: one 128-byte row per input column). Then
-// each thread copies 16-byte chunks (16 consecutive input rows of one column)
-// from tile_t to out_t with 16-byte stores; 8 lanes cover one column's 128
-// contiguous bytes of out_t.
+// 8h..8h+7, cols VEC*l.. (VEC = 8 bf16/fp16, 4 fp32): eight independent
+// 16-byte loads in flight (a half-warp reads 256 contiguous bytes of one
+// row). It converts them, stores each row's VEC fp8 bytes to `out` (8 or 4
+// bytes; a half-warp writes 128 or 64 contiguous bytes), transposes the
+// 8 x VEC byte block in registers (PRMT) and writes each column's 8 bytes
+// (8 rows) as one u64 into the shared tile tile_t[TN][128] (one 128-byte row
+// per input column). After the barrier each thread copies 16-byte chunks
+// (16 consecutive input rows of one column) from tile_t to out_t with
+// 16-byte stores; 8 lanes cover one column's 128 contiguous bytes of out_t.
 // Bank conflicts: the 16-byte chunk index inside a tile_t row is XOR-swizzled
 // with (row / VEC) & 7, i.e. with the writing lane l: the u64 writes of a
-// half-warp then hit 8 distinct 16-byte bank groups (2-way at worst, the
-// minimum for 16 lanes at a fixed 8-byte half of a chunk), and the 16-byte
-// reads of a quarter-warp (8 chunks of one row) are conflict-free.
+// half-warp then hit 8 distinct 16-byte bank groups (2-way, the minimum for
+// 16 lanes writing the same 8-byte half of a chunk), and the 16-byte reads of
+// a quarter-warp (8 chunks of one row) are conflict-free.
 // rows % 16 == 0 and cols % 16 == 0 make every 8-row block, every VEC-column
 // vector and every 16-row chunk of a partial edge tile either fully inside or
 // fully outside, so the edges need whole-vector predicates only.
 template <int DT, int FMT>
-__global__ void __launch_bounds__(CT_THREADS)
+__global__ void __launch_bounds__(CT_THREADS, CT_MIN_BLOCKS(DT))
     cast_transpose_kernel(const void* __restrict__ x, const float* __restrict__ scale_p,
                           uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
-                          float* __restrict__ amax, int64_t rows, int64_t cols, int tiles_n) {
-  constexpr int ESZ = DT == FP8OPS_F32 ? 4 : 2;
+                          float* __restrict__ amax, int64_t rows, int64_t cols) {
+  constexpr int ESZ = VecInfo<DT>::esz;
   constexpr int VEC = CT_VEC(DT);
   constexpr int TN = CT_TN(DT);
-  constexpr int WORDS = VEC / 4;  // packed fp8 words per 16-byte input vector
+  constexpr int WORDS = VecInfo<DT>::words;
   __shared__ __align__(16) uint8_t tile_t[TN * CT_TM];
   __shared__ uint32_t red[CT_THREADS / 32];
 
   const int tid = threadIdx.x;
   const int h = tid >> 4, l = tid & 15;
-  const int tile_m = blockIdx.x / tiles_n, tile_n = blockIdx.x - tile_m * tiles_n;
-  const int64_t row0 = (int64_t)tile_m * CT_TM, col0 = (int64_t)tile_n * TN;
-  const int64_t r = row0 + h * CT_RB, c = col0 + l * VEC;
-  const bool valid = r < rows && c < cols;
+  const int64_t row0 = (int64_t)blockIdx.y * CT_TM, col0 = (int64_t)blockIdx.x * TN;
+  // rows / cols left in this tile (edge tiles are partial), as ints
+  const int tile_rows = (int)min(rows - row0, (int64_t)CT_TM);
+  const int tile_cols = (int)min(cols - col0, (int64_t)TN);
+  const bool valid = h * CT_RB < tile_rows && l * VEC < tile_cols;
   const float scale = __ldg(scale_p);
 
   // all loads first: eight 16-byte loads in flight per thread. x is read
   // once, so the loads are marked evict-first (ld.global.cs).
   uint4 v[CT_RB];
+  const int64_t off = (row0 + h * CT_RB) * cols + col0 + l * VEC;  // element offset of row 0
   if (valid) {
-    const uint4* src = (const uint4*)((const char*)x + (r * cols + c) * ESZ);
+    const uint4* src = (const uint4*)((const char*)x + off * ESZ);
     const int64_t stride = cols * ESZ / 16;  // one row in uint4
 #pragma unroll
     for (int i = 0; i < CT_RB; ++i) v[i] = __ldcs(src + i * stride);
@@ -406,7 +417,7 @@ __global__ void __launch_bounds__(CT_THREADS)
   cast_batch<DT, FMT, CT_RB>(v, scale, am, p);
 
   if (valid) {
-    uint8_t* dst = out + r * cols + c;
+    uint8_t* dst = out + off;
 #pragma unroll
     for (int i = 0; i < CT_RB; ++i) {
       if constexpr (WORDS == 2) {
@@ -421,17 +432,14 @@ __global__ void __launch_bounds__(CT_THREADS)
   // and hi (rows 4..7), written as one u64 at tile_t row VEC*l + j, bytes
   // 8h..8h+7 of the row before the swizzle.
   const int swz = l & 7;  // == (tile_t row / VEC) & 7 for every j of this thread
+  uint8_t* trow = tile_t + VEC * l * CT_TM + ((((h >> 1) ^ swz) << 4) | ((h & 1) << 3));
 #pragma unroll
   for (int w = 0; w < WORDS; ++w) {
     uint32_t lo[4], hi[4];
     transpose4x4(p[0][w], p[1][w], p[2][w], p[3][w], lo[0], lo[1], lo[2], lo[3]);
     transpose4x4(p[4][w], p[5][w], p[6][w], p[7][w], hi[0], hi[1], hi[2], hi[3]);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int row_t = VEC * l + 4 * w + q;
-      const int off = row_t * CT_TM + (((h >> 1) ^ swz) << 4) + ((h & 1) << 3);
-      *(uint2*)(tile_t + off) = make_uint2(lo[q], hi[q]);
-    }
+    for (int q = 0; q < 4; ++q) *(uint2*)(trow + (4 * w + q) * CT_TM) = make_uint2(lo[q], hi[q]);
   }
 
   // amax: warp max now, the barrier below doubles as the reduction's
@@ -440,16 +448,20 @@ __global__ void __launch_bounds__(CT_THREADS)
   if (lane == 0) red[warp] = wmax;
   __syncthreads();
 
-  // out_t: TN columns x 8 chunks of 16 rows; item = column * 8 + chunk.
+  // out_t: TN columns x 8 chunks of 16 rows; thread tid takes chunk k = tid % 8
+  // of columns tid / 8 + 32 * it, so a warp stores 4 columns x 128 contiguous
+  // bytes per iteration.
   constexpr int ITEMS = TN * (CT_TM / 16) / CT_THREADS;  // 4 (bf16/fp16) or 2 (fp32)
+  constexpr int COLS_PER_IT = CT_THREADS / 8;            // 32, a multiple of VEC
+  const unsigned c0 = tid >> 3, k = tid & 7;
+  uint8_t* dst_t = out_t + (col0 + c0) * rows + row0 + 16 * k;
+  const uint8_t* src_t = tile_t + c0 * CT_TM;
 #pragma unroll
   for (int it = 0; it < ITEMS; ++it) {
-    const int item = it * CT_THREADS + tid;
-    const int cc = item >> 3, k = item & 7;
-    const int64_t gc = col0 + cc, gr = row0 + 16 * k;
-    if (gc < cols && gr < rows) {
-      const uint4 d = *(const uint4*)(tile_t + cc * CT_TM + ((k ^ ((cc / VEC) & 7)) << 4));
-      *(uint4*)(out_t + gc * rows + gr) = d;
+    if ((int)(c0 + it * COLS_PER_IT) < tile_cols && (int)(16 * k) < tile_rows) {
+      const unsigned swz_t = (c0 / VEC + it * (COLS_PER_IT / VEC)) & 7;  // (column / VEC) & 7
+      const uint4 d = *(const uint4*)(src_t + it * COLS_PER_IT * CT_TM + ((k ^ swz_t) << 4));
+      *(uint4*)(dst_t + it * COLS_PER_IT * rows) = d;
     }
   }
 
@@ -508,11 +520,13 @@ __global__ void __launch_bounds__(256)
 }
 
 #define EW_THREADS 256
-#define EW_UNROLL 4  // 16-byte loads in flight per thread per iteration
+#define EW_UNROLL 4      // 16-byte loads in flight per thread per iteration
+#define EW_MIN_BLOCKS 4  // resident blocks per SM the registers must allow; the grid is
+                         // capped at SMs * 4 so that every block is resident (grid-stride)
 
 // cast + amax without transpose (and, with out == NULL, amax alone), flat
 // over n contiguous elements.
-// Block dims: (256). Grid dims: (min(blocks needed, SMs * 8)), grid-stride.
+// Block dims: (256). Grid dims: (min(blocks needed, SMs * 4)), grid-stride.
 // Elements [head, head + 16/ESZ * nvec) are 16-byte aligned in x (and
 // 16/ESZ-byte aligned in out): each thread loads 4 independent 16-byte
 // vectors per iteration (vector j of the iteration at base + j * 256, so a
@@ -521,7 +535,7 @@ __global__ void __launch_bounds__(256)
 // elements each, or everything when x and out cannot both be aligned) go
 // element by element, grid-stride.
 template <int DT, int FMT, bool WRITE>
-__global__ void __launch_bounds__(EW_THREADS)
+__global__ void __launch_bounds__(EW_THREADS, EW_MIN_BLOCKS)
     cast_kernel(const void* __restrict__ x, const float* __restrict__ scale_p,
                 uint8_t* __restrict__ out, float* __restrict__ amax, int64_t n, int64_t head,
                 int64_t nvec) {
@@ -615,13 +629,14 @@ static int launch_elementwise(const void* x, const float* scale, uint8_t* out, f
   FP8OPS_TRY(num_sms(&sms));
   const int64_t work = nvec > 0 ? FP8OPS_CEIL_DIV(nvec, (int64_t)EW_THREADS * EW_UNROLL)
                                 : FP8OPS_CEIL_DIV(n, (int64_t)EW_THREADS);
-  const int64_t cap = (int64_t)sms * 8;
+  const int64_t cap = (int64_t)sms * EW_MIN_BLOCKS;
   const unsigned grid = (unsigned)(work < cap ? (work > 0 ? work : 1) : cap);
   if (out != NULL) {
     cast_kernel<DT, FMT, true><<<grid, EW_THREADS, 0, stream>>>(x, scale, out, amax, n, head, nvec);
   } else {
-    cast_kernel<DT, FP8OPS_E4M3, false><<<grid, EW_THREADS, 0, stream>>>(x, scale, out, amax, n, head,
-                                                                nvec);
+    // amax alone: the format is unused, one instance per dtype
+    cast_kernel<DT, FP8OPS_E4M3, false><<<grid, EW_THREADS, 0, stream>>>(x, scale, out, amax, n,
+                                                                         head, nvec);
   }
   FP8OPS_CHECK_CUDA(cudaGetLastError());
   return FP8OPS_OK;
@@ -633,13 +648,12 @@ static int launch_cast(const void* x, int64_t rows, int64_t cols, const float* s
   if (out_t == NULL) return launch_elementwise<DT, FMT>(x, scale, out, amax, rows * cols, stream);
   const bool fast = rows % 16 == 0 && cols % 16 == 0 && aligned(x, 16) && aligned(out, 16) &&
                     aligned(out_t, 16);
-  if (fast) {
-    const int64_t tiles_m = FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM);
-    const int64_t tiles_n = FP8OPS_CEIL_DIV(cols, (int64_t)CT_TN(DT));
-    FP8OPS_REQUIRE(tiles_m * tiles_n <= INT32_MAX, "cast: tensor too large ([%lld, %lld])",
-                   (long long)rows, (long long)cols);
-    cast_transpose_kernel<DT, FMT><<<(unsigned)(tiles_m * tiles_n), CT_THREADS, 0, stream>>>(
-        x, scale, out, out_t, amax, rows, cols, (int)tiles_n);
+  const int64_t ct_tiles_m = FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM);
+  const int64_t ct_tiles_n = FP8OPS_CEIL_DIV(cols, (int64_t)CT_TN(DT));
+  if (fast && ct_tiles_m <= 65535 && ct_tiles_n <= INT32_MAX) {
+    const dim3 grid((unsigned)ct_tiles_n, (unsigned)ct_tiles_m);
+    cast_transpose_kernel<DT, FMT><<<grid, CT_THREADS, 0, stream>>>(x, scale, out, out_t, amax,
+                                                                     rows, cols);
   } else {
     const int64_t tiles_m = FP8OPS_CEIL_DIV(rows, (int64_t)32);
     const int64_t tiles_n = FP8OPS_CEIL_DIV(cols, (int64_t)32);

@@ -259,6 +259,9 @@ def main(argv=None):
 
     # --- model: build, load the checkpoint (plain model), then convert to FP8 ----------------------
     resume_path = find_resume(args)
+    if resume_path is None and (out_dir / "ckpt_latest.pt").exists():
+        print(f"note: {out_dir} holds an earlier run; its checkpoints will be overwritten "
+              "(--resume auto continues it instead)")
     ckpt = None
     if resume_path is not None:
         # Our own checkpoint holds only tensors, numbers and strings: weights_only loading works.
@@ -564,8 +567,9 @@ def make_writer(args, out_dir, start_step):
     except ImportError:
         print("tensorboard: not installed (pip install tensorboard); logging to metrics.json only")
         return None
-    # purge_step drops events a previous run wrote after the step we resume from.
-    return SummaryWriter(log_dir=str(out_dir / "tb"), purge_step=start_step or None)
+    # purge_step hides events an earlier run in this directory wrote from this step on, so a
+    # resumed (or restarted) run does not draw over stale curves.
+    return SummaryWriter(log_dir=str(out_dir / "tb"), purge_step=start_step)
 
 
 def log_fp8_state(writer, model, fp8_info, step):

@@ -82,7 +82,6 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
                 decisions[name] = ("bf16", env_reason)
         msg = f"fp8ops: FP8 is OFF for this model, training runs in BF16/FP32 as before. Reason: {env_reason}"
         warnings.warn(msg, stacklevel=2)
-        log.warning(msg)
         _store(model, decisions)
         return model
 
@@ -119,6 +118,9 @@ def _store(model: nn.Module, decisions: dict) -> None:
     old = getattr(model, DECISIONS_ATTR, {})
     old.update(decisions)
     object.__setattr__(model, DECISIONS_ATTR, old)
+    # DDP must not broadcast the FP8 scaling buffers (see scaling.exclude_from_ddp_broadcast)
+    from .scaling import exclude_from_ddp_broadcast  # noqa: PLC0415 -- scaling imports linear
+    exclude_from_ddp_broadcast(model)
 
 
 convert = convert_to_fp8_training

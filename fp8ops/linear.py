@@ -17,7 +17,10 @@ scaling recomputes each tensor's scale from its own amax before each cast.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -35,12 +38,40 @@ def _record_amax(history: torch.Tensor, col: int, amax: torch.Tensor) -> None:
         torch.maximum(slot, amax.detach(), out=slot)
 
 
-def _current_scale(t2d: torch.Tensor, history, scale, scale_inv, fp8_max, col: int, margin: float):
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _all_ranks_(t: torch.Tensor, op) -> torch.Tensor:
+    """All-reduce t in place over the default process group when running
+    data-parallel (DDP / FSDP2 ranks); a no-op in a single process. Used where
+    a rank-local decision must be the same on every rank: the scales primed from
+    the first batch and the policy="auto" verdict. Every rank reaches these
+    points in the same order (the first forward / backward of each layer), as
+    DDP and FSDP2 already require."""
+    if _distributed():
+        dist.all_reduce(t, op=op)
+    return t
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # without importing torch.distributed.tensor (0.4 s): no DTensor exists before it is imported
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def _current_scale(t2d: torch.Tensor, history, scale, scale_inv, fp8_max, col: int, margin: float,
+                   across_ranks: bool = False):
     """Current (dynamic) scaling of one tensor: its amax now -> scale. Reuses
     amax_update on the tensor's own column with most_recent, so the rules
-    (zero / non-finite amax keeps the previous scale) are the same code."""
+    (zero / non-finite amax keeps the previous scale) are the same code.
+    across_ranks: take the max of the amax over the data-parallel ranks first
+    (delayed scaling's priming: each rank sees only its part of the batch, and
+    the ranks must start from one scale, the one a single process would get)."""
     with torch.no_grad():
         a = ops.amax(t2d.detach())
+        if across_ranks:
+            a = _all_ranks_(a.reshape(1), dist.ReduceOp.MAX)
         h = history[:1, col:col + 1]
         h.copy_(a.reshape(1, 1))
         ops.amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent")
@@ -74,7 +105,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         x_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = ctx.cfg
         g2 = gy.contiguous()
         if current or prime_g:
-            _current_scale(g2, history, scale, scale_inv, fp8_max, G, margin)
+            # priming (delayed): the first gradient's amax, max over the ranks
+            _current_scale(g2, history, scale, scale_inv, fp8_max, G, margin, across_ranks=prime_g)
         g8, g8t, amax_g = ops.cast(g2, scale[G:G + 1], g_dtype, need_wgrad)
         if not current:
             _record_amax(history, G, amax_g)
@@ -146,14 +178,28 @@ class Fp8Linear(nn.Linear):
         current amaxes of input and weight (and of the first gradient, in
         backward, via the 'current' path) instead of scale 1."""
         cfg = self.fp8_config
-        _current_scale(x2, self.fp8_amax_history, self.fp8_scale, self.fp8_scale_inv, self.fp8_max, X, cfg.margin)
+        # Data-parallel ranks each hold part of the batch: x's amax is reduced
+        # (max) over the ranks so they all start from the single-process scale.
+        # The weight needs no reduction: DDP replicates it, and FSDP2 runs
+        # forward on the all-gathered (full) weight.
+        _current_scale(x2, self.fp8_amax_history, self.fp8_scale, self.fp8_scale_inv, self.fp8_max, X, cfg.margin,
+                       across_ranks=True)
         w2 = self.weight if self.weight.dtype in ops.HP_DTYPES else self.weight.float()
         _current_scale(w2.detach(), self.fp8_amax_history, self.fp8_scale, self.fp8_scale_inv, self.fp8_max, W, cfg.margin)
 
     def _weight_fp8(self, compute_dtype: torch.dtype, need_t: bool):
         """Cast the weight once per optimizer step (reused by micro-batches).
         The cache is keyed on the weight's version counter, which the optimizer's
-        in-place update bumps, and on the scale update count."""
+        in-place update bumps, and on the scale update count.
+
+        FSDP2: forward sees the unsharded weight, a plain contiguous Parameter
+        that FSDP2 refills by all-gather before each forward (and before the
+        backward's recomputation under activation checkpointing). Neither its
+        version counter nor (often) its data_ptr changes when the optimizer
+        updates the shards, so there fp8_step alone invalidates the cache: the
+        optimizer hook (scaling.py) bumps it, matching the layer through the
+        sharded DTensor that is registered on the module again after backward.
+        A state_dict load drops the cache explicitly (_load_from_state_dict)."""
         cfg = self.fp8_config
         w = self.weight
         compiling = torch.compiler.is_compiling()
@@ -179,8 +225,22 @@ class Fp8Linear(nn.Linear):
                 return True
             from . import policy  # noqa: PLC0415
             hit = policy.measure(self, M, cdtype)
+            if _distributed():
+                # Ranks time on their own GPUs (and may read different disk
+                # caches): FP8 only where every rank measured it faster, so all
+                # ranks run the layer alike; a rank running it in FP8 alone
+                # would prime scales with a collective the others never join.
+                wins = torch.tensor([float(hit[0])], device=self.weight.device)
+                hit = (bool(_all_ranks_(wins, dist.ReduceOp.MIN).item()), hit[1])
             self.fp8_policy[(M, cdtype)] = hit
         return hit[0]
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        # The load writes the weight in place. Under FSDP2 it writes the sharded
+        # parameter, which moves neither the version counter nor the storage of
+        # the unsharded weight the cache key reads: drop the cached cast here.
+        self._w_cache = None
+        super()._load_from_state_dict(*args, **kwargs)
 
     # ----------------------------------------------------------------- forward
 
@@ -188,6 +248,11 @@ class Fp8Linear(nn.Linear):
         if (x.device.type != "cuda" and not self.fp8_on_cpu) or x.numel() == 0:
             self.fp8_fallback_calls += 1
             return super().forward(x)
+        if not torch.compiler.is_compiling() and _is_dtensor(self.weight):
+            raise RuntimeError(
+                "Fp8Linear: the weight is a DTensor (a sharded FSDP2 or tensor-parallel parameter). Under "
+                "FSDP2, call the model through a fully_shard-ed module that contains this layer, so that "
+                "the weight is all-gathered before its forward; tensor parallelism is not supported.")
         if torch.is_autocast_enabled("cuda"):
             cdtype = torch.get_autocast_dtype("cuda")
         else:

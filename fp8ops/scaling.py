@@ -54,13 +54,42 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 def _reduce_amax(layers: list[Fp8Linear], group=None) -> None:
-    """Max-all-reduce row 0 (this step's amaxes) of every layer in one collective."""
+    """Max-all-reduce row 0 (this step's amaxes) of every layer in one collective.
+    Every rank passes the same layers in the same order (the optimizer's
+    parameter order), so the concatenations line up and every rank then runs
+    amax_update on identical histories: identical scales on every rank."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     rows = [layer.fp8_amax_history[0] for layer in layers]
     flat = torch.cat(rows)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
     torch._foreach_copy_(rows, list(flat.split([r.numel() for r in rows])))
+
+
+# Fp8Linear's scaling buffers: rank-local state that DDP must not overwrite.
+FP8_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_max", "fp8_overflow_count")
+
+
+def exclude_from_ddp_broadcast(model: torch.nn.Module) -> list[str]:
+    """Keep DDP from broadcasting the FP8 scaling buffers; returns their names.
+
+    DDP (broadcast_buffers=True, its default) copies rank 0's buffers to every
+    rank before each forward. Row 0 of fp8_amax_history accumulates the amaxes
+    of every micro-batch of a step; the broadcast would replace a rank's
+    earlier micro-batches' amaxes by rank 0's before the all-reduce in
+    update_scales sees them (and costs a broadcast of every history per
+    forward). The scales themselves need no broadcast: every rank computes the
+    same ones. DDP reads the names to skip from the wrapped (root) module's
+    `_ddp_params_and_buffers_to_ignore`; convert_to_fp8_training sets it on the
+    model it converts, so call this yourself when DDP wraps another module
+    (or pass DDP(broadcast_buffers=False))."""
+    names = [f"{name}.{b}" if name else b
+             for name, m in model.named_modules() if isinstance(m, Fp8Linear) for b in FP8_BUFFERS]
+    if names:
+        old = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        # what DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets
+        model._ddp_params_and_buffers_to_ignore = old + [n for n in names if n not in old]
+    return names
 
 
 def update_scales(layers: list[Fp8Linear], group=None) -> None:

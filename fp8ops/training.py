@@ -217,7 +217,7 @@ def _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision):
     detail = "; ".join(f"{n} x {why}" for why, n in sorted(bf16_reasons.items(), key=lambda kv: -kv[1]))
     if n_bf16:
         info["reason"] = detail or "see fp8ops.report(model)"
-        info["summary"] = f"fp8ops ({n_fp8} FP8 layers, {n_bf16} BF16)"
+        info["summary"] = f"fp8ops ({n_fp8} FP8 layers, {n_bf16} {precision})"
         logger(f"FP8: on (fp8ops, {recipe}): {n_fp8} linear layers run FP8, {n_bf16} run {precision}"
                f" ({info['reason']}){later}")
     else:

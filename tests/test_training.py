@@ -374,3 +374,41 @@ def test_ctrl_c_saves_a_checkpoint(tmp_path):
     assert "interrupted (Ctrl-C)" in rest
     ckpt = torch.load(tmp_path / "ckpt_latest.pt", map_location="cpu", weights_only=True)
     assert ckpt["step"] > 0
+
+
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    """Run fp8ops' real FP8 path on the CPU (its C reference kernels), so the FP8 side of the
+    workflow (scaling state in checkpoints, resume) is tested without a GPU."""
+    if not fp8ops.is_available():
+        pytest.skip(f"fp8ops extension not loaded: {fp8ops.why_unavailable()}")
+    from fp8ops.linear import Fp8Linear
+    conversion = sys.modules[fp8ops.convert_to_fp8_training.__module__]
+    monkeypatch.setattr(conversion, "fp8_supported_here", lambda device=None: (True, "ok"))
+    init = Fp8Linear._init_fp8_state
+
+    def init_on_cpu(self, config):
+        init(self, config)
+        self.fp8_on_cpu = True
+
+    monkeypatch.setattr(Fp8Linear, "_init_fp8_state", init_on_cpu)
+
+
+def test_fp8_checkpoints_resume_both_ways(fp8_on_cpu, tmp_path, capsys):
+    import train_fp8
+    common = SMALL_RUN + ["--device", "cpu", "--out_dir", str(tmp_path), "--no-tensorboard",
+                          "--eval_every", "2", "--save_every", "2"]
+    assert train_fp8.main(common + ["--steps", "2", "--use_fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8: on (fp8ops" in out and "8 linear layers run FP8" in out
+    ckpt = torch.load(tmp_path / "ckpt_latest.pt", map_location="cpu", weights_only=True)
+    assert ckpt["fp8_backend"] == "fp8ops" and ckpt["fp8_scaling"]
+    plain = GPT(GPTConfig(**ckpt["model_config"])).state_dict()
+    assert list(ckpt["model"]) == list(plain)
+    assert all(ckpt["model"][k].dtype == v.dtype for k, v in plain.items())
+
+    assert train_fp8.main(common + ["--steps", "4", "--use_fp8", "--resume", "auto"]) == 0
+    assert "FP8 scaling state restored" in capsys.readouterr().out
+    assert train_fp8.main(common + ["--steps", "5", "--resume", "auto"]) == 0  # FP8 -> BF16
+    out = capsys.readouterr().out
+    assert "FP8 scaling state is not used" in out and "training steps 4..5" in out

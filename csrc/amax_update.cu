@@ -1,0 +1,127 @@
+/*
+ * amax_update.cu -- CUDA kernel of fp8ops::amax_update (delayed scaling): for
+ * n scaled tensors at once, in one launch, reduce each column of the amax
+ * history, compute the new scale and scale_inv, and roll the history.
+ * The rules are written once here and once in amax_update_cpu.c (fp8ops.h):
+ *   a = max_h |history[h, i]| (algo max) or |history[0, i]| (most_recent),
+ *       NaN-propagating (max over |bits|: NaN sorts above +inf);
+ *   if a is finite and > 0: scale = (fp8_max / a) / 2^margin, inf -> FLT_MAX;
+ *   else the scale keeps its value; scale_inv = 1 / scale;
+ *   history[:, i] = roll(history[:, i], -1) (row h takes row h + 1, the old
+ *   row 0 goes to row H - 1), then row 0 = 0.
+ * 2^margin is exp2f(margin) evaluated on the host by the launcher, i.e. by the
+ * same libm call as the CPU reference, so scale is bit-identical to it (the
+ * divisions are IEEE round-to-nearest on both sides).
+ * No allocation, no synchronisation, no host read of device memory: the
+ * launcher can be captured in a CUDA graph.
+ */
+#include <cuda_runtime.h>  // defines: cudaStream_t, dim3
+#include <float.h>         // defines: FLT_MAX
+#include <math.h>          // defines: exp2f (host)
+#include <stdint.h>
+
+#include "common.h"       // defines: FP8OPS_REQUIRE, FP8OPS_CHECK_CUDA, FP8OPS_CEIL_DIV
+#include "fp8_convert.h"  // defines: fp8ops_f32_bits, fp8ops_bits_f32
+
+// ----------------------------------------------------------------------------
+// CUDA kernels
+
+#define AU_THREADS 256  // threads per block, blockDim.x * blockDim.y
+#define AU_RPT 8        // history rows per thread per iteration (loads in flight)
+
+// Block dims: (cx, cy) with cx = min(32, next power of two >= n) columns and
+// cy = 256 / cx rows. Grid dims: (ceil(n / cx)).
+// Thread (tx, ty) owns column i = blockIdx.x * cx + tx. A warp reads whole
+// 4 * cx-byte row segments of the [H, n] history (coalesced; for small n one
+// warp covers several rows). Each iteration handles a chunk of cy * AU_RPT
+// rows: thread ty loads rows r + 1 for r = r0 + ty + cy * k (k < AU_RPT, all
+// loads in flight), folds them into its running max, and after a barrier
+// writes them one row up (row r := row r + 1, row H - 1 := the old row 0,
+// row 0 := 0). In-place safety: a chunk reads rows r0 + 1 .. r0 + chunk and
+// writes rows r0 .. r0 + chunk - 1, so the only row both read and written
+// across chunks (r0 + chunk) is read before this chunk's barrier and written
+// after the next one; row 0 is read by every thread before the first
+// barrier. Finally the per-thread maxima are tree-reduced over ty in shared
+// memory and thread ty == 0 computes scale and scale_inv of its column.
+__global__ void __launch_bounds__(AU_THREADS)
+    amax_update_kernel(float* __restrict__ hist, float* __restrict__ scale,
+                       float* __restrict__ scale_inv, const float* __restrict__ fp8_max,
+                       int64_t n, int64_t H, float pow2_margin, int most_recent) {
+  __shared__ uint32_t red[AU_THREADS];
+  const int cx = blockDim.x, cy = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t col = (int64_t)blockIdx.x * cx + tx;
+  const bool active = col < n;
+  float* hc = hist + (active ? col : 0);  // element (r, col) is hc[r * n]
+
+  const float h0 = active ? hc[0] : 0.0f;  // this step's amax; becomes row H - 1
+  uint32_t m = fp8ops_f32_bits(h0) & 0x7FFFFFFFu;  // max over |bits|, NaN-propagating
+
+  const int64_t chunk = (int64_t)cy * AU_RPT;
+  for (int64_t r0 = 0; r0 < H; r0 += chunk) {
+    float v[AU_RPT];
+#pragma unroll
+    for (int k = 0; k < AU_RPT; ++k) {
+      const int64_t r = r0 + ty + (int64_t)cy * k;  // the row this value goes to
+      v[k] = h0;                                     // row H - 1 gets the old row 0
+      if (active && r + 1 < H) {
+        v[k] = hc[(r + 1) * n];
+        m = max(m, fp8ops_f32_bits(v[k]) & 0x7FFFFFFFu);
+      }
+    }
+    __syncthreads();  // every read of this chunk (and of row 0) before any write
+#pragma unroll
+    for (int k = 0; k < AU_RPT; ++k) {
+      const int64_t r = r0 + ty + (int64_t)cy * k;
+      if (active && r < H) hc[r * n] = r == 0 ? 0.0f : v[k];
+    }
+  }
+
+  // max over the cy threads of each column (cy is a power of two)
+  red[ty * cx + tx] = m;
+  __syncthreads();
+  for (int s = cy >> 1; s > 0; s >>= 1) {
+    if (ty < s) red[ty * cx + tx] = max(red[ty * cx + tx], red[(ty + s) * cx + tx]);
+    __syncthreads();
+  }
+
+  if (ty == 0 && active) {
+    const uint32_t abits = most_recent ? fp8ops_f32_bits(h0) & 0x7FFFFFFFu : red[tx];
+    const float a = fp8ops_bits_f32(abits);
+    float s = scale[col];
+    if (isfinite(a) && a > 0.0f) {
+      s = (fp8_max[col] / a) / pow2_margin;  // same expression order as the CPU
+      if (isinf(s)) s = FLT_MAX;
+    }
+    scale[col] = s;
+    scale_inv[col] = 1.0f / s;
+  }
+}
+
+// ----------------------------------------------------------------------------
+// kernel launchers
+
+extern "C" int fp8ops_amax_update_cuda(float* amax_history, float* scale, float* scale_inv,
+                                       const float* fp8_max, int64_t n, int64_t H, float margin,
+                                       fp8ops_amax_algo algo, void* stream) {
+  FP8OPS_REQUIRE(n >= 0 && H >= 1, "amax_update: bad sizes n=%lld H=%lld", (long long)n,
+                 (long long)H);
+  FP8OPS_REQUIRE(algo == FP8OPS_AMAX_MAX || algo == FP8OPS_AMAX_MOST_RECENT,
+                 "amax_update: unknown amax_compute_algo code %d", (int)algo);
+  FP8OPS_REQUIRE(n == 0 || (amax_history && scale && scale_inv && fp8_max),
+                 "amax_update: null pointer");
+  FP8OPS_REQUIRE(n == 0 || H <= INT64_MAX / n, "amax_update: history [%lld, %lld] too large",
+                 (long long)H, (long long)n);
+  if (n == 0) return FP8OPS_OK;
+  int cx = 1;
+  while (cx < 32 && cx < n) cx *= 2;
+  const dim3 block(cx, AU_THREADS / cx);
+  const int64_t blocks = FP8OPS_CEIL_DIV(n, (int64_t)cx);
+  FP8OPS_REQUIRE(blocks <= INT32_MAX, "amax_update: too many tensors (n=%lld)", (long long)n);
+  // evaluated here, by the same libm call as amax_update_cpu.c
+  const float pow2_margin = exp2f(margin);
+  amax_update_kernel<<<(unsigned)blocks, block, 0, (cudaStream_t)stream>>>(
+      amax_history, scale, scale_inv, fp8_max, n, H, pow2_margin,
+      algo == FP8OPS_AMAX_MOST_RECENT ? 1 : 0);
+  FP8OPS_CHECK_CUDA(cudaGetLastError());
+  return FP8OPS_OK;
+}
