@@ -594,10 +594,20 @@ __global__ void __launch_bounds__(EW_THREADS, EW_MIN_BLOCKS)
 // ----------------------------------------------------------------------------
 // kernel launchers
 
+// SM count of the current device, cached per device (host overhead per call
+// matters for small tensors). Racing writers store the same value.
+#define MAX_DEVICES 64
+static int g_sms[MAX_DEVICES];
+
 static int num_sms(int* sms) {
   int dev = 0;
   FP8OPS_CHECK_CUDA(cudaGetDevice(&dev));
+  if (dev >= 0 && dev < MAX_DEVICES && __atomic_load_n(&g_sms[dev], __ATOMIC_RELAXED) > 0) {
+    *sms = __atomic_load_n(&g_sms[dev], __ATOMIC_RELAXED);
+    return FP8OPS_OK;
+  }
   FP8OPS_CHECK_CUDA(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev));
+  if (dev >= 0 && dev < MAX_DEVICES) __atomic_store_n(&g_sms[dev], *sms, __ATOMIC_RELAXED);
   return FP8OPS_OK;
 }
 

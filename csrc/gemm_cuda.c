@@ -492,6 +492,30 @@ int fp8ops_gemm_cuda(const uint8_t* a, fp8ops_fp8_format a_fmt, const uint8_t* b
     workspace = workspace_bytes ? (void*)w_al : NULL;
   }
 
+  /* cuBLASLt answers NOT_SUPPORTED at cublasLtMatmul (after a heuristic that
+   * succeeded) when a scale pointer is not 16-byte aligned -- seen on H100 with
+   * cuBLASLt 13.1 for a scale_inv view at a 4-byte offset. Callers pass views
+   * of per-layer [3] buffers, so the first 256 bytes of the workspace are kept
+   * for aligned copies of the scales (stream-ordered, graph-capturable). */
+  FP8OPS_REQUIRE(workspace != NULL && workspace_bytes >= 512,
+                 "FP8 GEMM: workspace must hold at least 512 bytes (got %zu); use "
+                 "fp8ops_gemm_workspace_bytes()", workspace_bytes);
+  {
+    float* slots = (float*)workspace; /* [0] = a_scale_inv, [4] = b_scale_inv */
+    if (((uintptr_t)a_scale_inv & 15u) != 0) {
+      FP8OPS_CHECK_CUDA(cudaMemcpyAsync(slots, a_scale_inv, sizeof(float), cudaMemcpyDeviceToDevice,
+                                        (cudaStream_t)stream));
+      a_scale_inv = slots;
+    }
+    if (((uintptr_t)b_scale_inv & 15u) != 0) {
+      FP8OPS_CHECK_CUDA(cudaMemcpyAsync(slots + 4, b_scale_inv, sizeof(float),
+                                        cudaMemcpyDeviceToDevice, (cudaStream_t)stream));
+      b_scale_inv = slots + 4;
+    }
+    workspace = (char*)workspace + 256;
+    workspace_bytes -= 256;
+  }
+
   FP8OPS_TRY(fp8ops_cublaslt_init());
 
   int rc = FP8OPS_OK;

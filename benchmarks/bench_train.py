@@ -1,0 +1,376 @@
+"""Benchmark a full GPT training step: tokens/s and peak memory, BF16 vs fp8ops vs torchao.
+
+Model: examples/gpt2.py (nanoGPT-style GPT, tied lm_head kept out of FP8), vocab 50304.
+  small  GPT-2 124M: d768, L12, H12, T1024, batch 8   (8192 tokens/step)
+  1b     ~1B GPT:    d2048, L16, H16, T2048, batch 4  (8192 tokens/step)
+Every variant: fp32 master weights, torch.autocast(bf16), fused AdamW, the same init and data;
+a step is forward + loss + backward + optimizer.step() + zero_grad(set_to_none=True). fp8ops scales
+update through its optimizer post-step hook (one amax_update per layer per step), as in training.
+Variants:
+  bf16              eager                          fp8ops           fp8ops.convert (delayed, hybrid)
+  bf16_compiled     torch.compile                  fp8ops_compiled  fp8ops.convert + torch.compile
+  torchao_compiled  torchao.float8 tensorwise + torch.compile     (torchao: the same, eager)
+torch.compile is applied per transformer block by default (--compile-scope blocks, as torchtitan
+does: one graph reused by every block, so compile time does not grow with depth); 'model'
+compiles the whole model instead.
+
+Targets: fp8ops >= 1.30x BF16 tokens/s on 1b and >= 1.15x on small (eager vs eager and compiled
+vs compiled), with peak memory below BF16's.
+
+    python benchmarks/bench_train.py                                   # both models, all variants
+    python benchmarks/bench_train.py --models small --variants bf16,fp8ops --steps 30
+
+Napkin math: FLOPs per token = 6 * params (non-embedding + lm_head) + 12 * L * d * T (attention,
+nanoGPT's count; causal masking is not discounted). small: 6*124M + 12*12*768*1024 = 0.86 GFLOP
+-> 7.0 TFLOP per 8192-token step; 1b: 6*0.91B + 12*16*2048*2048 = 6.3 GFLOP -> 52 TFLOP/step.
+In the 1b model the linear layers are ~80 % of the FLOPs, so with ~1.6x faster linears the step
+can gain ~1.3x (Amdahl); in GPT-2 small attention, layernorm, the 50304-wide lm_head + loss (kept
+BF16) and the optimizer are a larger share, and the 768-wide GEMMs gain little, hence ~1.1-1.15x.
+Memory: fp8ops saves x8^T (FP8) instead of x (BF16) for wgrad, so activations shrink.
+
+Timing: warm-up steps (compile happens there), then N timed steps back to back between two CUDA
+events (tokens/s = tokens / elapsed) plus per-step events (median step ms). Peak memory =
+torch.cuda.max_memory_allocated over the timed steps (stats reset after warm-up).
+Validation (once, in the warm-up): every variant's first loss (same init, same batch) within 1 %
+of BF16 eager's and its last warm-up loss within 3 %; all losses finite.
+"""
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+MODELS = {
+    "small": dict(cfg=dict(n_layer=12, n_head=12, n_embd=768, block_size=1024), batch=8),
+    "1b": dict(cfg=dict(n_layer=16, n_head=16, n_embd=2048, block_size=2048), batch=4),
+}
+VOCAB = 50304
+VARIANTS = ("bf16", "bf16_compiled", "fp8ops", "fp8ops_compiled", "torchao_compiled", "torchao")
+DEFAULT_VARIANTS = "bf16,bf16_compiled,fp8ops,fp8ops_compiled,torchao_compiled"
+TARGETS = {"small": 1.15, "1b": 1.30}
+DEVICE = "cuda"  # a CPU smoke test of this script's logic sets "cpu" (with CUDA calls stubbed)
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+# ------------------------------------------------------------------------------------------------
+# common helpers (each benchmark script stands alone, so these are repeated in each)
+
+def environment() -> dict:
+    """GPU, driver, torch/CUDA versions and date; printed at the top and stored in the JSON."""
+    env = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+           "host": platform.node(), "python": platform.python_version(),
+           "torch": torch.__version__, "cuda": torch.version.cuda, "argv": sys.argv}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, sm=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
+                   gpu_mem_gib=round(p.total_memory / 2**30, 1))
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,power.limit,clocks.max.sm",
+                                "--format=csv,noheader", "-i", "0"], capture_output=True, text=True,
+                               timeout=20)
+            if q.returncode == 0:
+                env["nvidia_smi"] = q.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        import fp8ops
+        env["fp8ops"] = getattr(fp8ops, "__version__", "?")
+        env["fp8ops_build"] = {k: str(v) for k, v in fp8ops.build_info().items()}
+    except Exception as e:  # noqa: BLE001 -- the header must print whatever is broken
+        env["fp8ops"] = f"not importable: {e}"
+    try:
+        import torchao
+        env["torchao"] = torchao.__version__
+    except Exception as e:  # noqa: BLE001
+        env["torchao"] = f"not importable: {type(e).__name__}: {e}"
+    return env
+
+
+def print_environment(env: dict) -> None:
+    print(f"# {os.path.basename(__file__)}  {env['date']}  host {env['host']}")
+    print(f"# GPU: {env.get('gpu', 'none')} (sm_{env.get('sm', '?').replace('.', '')}, "
+          f"{env.get('sms', '?')} SMs, {env.get('gpu_mem_gib', '?')} GiB)  "
+          f"driver/power/max-clock: {env.get('nvidia_smi', '?')}")
+    print(f"# torch {env['torch']}  CUDA {env['cuda']}  python {env['python']}  fp8ops {env.get('fp8ops')}"
+          f"  torchao {env.get('torchao')}")
+
+
+def fp8_ready() -> str | None:
+    """None when CUDA + an FP8-capable GPU + fp8ops' CUDA kernels are all here; else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        import fp8ops
+    except Exception as e:  # noqa: BLE001
+        return f"fp8ops is not importable: {e}"
+    ok, why = fp8ops.fp8_supported_here()
+    return None if ok else why
+
+
+def write_json(path: str | None, data: dict) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def table(headers: list[str], rows: list[list], title: str = "") -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    w = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = "-+-".join("-" * x for x in w)
+    out = [title] if title else []
+    out += [" | ".join(h.rjust(x) for h, x in zip(headers, w)), line]
+    out += [" | ".join(c.rjust(x) for c, x in zip(r, w)) for r in cells]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------
+
+def import_gpt():
+    """examples/gpt2.py's GPT, GPTConfig and the lm_head filter (the model the example trains)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import gpt2
+    filt = getattr(gpt2, "LM_HEAD_FILTER", None) or (lambda mod, fqn: fqn.split(".")[-1] != "lm_head")
+    return gpt2.GPT, gpt2.GPTConfig, filt
+
+
+def flops_per_token(model, cfg) -> float:
+    """nanoGPT's estimate: 6 * non-embedding params (wte counts: it is the tied lm_head) + attention."""
+    n = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
+    return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def build(variant: str, GPT, GPTConfig, lm_filter, mcfg: dict, args, fp8ops):
+    """(model to call, optimizer, note)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(**mcfg, vocab_size=VOCAB, dropout=0.0)
+    model = GPT(cfg).to(DEVICE)  # fp32 master weights
+    note = ""
+    if variant.startswith("fp8ops"):
+        fp8ops.convert(model, config=fp8ops.Fp8Config(policy=args.fp8_policy, recipe=args.fp8_recipe),
+                       module_filter_fn=lm_filter)
+        n_fp8 = sum(type(m).__name__ == "Fp8Linear" for m in model.modules())
+        n_lin = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        note = f"{n_fp8}/{n_lin} linears Fp8Linear (policy {args.fp8_policy})"
+        if n_fp8 == 0:
+            raise RuntimeError(f"fp8ops.convert converted no layer: {getattr(model, '_fp8ops_decisions', {})}")
+    elif variant.startswith("torchao"):
+        from torchao.float8 import convert_to_float8_training
+        convert_to_float8_training(model, module_filter_fn=lm_filter)
+        n_fp8 = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        note = f"{n_fp8} linears Float8Linear (tensorwise)"
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95),
+                            fused=DEVICE == "cuda")
+    if variant.endswith("compiled"):
+        if args.compile_scope == "blocks":
+            for blk in model.transformer.h:
+                blk.compile()
+            call = model
+        else:
+            call = torch.compile(model)
+    else:
+        call = model
+    return model, call, opt, cfg, note
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--models", default="small,1b", help=f"comma-separated subset of {tuple(MODELS)}")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated subset of {VARIANTS}")
+    ap.add_argument("--batch", type=int, default=None, help="override the batch size (all models)")
+    ap.add_argument("--batch-1b", type=int, default=None, help="override the 1b model's batch size")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=5, help="warm-up steps (compile happens here)")
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--compile-scope", choices=("blocks", "model"), default="blocks",
+                    help="torch.compile each transformer block, or the whole model")
+    ap.add_argument("--fp8-policy", choices=("auto", "always"), default="auto",
+                    help="fp8ops policy: auto = FP8 only where measured faster (the default users get)")
+    ap.add_argument("--fp8-recipe", choices=("delayed", "current"), default="delayed")
+    ap.add_argument("--json", metavar="PATH", help="write every number here")
+    args = ap.parse_args()
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r}; choose from {tuple(MODELS)}")
+    for v in variants:
+        if v not in VARIANTS:
+            ap.error(f"unknown variant {v!r}; choose from {VARIANTS}")
+    if "bf16" not in variants:
+        variants.insert(0, "bf16")  # the reference of the validation
+    # torchao last: from 0.18 its convert patches inductor's min/max codegen for the process
+    variants.sort(key=lambda v: v.startswith("torchao"))
+
+    env = environment()
+    print_environment(env)
+    why = fp8_ready()
+    if why is not None:
+        print(f"bench_train: nothing to measure here: {why}. FP8 needs CUDA and an sm_89+ GPU; exiting.")
+        write_json(args.json, {"env": env, "skipped": why})
+        return 0
+    import fp8ops
+    GPT, GPTConfig, lm_filter = import_gpt()
+    notes = []
+    if any(v.startswith("torchao") for v in variants):
+        try:
+            import torchao.float8  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"torchao not importable ({type(e).__name__}: {e}); torchao variants skipped")
+            print("note: " + notes[-1])
+            variants = [v for v in variants if not v.startswith("torchao")]
+    for attr in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, attr):
+            setattr(torch._dynamo.config, attr, 64)
+
+    result = {"env": env, "args": vars(args), "notes": notes, "rows": [], "targets": [],
+              "validation_failures": []}
+    failures = result["validation_failures"]
+    for mname in models:
+        mcfg = MODELS[mname]["cfg"]
+        B = args.batch or MODELS[mname]["batch"]
+        if mname == "1b" and args.batch_1b:
+            B = args.batch_1b
+        T = mcfg["block_size"]
+        gen = torch.Generator(device="cpu").manual_seed(1234)
+        batches = [(torch.randint(0, VOCAB, (B, T), generator=gen).to(DEVICE),
+                    torch.randint(0, VOCAB, (B, T), generator=gen).to(DEVICE)) for _ in range(4)]
+        ref_losses = None
+        print(f"\n== {mname}: {mcfg}, batch {B}, {B * T} tokens/step", flush=True)
+        for v in variants:
+            row = {"model": mname, "variant": v, "batch": B, "seq": T, "tokens_per_step": B * T}
+            model = call = opt = None
+            try:
+                torch._dynamo.reset()
+                model, call, opt, cfg, note = build(v, GPT, GPTConfig, lm_filter, mcfg, args, fp8ops)
+                row["note"] = note
+                fpt = flops_per_token(model, cfg)
+
+                def step(i):
+                    idx, tgt = batches[i % len(batches)]
+                    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                        _, loss = call(idx, tgt)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    return loss
+
+                losses = [float(step(i)) for i in range(max(2, args.warmup))]  # .item(): warm-up only
+                row["warmup_losses"] = losses
+                # validation against BF16 eager's losses (same init, same batches)
+                if v == "bf16":
+                    ref_losses = losses
+                ok = all(math.isfinite(x) for x in losses)
+                if ref_losses is not None and v != "bf16":
+                    ok = ok and abs(losses[0] - ref_losses[0]) <= 0.01 * abs(ref_losses[0]) \
+                        and abs(losses[-1] - ref_losses[-1]) <= 0.03 * abs(ref_losses[-1])
+                row["valid"] = ok
+                if not ok:
+                    failures.append(f"{mname} {v}: warm-up losses {[round(x, 4) for x in losses]} vs BF16 "
+                                    f"{[round(x, 4) for x in (ref_losses or [])]}")
+                else:
+                    print(f"  {v}: warm-up losses match BF16 ({losses[0]:.4f} -> {losses[-1]:.4f}). "
+                          f"All results match. Starting benchmarks.", flush=True)
+                if v.startswith("fp8ops"):
+                    fb = sum(getattr(m, "fp8_fallback_calls", 0) for m in model.modules())
+                    row["fp8ops_fallback_calls_warmup"] = fb
+                    if fb:
+                        row["note"] += f"; {fb} BF16 fallback calls in warm-up (policy)"
+                # timed steps
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
+                ev[0].record()
+                for i in range(args.steps):
+                    step(args.warmup + i)
+                    ev[i + 1].record()
+                torch.cuda.synchronize()
+                per_step = [ev[i].elapsed_time(ev[i + 1]) for i in range(args.steps)]
+                total_ms = ev[0].elapsed_time(ev[-1])
+                row.update(step_ms_median=statistics.median(per_step), total_ms=total_ms,
+                           tokens_per_s=B * T * args.steps / (total_ms * 1e-3),
+                           peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
+                           model_tflops=fpt * B * T * args.steps / (total_ms * 1e-3) / 1e12,
+                           flops_per_token=fpt)
+                print(f"  {v}: {row['tokens_per_s']:,.0f} tok/s, {row['step_ms_median']:.1f} ms/step, "
+                      f"peak {row['peak_mem_gib']:.2f} GiB, {row['model_tflops']:.0f} model TFLOP/s "
+                      f"({row['note']})", flush=True)
+            except torch.cuda.OutOfMemoryError as e:
+                row["error"] = f"OOM: {str(e).splitlines()[0]}"
+                print(f"  {v}: OUT OF MEMORY (try --batch-1b smaller): {row['error']}")
+            except Exception as e:  # noqa: BLE001 -- one broken variant must not stop the others
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                print(f"  {v}: FAILED: {row['error']}")
+            result["rows"].append(row)
+            write_json(args.json, result)
+            del model, call, opt
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    # ---- ratios and targets
+    by = {(r["model"], r["variant"]): r for r in result["rows"] if "tokens_per_s" in r}
+    for r in result["rows"]:
+        base = by.get((r["model"], "bf16_compiled" if r["variant"].endswith("compiled") else "bf16"))
+        if "tokens_per_s" in r and base:
+            r["speedup_vs_bf16_same_mode"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["mem_vs_bf16_same_mode"] = r["peak_mem_gib"] / base["peak_mem_gib"]
+        if "tokens_per_s" in r and ("bf16" in [k[1] for k in by if k[0] == r["model"]]):
+            r["speedup_vs_bf16_eager"] = r["tokens_per_s"] / by[(r["model"], "bf16")]["tokens_per_s"]
+    for mname in models:
+        for fv, bv in (("fp8ops", "bf16"), ("fp8ops_compiled", "bf16_compiled")):
+            f, b = by.get((mname, fv)), by.get((mname, bv))
+            if not (f and b):
+                continue
+            tgt = TARGETS[mname]
+            sp = f["tokens_per_s"] / b["tokens_per_s"]
+            result["targets"].append({"what": f"{mname}: {fv} vs {bv} tokens/s >= {tgt}x", "value": sp,
+                                      "verdict": "PASS" if sp >= tgt else "MISS"})
+            result["targets"].append({"what": f"{mname}: {fv} peak memory < {bv}'s",
+                                      "value": f["peak_mem_gib"] / b["peak_mem_gib"],
+                                      "verdict": "PASS" if f["peak_mem_gib"] < b["peak_mem_gib"] else "MISS"})
+    write_json(args.json, result)
+
+    print()
+    for n in notes:
+        print(f"note: {n}")
+    for f in failures:
+        print(f"validation failed: {f}")
+    for tg in result["targets"]:
+        print(f"target: {tg['what']}: {tg['value']:.3f} -> {tg['verdict']}")
+    hdr = ["model", "variant", "batch", "tokens/s", "ms/step", "vs bf16 (same mode)", "vs bf16 eager",
+           "peak GiB", "mem vs bf16", "model TF/s", "note"]
+    rows = []
+    for r in result["rows"]:
+        if "tokens_per_s" not in r:
+            rows.append([r["model"], r["variant"], r["batch"], "-", "-", "-", "-", "-", "-", "-",
+                         r.get("error", "")[:60]])
+            continue
+        rows.append([r["model"], r["variant"] + ("" if r.get("valid", True) else "!"), r["batch"],
+                     f"{r['tokens_per_s']:,.0f}", f"{r['step_ms_median']:.1f}",
+                     f"{r['speedup_vs_bf16_same_mode']:.3f}x" if "speedup_vs_bf16_same_mode" in r else "-",
+                     f"{r['speedup_vs_bf16_eager']:.3f}x" if "speedup_vs_bf16_eager" in r else "-",
+                     f"{r['peak_mem_gib']:.2f}",
+                     f"{r['mem_vs_bf16_same_mode']:.2f}x" if "mem_vs_bf16_same_mode" in r else "-",
+                     f"{r['model_tflops']:.0f}", r.get("note", "")[:60]])
+    print(table(hdr, rows, title=(f"GPT training step (fwd+bwd+fused AdamW), fp32 master + bf16 autocast, "
+                                  f"{args.steps} timed steps after {args.warmup} warm-up; compile scope "
+                                  f"{args.compile_scope}; same mode = compiled vs bf16_compiled")))
+    failed = bool(failures) or any("error" in r for r in result["rows"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

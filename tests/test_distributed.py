@@ -1,0 +1,447 @@
+"""Distributed training (CPU, gloo, 2 processes): DDP and FSDP2 (fully_shard), with and
+without activation checkpointing, against the single-process run of the same global batch.
+
+One spawn of 2 ranks runs every scenario (process start-up dominates the run time on a small
+CPU box); the single-process references run in the pytest process. What is checked:
+
+* losses and (all-reduced) gradients match the single-process run to fp32 summation order
+  (the FP8 casts are bit-identical: every rank casts with the single-process scales);
+* after every step the scales are identical on every rank and equal to the single-process ones
+  (x and w exactly; g exactly single/world_size, see _assert_scales);
+* delayed scaling issues ONE all_reduce per optimizer step for all layers, none in forward or
+  backward once the scales are primed;
+* current scaling under FSDP2 gives the weight the single-process (unsharded) scale;
+* a state_dict load under FSDP2 is seen by the next forward (no stale weight cast);
+* policy="auto" verdicts agree across ranks.
+
+Then examples/train_fp8.py under torchrun (--ddp, --fsdp) writes a checkpoint that loads into a
+plain GPT, and resumes from it.
+"""
+import copy
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import fp8ops
+from fp8ops import Fp8Config
+from fp8ops.linear import G, W, X, Fp8Linear
+from fp8ops.scaling import exclude_from_ddp_broadcast
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD = 2
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch without FSDP2
+    fully_shard = None
+
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                       reason="torch.distributed with the gloo backend is not available"),
+    pytest.mark.skipif(not fp8ops.is_available(), reason=f"fp8ops C core not loaded: {fp8ops.why_unavailable()}"),
+]
+requires_fsdp2 = pytest.mark.skipif(fully_shard is None, reason="torch.distributed.fsdp.fully_shard not available")
+
+# ------------------------------------------------------------------------------ model and data
+
+D, HID, OUT = 32, 64, 16
+BATCH, ACCUM, STEPS = 16, 2, 3          # global micro-batch rows, micro-batches per step, steps
+
+
+class Block(nn.Module):
+    """Residual MLP block; `ckpt` recomputes its inner part in backward (non-reentrant)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(D, HID)
+        self.fc2 = nn.Linear(HID, D)
+        self.ckpt = False
+
+    def inner(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+    def forward(self, x):
+        return x + (checkpoint(self.inner, x, use_reentrant=False) if self.ckpt else self.inner(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(D, OUT)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def make_model(recipe="delayed", ckpt=False):
+    """The same initial weights in every process; every Linear runs FP8 on the CPU kernels."""
+    torch.manual_seed(0)
+    model = Net()
+    cfg = Fp8Config(recipe=recipe, amax_history_len=4)
+    for m in list(model.modules()):
+        for cname, c in list(m.named_children()):
+            if type(c) is nn.Linear:
+                new = Fp8Linear.from_linear(c, cfg)
+                new.fp8_on_cpu = True
+                setattr(m, cname, new)
+        if isinstance(m, Block):
+            m.ckpt = ckpt
+    exclude_from_ddp_broadcast(model)   # what fp8ops.convert does
+    return model
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    out = [[(torch.randn(BATCH, D, generator=g) * 3, torch.randn(BATCH, OUT, generator=g))
+            for _ in range(ACCUM)] for _ in range(STEPS)]
+    for micro in out:
+        # the step's largest inputs: rank 1's rows of the first micro-batch (an amax lost
+        # between micro-batches, e.g. to DDP's buffer broadcast, changes the scales)
+        micro[0][0][BATCH // 2:] *= 4
+    return out
+
+
+def fp8_layers(model):
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def train(mode="single", recipe="delayed", ckpt=False, rank=0, world=1, ar_log=None):
+    """STEPS optimizer steps of ACCUM micro-batches; each rank takes its slice of every global
+    micro-batch. Returns per-step losses (global mean), gradients (full), scales (after the
+    step) and the weight scales the forwards used."""
+    model = make_model(recipe, ckpt)
+    wrapped = model
+    if mode == "ddp":
+        wrapped = nn.parallel.DistributedDataParallel(model)
+    elif mode == "fsdp":
+        for _, m in fp8_layers(model):
+            fully_shard(m)
+        fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)   # after wrapping: FSDP2's DTensors
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    rec = {"loss": [], "grads": [], "scales": [], "w_scale_fwd": []}
+    phase = ar_log.setdefault("phase", [None]) if ar_log is not None else [None]
+    for step, micro in enumerate(batches()):
+        if recipe == "current":   # the full weights this step's forwards cast
+            rec.setdefault("weights", []).append(
+                {n: _full(m.weight.detach()).clone() for n, m in fp8_layers(model)})
+        total = torch.zeros(())
+        phase[0] = ("fwdbwd", step)
+        for x, y in micro:
+            loss = F.mse_loss(wrapped(x[rows]), y[rows]) / ACCUM
+            loss.backward()
+            total += loss.detach()
+        rec["w_scale_fwd"].append({n: m.fp8_scale[W].item() for n, m in fp8_layers(model)})
+        phase[0] = ("grads", step)
+        rec["grads"].append({n: _full(p.grad).clone() for n, p in model.named_parameters()})
+        phase[0] = ("optstep", step)
+        opt.step()
+        opt.zero_grad()
+        phase[0] = None
+        rec["scales"].append({n: m.fp8_scale.clone() for n, m in fp8_layers(model)})
+        if world > 1:
+            _orig_all_reduce(total)   # not counted: the test's own bookkeeping
+            total /= world
+        rec["loss"].append(total.item())
+    rec["steps"] = {n: m.fp8_step for n, m in fp8_layers(model)}
+    return rec
+
+
+_orig_all_reduce = dist.all_reduce
+
+# --------------------------------------------------------------------------- the 2-rank worker
+
+SCENARIOS = {   # name: (mode, recipe, activation checkpointing)
+    "ddp": ("ddp", "delayed", False),
+    "ddp_ckpt": ("ddp", "delayed", True),
+    "fsdp": ("fsdp", "delayed", False),
+    "fsdp_ckpt": ("fsdp", "delayed", True),
+    "fsdp_current": ("fsdp", "current", False),
+}
+
+
+def _worker(rank, world, tmp, scenarios):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world)
+    out = {}
+    try:
+        # count the all_reduces fp8ops issues, by phase of the training step
+        ar_log = {"calls": []}
+
+        def counting_all_reduce(tensor, *args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            ar_log["calls"].append((ar_log["phase"][0], caller, tensor.numel()))
+            return _orig_all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting_all_reduce
+        for name in scenarios:
+            if name.startswith("fsdp") and fully_shard is None:
+                continue
+            ar_log["calls"] = []
+            ar_log["phase"] = [None]
+            mode, recipe, ckpt = SCENARIOS[name]
+            out[name] = train(mode, recipe, ckpt, rank, world, ar_log)
+            out[name]["all_reduce"] = ar_log["calls"]
+        dist.all_reduce = _orig_all_reduce
+        if fully_shard is not None:
+            out["fsdp_load"] = _fsdp_load_state_dict(rank, world)
+        out["policy"] = _policy_agreement(rank)
+    finally:
+        dist.all_reduce = _orig_all_reduce
+        torch.save(out, f"{tmp}/rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+def _fsdp_load_state_dict(rank, world):
+    """forward, load other weights (no optimizer step), forward: the second forward must use
+    the loaded weights, not the weight cast cached by the first."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    model = make_model()
+    for _, m in fp8_layers(model):
+        fully_shard(m)
+    fully_shard(model)
+    x = batches()[0][0][0]
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    with torch.no_grad():
+        y0 = model(x[rows])
+    set_model_state_dict(model, _other_weights(), options=StateDictOptions(full_state_dict=True))
+    with torch.no_grad():
+        y1 = model(x[rows])
+    return {"y0": y0, "y1": y1}
+
+
+def _other_weights():
+    torch.manual_seed(5)
+    return Net().state_dict()
+
+
+def _policy_agreement(rank):
+    """policy="auto": rank 0 measures FP8 faster, rank 1 slower -> both run BF16."""
+    import fp8ops.policy as policy
+    layer = Fp8Linear(D, HID, config=Fp8Config(policy="auto"))
+    saved = policy.measure, torch.cuda.is_current_stream_capturing
+    policy.measure = lambda lyr, M, cdtype: (rank == 0, 1.5 if rank == 0 else 0.8)
+    torch.cuda.is_current_stream_capturing = lambda: False      # CPU-only machines
+    try:
+        return layer._fp8_pays(16, torch.bfloat16)
+    finally:
+        policy.measure, torch.cuda.is_current_stream_capturing = saved
+
+
+@pytest.fixture(scope="module")
+def dist_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist")
+    import torch.multiprocessing as mp
+    mp.spawn(_worker, args=(WORLD, str(tmp), list(SCENARIOS)), nprocs=WORLD, join=True)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def single():
+    cache = {}
+
+    def get(recipe="delayed"):
+        if recipe not in cache:
+            cache[recipe] = train("single", recipe)
+        return cache[recipe]
+    return get
+
+
+# -------------------------------------------------------------------------------- assertions
+
+def _assert_scales(dist_scales, single_scales, world, exact):
+    """x and w: the single-process scales. g: each rank's loss is the mean over its rows, so
+    its output gradient is exactly world x the single-process one (DDP / FSDP2 then average
+    the parameter gradients), hence its g scale is single / world, and the FP8 bits of the
+    cast gradient are the same. Exact after the first step (the same weights); later the
+    weights differ from the single-process ones by fp32 summation order, and an amax can
+    move by an ulp."""
+    for name, s in single_scales.items():
+        d = dist_scales[name].clone()
+        d[G] *= world
+        if exact:
+            assert torch.equal(d, s), f"{name}: scales {d.tolist()} (g x {world}) vs single {s.tolist()}"
+        else:
+            torch.testing.assert_close(d, s, rtol=1e-5, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def _check_against_single(results, ref, name):
+    runs = [r[name] for r in results]
+    for step in range(STEPS):
+        # every rank holds identical scales after the step
+        for other in runs[1:]:
+            for layer, s in runs[0]["scales"][step].items():
+                assert torch.equal(other["scales"][step][layer], s), f"step {step} {layer}: ranks differ"
+        _assert_scales(runs[0]["scales"][step], ref["scales"][step], WORLD, exact=step == 0)
+        for run in runs:
+            assert run["loss"][step] == pytest.approx(ref["loss"][step], rel=1e-6, abs=1e-7), f"step {step} loss"
+            for pname, g in ref["grads"][step].items():
+                torch.testing.assert_close(run["grads"][step][pname], g, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{name} step {step} grad {pname}: {m}")
+    for run in runs:
+        assert set(run["steps"].values()) == {STEPS}   # the optimizer hook found every layer
+
+
+def test_ddp_matches_single_process(dist_results, single):
+    _check_against_single(dist_results, single(), "ddp")
+
+
+def test_ddp_activation_checkpointing_matches_single_process(dist_results, single):
+    _check_against_single(dist_results, single(), "ddp_ckpt")
+
+
+@requires_fsdp2
+def test_fsdp2_matches_single_process(dist_results, single):
+    _check_against_single(dist_results, single(), "fsdp")
+
+
+@requires_fsdp2
+def test_fsdp2_activation_checkpointing_matches_single_process(dist_results, single):
+    _check_against_single(dist_results, single(), "fsdp_ckpt")
+
+
+@pytest.mark.parametrize("name", ["ddp", "ddp_ckpt", "fsdp", "fsdp_ckpt"])
+def test_one_amax_all_reduce_per_step(dist_results, name):
+    """One all_reduce (max) per optimizer step for all layers' amaxes, and none in forward or
+    backward once primed: priming (the first forward and backward of each layer) reduces the
+    first batch's x and g amaxes, one small all_reduce per layer each."""
+    if name.startswith("fsdp") and fully_shard is None:
+        pytest.skip("fully_shard not available")
+    n_layers = len(fp8_layers(Net())) or 5
+    for res in dist_results:
+        calls = res[name]["all_reduce"]
+        fp8 = [(phase, n) for phase, caller, n in calls if caller.startswith("fp8ops")]
+        for step in range(STEPS):
+            in_step = [c for c in calls if c[0] == ("optstep", step)]
+            assert len(in_step) == 1, f"step {step}: {len(in_step)} all_reduces in optimizer.step: {in_step}"
+            assert in_step[0][1] == "fp8ops.scaling" and in_step[0][2] == 3 * n_layers
+            fwd = [c for c in fp8 if c[0] == ("fwdbwd", step)]
+            assert len(fwd) == (2 * n_layers if step == 0 else 0), f"step {step}: {fwd}"
+
+
+@requires_fsdp2
+def test_fsdp2_current_scaling_weight_scale_is_unsharded_scale(dist_results, single):
+    """Under FSDP2 the forward casts the all-gathered weight: its current scale is the one the
+    unsharded single-process weight gets."""
+    ref = single("current")
+    for res in dist_results:
+        run = res["fsdp_current"]
+        # step 0: the same initial weights as the single-process run, the same scales, exactly
+        assert run["w_scale_fwd"][0] == ref["w_scale_fwd"][0]
+        # later steps: the weights drift from the single-process run's (current scaling of the
+        # activations is per rank), so compare with the scale an unsharded layer computes for
+        # the full weight FSDP2 held at that step
+        for step in range(STEPS):
+            for layer, w in run["weights"][step].items():
+                lin = Fp8Linear(w.shape[1], w.shape[0], config=Fp8Config(recipe="current"))
+                with torch.no_grad():
+                    lin.weight.copy_(w)
+                lin._weight_fp8(torch.float32, True)
+                assert run["w_scale_fwd"][step][layer] == lin.fp8_scale[W].item(), f"step {step} {layer}"
+
+
+@requires_fsdp2
+def test_fsdp2_state_dict_load_invalidates_weight_cast(dist_results):
+    model = make_model()
+    x = batches()[0][0][0]
+    with torch.no_grad():
+        y0 = model(x)
+        model.load_state_dict(_other_weights())
+        y1 = model(x)
+    for rank, res in enumerate(dist_results):
+        rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+        torch.testing.assert_close(res["fsdp_load"]["y0"], y0[rows], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(res["fsdp_load"]["y1"], y1[rows], rtol=1e-6, atol=1e-6)
+
+
+def test_policy_auto_verdict_agrees_across_ranks(dist_results):
+    assert [res["policy"] for res in dist_results] == [False] * WORLD
+
+
+# -------------------------------------------------------------------- single-process sanity
+
+def test_activation_checkpointing_is_bitwise_neutral():
+    """Recomputation re-runs forward: it must not re-prime scales, re-cast the weight with
+    another scale, or change the recorded amaxes (max is idempotent)."""
+    runs = {ckpt: (make_model(ckpt=ckpt), []) for ckpt in (False, True)}
+    for ckpt, (model, log) in runs.items():
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for micro in batches():
+            for x, y in micro:
+                (F.mse_loss(model(x), y) / ACCUM).backward()
+            log.append([p.grad.clone() for p in model.parameters()]
+                       + [m.fp8_amax_history.clone() for _, m in fp8_layers(model)])
+            opt.step()
+            opt.zero_grad()
+            log.append([m.fp8_scale.clone() for _, m in fp8_layers(model)])
+    for a, b in zip(runs[False][1], runs[True][1]):
+        for ta, tb in zip(a, b):
+            assert torch.equal(ta, tb)
+
+
+def test_convert_excludes_fp8_buffers_from_ddp_broadcast(monkeypatch):
+    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
+    model = fp8ops.convert(Net())
+    ignored = set(model._ddp_params_and_buffers_to_ignore)
+    for name, _ in fp8_layers(model):
+        assert {f"{name}.fp8_amax_history", f"{name}.fp8_scale"} <= ignored
+    assert not any(n.endswith(("weight", "bias")) for n in ignored)
+
+
+# ------------------------------------------------------------------ examples/train_fp8.py
+
+def _torchrun(args, out_dir, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+           str(ROOT / "examples" / "train_fp8.py"), "--model", "tiny", "--device", "cpu",
+           "--n_layer", "1", "--block_size", "32", "--batch_size", "4", "--eval_iters", "2",
+           "--no-tensorboard", "--out_dir", str(out_dir), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert p.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-4000:]}"
+    return p.stdout
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
+                    reason="torchrun not installed")
+@pytest.mark.parametrize("flag", ["--ddp", pytest.param("--fsdp", marks=requires_fsdp2)])
+def test_train_fp8_torchrun_checkpoint_loads_into_plain_gpt(flag, tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from gpt2 import GPT, GPTConfig
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    out = tmp_path / "run"
+    log = _torchrun([flag, "--steps", "3", "--eval_every", "3", "--save_every", "2"], out)
+    assert log.count("summary (") == 1, "only rank 0 prints"
+    ckpt = torch.load(out / "ckpt_latest.pt", map_location="cpu", weights_only=True)
+    assert ckpt["step"] == 3
+    plain = GPT(GPTConfig(**ckpt["model_config"]))
+    plain.load_state_dict(ckpt["model"])                      # strict: the plain model's keys
+    assert set(ckpt["model"]) == set(plain.state_dict())
+    assert all(isinstance(v, torch.Tensor) and type(v) is torch.Tensor for v in ckpt["model"].values())
+    # the optimizer state is the single-process format too (integer keys, full tensors)
+    opt = torch.optim.AdamW(plain.parameters())
+    assert sorted(ckpt["optimizer"]["state"]) == list(range(len(ckpt["optimizer"]["state"])))
+    # resume: two more steps from step 3, under the same flag
+    log = _torchrun([flag, "--steps", "5", "--eval_every", "5", "--save_every", "100", "--resume", "auto"], out)
+    again = torch.load(out / "ckpt_latest.pt", map_location="cpu", weights_only=True)
+    assert again["step"] == 5
+    assert not torch.equal(again["model"]["transformer.h.0.mlp.c_fc.weight"],
+                           ckpt["model"]["transformer.h.0.mlp.c_fc.weight"])
+    del opt
