@@ -22,7 +22,9 @@ Napkin math (bytes one kernel must move; E = bytes per input element, 2 for bf16
   16384x14336 bf16: cast+T+amax moves 940 MB -> 313 us (H100), 220 us (H200)
   Eager torch runs ~7 kernels (float, mul, clamp, to, t().contiguous, abs, amax) and moves ~37 B/elem,
   so expect ~8-10x from a fused kernel; torch.compile fuses into ~2-3 kernels (~6-8 B/elem).
-  Tiny shapes (1x16, 5x160, 217x256) measure per-call overhead (launch + Python), not bandwidth.
+  Tiny shapes (1x16, 5x160, 217x256) are launch-bound: their "fp8ops ms" is GPU time per call
+  (the flush before each rep hides host cost); "wall us" is the wall-clock time per call of 100
+  back-to-back calls with no flush, i.e. the host (Python + dispatcher + launch) cost where it dominates.
 
 Timing: CUDA events around each rep, median over reps; before every rep a 256 MB buffer is READ
 (a sum) so L2 (50 MB on H100/H200) holds nothing of the inputs. A read, not a memset: a memset
@@ -36,6 +38,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -79,10 +82,12 @@ def environment() -> dict:
 
 def print_environment(env: dict) -> None:
     print(f"# {os.path.basename(__file__)}  {env['date']}  host {env['host']}")
-    print(f"# GPU: {env.get('gpu', 'none')} (sm_{env.get('sm', '?').replace('.', '')}, "
-          f"{env.get('sms', '?')} SMs, {env.get('gpu_mem_gib', '?')} GiB)  "
-          f"driver/power/max-clock: {env.get('nvidia_smi', '?')}")
-    print(f"# torch {env['torch']}  CUDA {env['cuda']}  python {env['python']}  fp8ops {env.get('fp8ops')}")
+    if "gpu" in env:
+        print(f"# GPU: {env['gpu']} (sm_{env['sm'].replace('.', '')}, {env['sms']} SMs, {env['gpu_mem_gib']} GiB)"
+              f"  driver, power limit, max SM clock: {env.get('nvidia_smi', '?')}")
+    else:
+        print("# GPU: none visible to torch")
+    print(f"# torch {env['torch']}  CUDA {env['cuda']}  python {env['python']}  fp8ops {env.get('fp8ops')} (CUDA archs {env.get('fp8ops_build', {}).get('cuda_archs', '?')})")
 
 
 def fp8_ready() -> str | None:
@@ -115,6 +120,17 @@ def table(headers: list[str], rows: list[list], title: str = "") -> str:
     out += [" | ".join(h.rjust(x) for h, x in zip(headers, w)), line]
     out += [" | ".join(c.rjust(x) for c, x in zip(r, w)) for r in cells]
     return "\n".join(out)
+
+
+def wall_us_per_call(fn, n: int = 100) -> float:
+    """Wall-clock microseconds per call of n back-to-back calls (host-bound for tiny inputs)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 class Timer:
@@ -196,7 +212,6 @@ def main() -> int:
         write_json(args.json, {"env": env, "skipped": why})
         return 0
 
-    import fp8ops
     from fp8ops import ops
 
     if hasattr(torch._dynamo.config, "recompile_limit"):
@@ -215,7 +230,7 @@ def main() -> int:
     dst = torch.empty_like(src)
     t_copy = Timer(max(20, args.reps // 4), 3, False)(lambda: dst.copy_(src))
     copy_gbs = 2 * n / (t_copy * 1e-3) / 1e9
-    del src, dst
+    src = dst = None  # free the 2 GiB
     print(f"device copy: {args.copy_mib} MiB in {t_copy * 1e3:.1f} us -> {copy_gbs:.0f} GB/s (read + write)")
     result["copy"] = {"bytes_each_way": n, "ms": t_copy, "GBps": copy_gbs}
     write_json(args.json, result)
@@ -284,10 +299,11 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001 -- a baseline failing must not stop the run
                     print(f"note: torch.compile baseline failed at {name} {M}x{N}: {type(e).__name__}: {e}")
             t_fp8 = timer(lambda: fp8_fn(x, s))
+            wall = wall_us_per_call(lambda: fp8_fn(x, s))
             nbytes = bpe * M * N
             gbs = nbytes / (t_fp8 * 1e-3) / 1e9
             row = {"set": name, "M": M, "N": N, "dtype": args.dtype, "fp8": args.fp8, "bytes": nbytes,
-                   "torch_ms": t_eager, "compiled_ms": t_comp, "fp8ops_ms": t_fp8,
+                   "torch_ms": t_eager, "compiled_ms": t_comp, "fp8ops_ms": t_fp8, "fp8ops_wall_us": wall,
                    "speedup_vs_eager": t_eager / t_fp8,
                    "speedup_vs_compiled": (t_comp / t_fp8) if t_comp else None,
                    "GBps": gbs, "pct_copy_bw": 100 * gbs / copy_gbs,
@@ -307,7 +323,7 @@ def main() -> int:
     for t in result["targets"]:
         print(f"target: {t['what']}: {t['value_pct']:.1f}% -> {t['verdict']}")
     hdr = ["op", "shape", "torch ms", "compiled ms", "fp8ops ms", "vs eager", "vs compiled",
-           "GB/s", "% copy BW", "target"]
+           "GB/s", "% copy BW", "wall us", "target"]
     rows = []
     for r in result["rows"]:
         mark = "" if r["valid"] else "!"
@@ -315,10 +331,12 @@ def main() -> int:
                      "-" if r["compiled_ms"] is None else f"{r['compiled_ms']:.4f}",
                      f"{r['fp8ops_ms']:.4f}", f"{r['speedup_vs_eager']:.2f}x",
                      "-" if r["speedup_vs_compiled"] is None else f"{r['speedup_vs_compiled']:.2f}x",
-                     f"{r['GBps']:.0f}", f"{r['pct_copy_bw']:.1f}", r.get("target", "")])
+                     f"{r['GBps']:.0f}", f"{r['pct_copy_bw']:.1f}", f"{r['fp8ops_wall_us']:.1f}",
+                     r.get("target", "")])
     print(table(hdr, rows, title=(f"fp8ops cast ({args.dtype} -> {args.fp8}); copy BW {copy_gbs:.0f} GB/s; "
                                   f"GB/s = fp8ops bytes moved / time; median of {args.reps} reps"
-                                  + ("" if args.no_flush else ", L2 flushed"))))
+                                  + ("" if args.no_flush else " (L2 flushed)")
+                                  + "; wall us = fp8ops wall-clock per call, back to back")))
     return 1 if failures else 0
 
 

@@ -76,10 +76,12 @@ def environment() -> dict:
 
 def print_environment(env: dict) -> None:
     print(f"# {os.path.basename(__file__)}  {env['date']}  host {env['host']}")
-    print(f"# GPU: {env.get('gpu', 'none')} (sm_{env.get('sm', '?').replace('.', '')}, "
-          f"{env.get('sms', '?')} SMs, {env.get('gpu_mem_gib', '?')} GiB)  "
-          f"driver/power/max-clock: {env.get('nvidia_smi', '?')}")
-    print(f"# torch {env['torch']}  CUDA {env['cuda']}  python {env['python']}  fp8ops {env.get('fp8ops')}")
+    if "gpu" in env:
+        print(f"# GPU: {env['gpu']} (sm_{env['sm'].replace('.', '')}, {env['sms']} SMs, {env['gpu_mem_gib']} GiB)"
+              f"  driver, power limit, max SM clock: {env.get('nvidia_smi', '?')}")
+    else:
+        print("# GPU: none visible to torch")
+    print(f"# torch {env['torch']}  CUDA {env['cuda']}  python {env['python']}  fp8ops {env.get('fp8ops')} (CUDA archs {env.get('fp8ops_build', {}).get('cuda_archs', '?')})")
 
 
 def fp8_ready() -> str | None:

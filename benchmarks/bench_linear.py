@@ -101,10 +101,12 @@ def environment() -> dict:
 
 def print_environment(env: dict) -> None:
     print(f"# {os.path.basename(__file__)}  {env['date']}  host {env['host']}")
-    print(f"# GPU: {env.get('gpu', 'none')} (sm_{env.get('sm', '?').replace('.', '')}, "
-          f"{env.get('sms', '?')} SMs, {env.get('gpu_mem_gib', '?')} GiB)  "
-          f"driver/power/max-clock: {env.get('nvidia_smi', '?')}")
-    print(f"# torch {env['torch']}  CUDA {env['cuda']}  python {env['python']}  fp8ops {env.get('fp8ops')}"
+    if "gpu" in env:
+        print(f"# GPU: {env['gpu']} (sm_{env['sm'].replace('.', '')}, {env['sms']} SMs, {env['gpu_mem_gib']} GiB)"
+              f"  driver, power limit, max SM clock: {env.get('nvidia_smi', '?')}")
+    else:
+        print("# GPU: none visible to torch")
+    print(f"# torch {env['torch']}  CUDA {env['cuda']}  python {env['python']}  fp8ops {env.get('fp8ops')} (CUDA archs {env.get('fp8ops_build', {}).get('cuda_archs', '?')})"
           f"  torchao {env.get('torchao')}")
 
 
@@ -140,9 +142,12 @@ def table(headers: list[str], rows: list[list], title: str = "") -> str:
     return "\n".join(out)
 
 
-def bench_interleaved(fns: dict, reps: int, rounds: int) -> dict:
+def bench_interleaved(fns: dict, reps: int, rounds: int, warmup: int = 2) -> dict:
     """Median per-iteration CUDA-event time (ms) of each fn; fns take turns in `rounds` rounds.
     Iterations within a round run back to back, so host overhead shows up where it limits."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     times = {k: [] for k in fns}
     per_round = max(1, reps // rounds)
     for _ in range(rounds):
@@ -259,28 +264,35 @@ def run_profile(args, fns: dict, shape, out_dir: str) -> dict:
         gpu = [e for e in events if e.device_type == DeviceType.CUDA]
         launches = [e for e in events if e.device_type == DeviceType.CPU and e.name in
                     ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")]
-        kernel_names = {}
+        per_kernel = {}  # name -> [count, total us]
         for e in gpu:
-            kernel_names[e.name] = kernel_names.get(e.name, 0) + 1
+            c = per_kernel.setdefault(e.name, [0, 0.0])
+            c[0] += 1
+            c[1] += e.time_range.elapsed_us()
+        top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])
+        gpu_us = sum(c[1] for c in per_kernel.values())
+        lines = [f"{name} {M}x{K}->{N}: {len(gpu) / iters:.1f} GPU ops (kernels, memcpy, memset) and "
+                 f"{len(launches) / iters:.1f} kernel-launch API calls per fwd+bwd; GPU busy "
+                 f"{gpu_us / iters / 1e3:.3f} ms per fwd+bwd",
+                 f"  {'us/iter':>9} {'%':>5} {'n/iter':>6}  kernel"]
+        for k, (cnt, us) in top[:args.profile_rows]:
+            lines.append(f"  {us / iters:9.1f} {100 * us / max(gpu_us, 1e-9):5.1f} {cnt / iters:6.1f}  {k[:110]}")
         tbl = prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.profile_rows)
         path = os.path.join(out_dir, f"linear_profile_{M}x{K}x{N}_{name}.txt")
         with open(path, "w") as f:
-            f.write(f"{name} {M}x{K}->{N}, {iters} fwd+bwd iterations\n")
-            f.write(f"GPU ops (kernels + memcpy/memset) per iteration: {len(gpu) / iters:.1f}; "
-                    f"kernel launch calls per iteration: {len(launches) / iters:.1f}\n\n")
-            f.write("GPU ops per iteration by name:\n")
-            for k, c in sorted(kernel_names.items(), key=lambda kv: -kv[1]):
-                f.write(f"  {c / iters:6.1f}  {k[:160]}\n")
-            f.write("\n" + tbl + "\n")
+            f.write("\n".join(lines) + "\n\nall GPU ops:\n")
+            for k, (cnt, us) in top:
+                f.write(f"  {us / iters:9.1f} us/iter {cnt / iters:6.1f}/iter  {k}\n")
+            f.write("\ntorch.profiler key_averages, by self device time:\n" + tbl + "\n")
         try:
             prof.export_chrome_trace(os.path.join(out_dir, f"linear_trace_{M}x{K}x{N}_{name}.json"))
         except Exception as e:  # noqa: BLE001
             print(f"note: chrome trace export failed for {name}: {e}")
         summary[name] = {"gpu_ops_per_iter": len(gpu) / iters, "launch_calls_per_iter": len(launches) / iters,
-                         "table": path}
-        print(f"\n=== profile {name} {M}x{K}->{N}: {len(gpu) / iters:.1f} GPU ops/iter, "
-              f"{len(launches) / iters:.1f} launch calls/iter (written to {path})")
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=min(args.profile_rows, 12)))
+                         "gpu_busy_ms_per_iter": gpu_us / iters / 1e3, "table": path,
+                         "top_kernels": [{"name": k, "us_per_iter": us / iters, "count_per_iter": cnt / iters}
+                                         for k, (cnt, us) in top[:args.profile_rows]]}
+        print("\n" + "\n".join(lines) + f"\n  (full table: {path})")
     return summary
 
 
@@ -381,6 +393,7 @@ def main() -> int:
         ap.error(f"unknown variants {bad}; choose from {VARIANTS}")
     if "bf16" not in variants:
         variants.insert(0, "bf16")  # the baseline of every ratio
+    variants.sort(key=lambda v: (v != "bf16", v.startswith("torchao")))  # bf16 first, torchao last
 
     env = environment()
     print_environment(env)
@@ -409,37 +422,39 @@ def main() -> int:
         base = nn.Linear(K, N, bias=args.bias, device=DEVICE, dtype=master)
         x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16) * 1e-3  # gradients are small
-        steps, errors, val = {}, {}, {}
-        for v in variants:  # torchao last: its convert patches inductor's codegen (see docstring)
+        steps, errors, row_valid, ref, breaks = {}, {}, {}, None, {}
+        for v in variants:  # bf16 first (the reference); torchao last (it patches inductor, see docstring)
             try:
+                gb0 = graph_breaks()
                 mod, layer = build_variant(v, base, args, fp8ops, ao_convert)
                 fn = make_step(mod, layer, x, g, fp8ops, torch.bfloat16)
-                outs = []
+                outs = None
                 for i in range(max(3, args.warmup)):
                     y = fn()
                     if i == 2:  # validation: the 3rd iteration, after two scale updates
-                        outs = [y.detach().float(), x.grad.detach().float(), mod_weight(mod).grad.detach().float()]
+                        outs = (y.detach().float(), x.grad.detach().float(), mod_weight(mod).grad.detach().float())
                     del y
                 torch.cuda.synchronize()
-                val[v] = outs
                 steps[v] = fn
+                if v.endswith("compiled") and graph_breaks() > gb0:
+                    breaks[v] = graph_breaks() - gb0
+                    print(f"  note: {v} {M}x{K}->{N}: {breaks[v]} torch.compile graph break(s)")
+                # ---- validation against BF16 eager (same weights, same x and g)
+                if v == "bf16":
+                    ref = outs
+                elif ref is not None:
+                    dy, ddx, ddw = (sqnr(r, o) for r, o in zip(ref, outs))
+                    ok = dy >= SQNR_Y and ddx >= SQNR_GRAD and ddw >= SQNR_GRAD
+                    row_valid[v] = {"ok": ok, "sqnr_y": dy, "sqnr_dx": ddx, "sqnr_dw": ddw}
+                    if not ok:
+                        result["validation_failures"].append(
+                            f"{v} {M}x{K}->{N}: SQNR y {dy:.1f} dB (>= {SQNR_Y}), dx {ddx:.1f}, "
+                            f"dW {ddw:.1f} (>= {SQNR_GRAD})")
+                del outs, mod, layer, fn
             except Exception as e:  # noqa: BLE001 -- one broken variant must not stop the others
                 errors[v] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
                 print(f"  {v} {M}x{K}->{N}: FAILED to run: {errors[v]}")
-        # ---- validation against BF16 eager
-        row_valid = {}
-        if "bf16" in val:
-            ry, rdx, rdw = val["bf16"]
-            for v, outs in val.items():
-                if v == "bf16":
-                    continue
-                dy, ddx, ddw = sqnr(ry, outs[0]), sqnr(rdx, outs[1]), sqnr(rdw, outs[2])
-                ok = dy >= SQNR_Y and ddx >= SQNR_GRAD and ddw >= SQNR_GRAD
-                row_valid[v] = {"ok": ok, "sqnr_y": dy, "sqnr_dx": ddx, "sqnr_dw": ddw}
-                if not ok:
-                    result["validation_failures"].append(
-                        f"{v} {M}x{K}->{N}: SQNR y {dy:.1f} dB (>= {SQNR_Y}), dx {ddx:.1f}, dW {ddw:.1f} (>= {SQNR_GRAD})")
-        del val
+        del ref
         ok_all = all(r["ok"] for r in row_valid.values())
         print(("All results match. Starting benchmarks." if ok_all else
                "VALIDATION FAILED (timing anyway; marked '!'): " + "; ".join(
@@ -454,7 +469,7 @@ def main() -> int:
         t = bench_interleaved(fns, args.reps, args.rounds)
         flop = 6.0 * M * N * K
         row = {"M": M, "K": K, "N": N, "bias": args.bias, "master": args.master, "errors": errors,
-               "validation": row_valid}
+               "validation": row_valid, "graph_breaks": breaks}
         for v in VARIANTS:
             ms = t.get(v)
             row[f"{v}_ms"] = ms
@@ -538,6 +553,15 @@ def main() -> int:
                                   f"median of {args.reps} iterations; target c: = compiled >= eager")))
     failed = bool(result["validation_failures"]) or any(r["errors"] for r in result["rows"])
     return 1 if failed else 0
+
+
+def graph_breaks() -> int:
+    """torch.compile graph breaks so far in this process (dynamo's counter)."""
+    try:
+        from torch._dynamo.utils import counters
+        return sum(counters["graph_break"].values())
+    except Exception:  # noqa: BLE001
+        return 0
 
 
 def mod_weight(mod: nn.Module) -> torch.Tensor:

@@ -96,10 +96,12 @@ def environment() -> dict:
 
 def print_environment(env: dict) -> None:
     print(f"# {os.path.basename(__file__)}  {env['date']}  host {env['host']}")
-    print(f"# GPU: {env.get('gpu', 'none')} (sm_{env.get('sm', '?').replace('.', '')}, "
-          f"{env.get('sms', '?')} SMs, {env.get('gpu_mem_gib', '?')} GiB)  "
-          f"driver/power/max-clock: {env.get('nvidia_smi', '?')}")
-    print(f"# torch {env['torch']}  CUDA {env['cuda']}  python {env['python']}  fp8ops {env.get('fp8ops')}"
+    if "gpu" in env:
+        print(f"# GPU: {env['gpu']} (sm_{env['sm'].replace('.', '')}, {env['sms']} SMs, {env['gpu_mem_gib']} GiB)"
+              f"  driver, power limit, max SM clock: {env.get('nvidia_smi', '?')}")
+    else:
+        print("# GPU: none visible to torch")
+    print(f"# torch {env['torch']}  CUDA {env['cuda']}  python {env['python']}  fp8ops {env.get('fp8ops')} (CUDA archs {env.get('fp8ops_build', {}).get('cuda_archs', '?')})"
           f"  torchao {env.get('torchao')}")
 
 
@@ -185,6 +187,15 @@ def build(variant: str, GPT, GPTConfig, lm_filter, mcfg: dict, args, fp8ops):
     return model, call, opt, cfg, note
 
 
+def graph_breaks() -> int:
+    """torch.compile graph breaks so far in this process (dynamo's counter)."""
+    try:
+        from torch._dynamo.utils import counters
+        return sum(counters["graph_break"].values())
+    except Exception:  # noqa: BLE001
+        return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -227,7 +238,7 @@ def main() -> int:
     notes = []
     if any(v.startswith("torchao") for v in variants):
         try:
-            import torchao.float8  # noqa: F401
+            import torchao.float8  # noqa: F401 -- importable at all?
         except Exception as e:  # noqa: BLE001
             notes.append(f"torchao not importable ({type(e).__name__}: {e}); torchao variants skipped")
             print("note: " + notes[-1])
@@ -255,6 +266,7 @@ def main() -> int:
             model = call = opt = None
             try:
                 torch._dynamo.reset()
+                gb0 = graph_breaks()
                 model, call, opt, cfg, note = build(v, GPT, GPTConfig, lm_filter, mcfg, args, fp8ops)
                 row["note"] = note
                 fpt = flops_per_token(model, cfg)
@@ -270,6 +282,10 @@ def main() -> int:
 
                 losses = [float(step(i)) for i in range(max(2, args.warmup))]  # .item(): warm-up only
                 row["warmup_losses"] = losses
+                if v.endswith("compiled"):
+                    row["graph_breaks"] = graph_breaks() - gb0
+                    if row["graph_breaks"]:
+                        row["note"] += f"; {row['graph_breaks']} graph break(s)"
                 # validation against BF16 eager's losses (same init, same batches)
                 if v == "bf16":
                     ref_losses = losses
@@ -316,7 +332,7 @@ def main() -> int:
                 print(f"  {v}: FAILED: {row['error']}")
             result["rows"].append(row)
             write_json(args.json, result)
-            del model, call, opt
+            model = call = opt = None  # free before the next variant
             gc.collect()
             torch.cuda.empty_cache()
 

@@ -4,7 +4,10 @@
 # for the torchao columns, torchao) must already be installed in the Python that runs this.
 #
 #   OUT=/some/dir bash benchmarks/run_all.sh        # logs + JSON in $OUT (default ./bench_out)
-#   PYTHON=/path/to/python FULL=1 bash benchmarks/run_all.sh   # all linear shapes, longer timings
+#   PYTHON=/path/to/python FULL=1 bash benchmarks/run_all.sh   # all shapes, longer timings (~30 min:
+#                                                              # too long for one 10-minute device call)
+# Install first, in a separate call (the build alone takes minutes):
+#   python3 -m pip install --no-build-isolation --no-deps . && python3 -m pip install --no-deps .whl/torchao-0.18.0-*.whl
 #
 # Writes $OUT/<name>.log and $OUT/<name>.json per script, $OUT/env.log (nvidia-smi, versions,
 # `python -m fp8ops`), $OUT/linear_profile/ (profiler tables and traces), $OUT/linear.png and
@@ -14,7 +17,7 @@ set -u -o pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${OUT:-$PWD/bench_out}"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
 FULL="${FULL:-0}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -42,7 +45,7 @@ run() {  # run NAME TIMEOUT_S ARGS... : one script, logged, JSON to $OUT/NAME.js
   nvidia-smi 2>&1 || echo "nvidia-smi not available"
   "$PY" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda)"
   "$PY" -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
-  "$PY" -m fp8ops 2>&1 || echo "python -m fp8ops failed"
+  (cd /tmp && "$PY" -m fp8ops) 2>&1 || echo "python -m fp8ops failed"  # /tmp: the installed package, not ./fp8ops
 } > "$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 
@@ -53,8 +56,8 @@ if [ "$FULL" = "1" ]; then
   run bench_train 900 --steps 30
 else
   # order: the cheap kernel checks first (they validate the ops everything else uses)
-  run bench_cast 100 --reps 60
-  run bench_gemm 80 --reps 40 --rounds 2
+  run bench_cast 120 --reps 60
+  run bench_gemm 60 --reps 40 --rounds 2
   run bench_linear 170 --quick --reps 24 --rounds 2 --warmup 4 \
       --profile --profile-shape 16384x4096x14336 --profile-iters 3 --profile-rows 15 \
       --profile-variants bf16,fp8ops,fp8ops_compiled \

@@ -89,8 +89,10 @@ __global__ void __launch_bounds__(AU_THREADS)
     const float a = fp8ops_bits_f32(abits);
     float s = scale[col];
     if (isfinite(a) && a > 0.0f) {
-      s = (fp8_max[col] / a) / pow2_margin;  // same expression order as the CPU
-      if (isinf(s)) s = FLT_MAX;
+      const float t = (fp8_max[col] / a) / pow2_margin;  // same expression order as the CPU
+      // an overflow clamps to FLT_MAX; an underflow to 0 (huge amax, large margin) keeps s
+      if (isinf(t)) s = FLT_MAX;
+      else if (t > 0.0f) s = t;
     }
     scale[col] = s;
     scale_inv[col] = 1.0f / s;

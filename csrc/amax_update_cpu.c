@@ -38,8 +38,11 @@ int fp8ops_amax_update_cpu(float* amax_history, float* scale, float* scale_inv,
     /* scale: a zero or non-finite amax keeps the previous scale */
     float s = scale[i];
     if (isfinite(a) && a > 0.0f) {
-      s = (fp8_max[i] / a) / exp2f(margin);
-      if (isinf(s)) s = FLT_MAX;
+      const float t = (fp8_max[i] / a) / exp2f(margin);
+      /* an overflow clamps to FLT_MAX; an underflow to 0 (huge amax, large
+       * margin) keeps the previous scale: a scale is never 0, inf or NaN */
+      if (isinf(t)) s = FLT_MAX;
+      else if (t > 0.0f) s = t;
     }
     scale[i] = s;
     scale_inv[i] = 1.0f / s;

@@ -1,18 +1,24 @@
 /*
  * cast.cu -- CUDA kernels of fp8ops::cast (hp -> fp8 with a scale, saturating,
  * optional transposed copy, fused amax) and fp8ops::amax (max |x|, current
- * scaling). Bit for bit the same as cast_cpu.c: every element goes through
- * out = fp8(clamp(float(x) * scale, -max, max)) with the fp8_convert.h scalar
- * conversions (no hardware cvt, no fast math), and amax is a max over
- * |x| bits (for non-negative floats the uint32 order is the value order and
- * every NaN sorts above +inf, so the max propagates NaN).
+ * scaling). Bit for bit the same as cast_cpu.c, i.e. as
+ * out = fp8(clamp(float(x) * scale, -max, max)) with fp8_convert.h's
+ * conversions: the per-element conversion below is a branch-free equivalent of
+ * fp8ops_f32_to_e4m3 / e5m2 after the clamp (no hardware cvt), checked against
+ * them over all 2^32 fp32 inputs by benchmarks/dev/cast_check.cu. amax is a
+ * max over |x| bits (for non-negative floats the uint32 order is the value
+ * order and every NaN sorts above +inf, so the max propagates NaN).
+ * Never build with --use_fast_math / -ftz=true: the rounding relies on fp32
+ * adds and multiplies that keep subnormals.
  *
  * Paths of fp8ops_cast_cuda:
  *   cast_transpose_kernel   out and out_t, rows % 16 == 0, cols % 16 == 0 and
  *                           16-byte aligned pointers (every FP8 GEMM operand):
  *                           16-byte loads, an 8 x VEC block per thread
  *                           transposed in registers (byte permutes), a
- *                           swizzled shared tile, 16-byte stores of both.
+ *                           swizzled shared tile, 16-byte stores of out_t
+ *                           (8- / 4-byte row stores of out, 128 / 64
+ *                           contiguous bytes per half-warp).
  *   cast_transpose_general_kernel   out and out_t, any shape or alignment:
  *                           scalar loads, 32 x 32 tile through shared memory.
  *   cast_kernel             out only: flat elementwise over rows * cols,
@@ -27,7 +33,7 @@
 #include <stdint.h>
 
 #include "common.h"       // defines: FP8OPS_REQUIRE, FP8OPS_CHECK_CUDA, FP8OPS_CEIL_DIV
-#include "fp8_convert.h"  // defines: fp8ops_f32_to_e4m3/e5m2, fp8ops_bf16/f16_to_f32
+#include "fp8_convert.h"  // defines: fp8ops_f32_bits / bits_f32, fp8ops_bf16/f16_to_f32
 
 // ----------------------------------------------------------------------------
 // CUDA helpers (element conversion)
@@ -157,7 +163,7 @@ struct AbsMax {
   // largest |x| of the words as 16-bit bits (ms halves are in [0, 0x7FFF]; a
   // mu half below 0x8000 is a positive value, already in ms)
   __device__ __forceinline__ uint32_t m16() const {
-    const uint32_t t = max(ms, mu & 0x7FFF7FFFu);
+    const uint32_t t = __vmaxu2(ms, mu & 0x7FFF7FFFu);  // per 16-bit half
     return max(t & 0xFFFFu, t >> 16);
   }
 #else

@@ -10,8 +10,9 @@
  *   - e4m3 (float8_e4m3fn, max 448) for forward tensors, e5m2 (max 57344) for
  *     gradients in the "hybrid" format.
  *   - amax_history is [H, n]: one column per scaled tensor, H steps deep
- *     (Transformer Engine's layout). Row 0 is the slot the casts of the current
- *     step accumulate into (max). amax_update rolls every column up by one
+ *     (Transformer Engine's layout). Row 0 is the slot where the current step's
+ *     amaxes are collected (the caller takes the max of each cast's amax output
+ *     into it, across micro-batches). amax_update rolls every column up by one
  *     (torch.roll(h, -1, dims=0)): the old row 0 moves to row H-1, and row 0 is
  *     zeroed for the next step.
  *   - Every function returns FP8OPS_OK (0) or an FP8OPS_ERR_* code; the message
@@ -94,9 +95,10 @@ int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* a
  * \param[out]    scale_inv    [n] fp32, 1 / new scale
  * \param[in]     fp8_max      [n] fp32, the format max of each tensor (448 or 57344)
  * For each tensor (column) i:
- *   a = max(history[:, i]) (algo max) or history[0, i] (most_recent)
+ *   a = max |history[:, i]| (algo max) or |history[0, i]| (most_recent)
  *   if a is finite and a > 0: scale[i] = (fp8_max[i] / a) / 2^margin, an infinite
- *   result clamped to FLT_MAX; else scale[i] keeps its value (never 0/inf/NaN from here)
+ *   result clamped to FLT_MAX, one that underflows to 0 ignored; otherwise
+ *   scale[i] keeps its value. So a finite positive scale stays finite and positive.
  *   scale_inv[i] = 1 / scale[i]
  *   history[:, i] = roll(history[:, i], -1); history[0, i] = 0
  */
@@ -111,6 +113,8 @@ int fp8ops_amax_update_cuda(float* amax_history, float* scale, float* scale_inv,
 /* gemm: out[M, N] = (a[M, K] . b[N, K]^T) * a_scale_inv * b_scale_inv (+ bias[N])
  * a, b fp8 bytes, row-major ("TN": both K-major, as cuBLASLt FP8 requires);
  * formats (a, b) in {(e4m3, e4m3), (e5m2, e4m3), (e4m3, e5m2)}; fp32 accumulation.
+ * CUDA only: M, N, K positive multiples of 16, a/b/out/bias 16-byte aligned, an
+ * sm_89+ GPU (else FP8OPS_ERR_INVALID / FP8OPS_ERR_UNSUPPORTED with the reason).
  * bias: [N] in fp8ops_gemm_bias_dtype(out_dtype), or NULL. out: [M, N] in out_dtype.
  * CPU: the reference (dequantise, fp32 dot products, k ascending).
  */
@@ -119,8 +123,8 @@ int fp8ops_gemm_cpu(const uint8_t* a, fp8ops_fp8_format a_fmt, const uint8_t* b,
                     const float* a_scale_inv, const float* b_scale_inv, const void* bias,
                     fp8ops_hp_dtype out_dtype, void* out);
 
-/* cuBLASLt's rule for FP8 bias epilogues (also torch._scaled_mm's): the bias is
- * bf16 for an fp32 output, else the output's dtype. */
+/* cuBLASLt's rule for FP8 bias epilogues: the bias is bf16 for an fp32 output,
+ * else the output's dtype. */
 static inline fp8ops_hp_dtype fp8ops_gemm_bias_dtype(fp8ops_hp_dtype out_dtype) {
   return out_dtype == FP8OPS_F32 ? FP8OPS_BF16 : out_dtype;
 }
@@ -137,7 +141,7 @@ int fp8ops_gemm_cuda(const uint8_t* a, fp8ops_fp8_format a_fmt, const uint8_t* b
                      size_t workspace_bytes, int device, void* stream);
 
 /* ------------------------------------------------------------------------- */
-/* CUDA runtime facts (all return FP8OPS_OK with zeros when built without CUDA) */
+/* CUDA runtime facts (a build without CUDA answers 0 / "" / FP8OPS_ERR_UNSUPPORTED) */
 
 /* 1 when the module was built with nvcc, else 0. */
 int fp8ops_built_with_cuda(void);

@@ -34,7 +34,7 @@ def amax_update_ref(amax_history, scale, scale_inv, fp8_max, margin: float = 0.0
     s_old = scale.reshape(-1).clone()
     s_new = (fp8_max.reshape(-1) / a) / (2.0 ** margin)
     s_new = torch.where(torch.isinf(s_new), torch.full_like(s_new, torch.finfo(torch.float32).max), s_new)
-    ok = torch.isfinite(a) & (a > 0)
+    ok = torch.isfinite(a) & (a > 0) & (s_new > 0)  # an underflow to 0 keeps the old scale
     s = torch.where(ok, s_new, s_old)
     h = torch.roll(h, -1, dims=0)
     h[0] = 0
