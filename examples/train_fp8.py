@@ -11,6 +11,7 @@ metrics.json for comparing FP8 with BF16.
     python examples/plot_curves.py runs/train_fp8/metrics.json runs/bf16/metrics.json
     python examples/train_fp8.py --model tiny --steps 50            # CPU smoke test
     python examples/train_fp8.py --resume auto --use_fp8            # continue; BF16 ckpt -> FP8 is fine
+    torchrun --nproc_per_node=2 examples/train_fp8.py --use_fp8 --ddp   # data parallel (or --fsdp)
 
 Without a GPU that can run FP8 (sm_89+), or without the fp8ops extension, it still trains: in BF16
 on the GPU, in FP32 on the CPU, and says once why FP8 is off. `tensorboard --logdir <out_dir>/tb`
@@ -103,8 +104,16 @@ def parse_args(argv=None):
                    help="write TensorBoard logs to <out_dir>/tb")
     r.add_argument("--max_time_min", type=float, default=None,
                    help="stop (and save) after this many minutes of wall time")
+    r.add_argument("--ddp", action="store_true",
+                   help="data parallel under torchrun (DistributedDataParallel): each rank trains "
+                        "on --batch_size sequences of every global micro-batch of batch_size x ranks")
+    r.add_argument("--fsdp", action="store_true",
+                   help="like --ddp, with FSDP2 (fully_shard of each block, then the root): "
+                        "parameters, gradients and optimizer state sharded across the ranks")
     add_fp8_args(p)
     args = p.parse_args(argv)
+    if args.ddp and args.fsdp:
+        p.error("--ddp and --fsdp are exclusive")
     for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_iters",
                  "save_every", "log_every"):
         if getattr(args, name) < 1:
@@ -244,6 +253,7 @@ def main(argv=None):
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
+    device, dinfo = init_distributed(args, device)   # --ddp/--fsdp: this rank's GPU; others stay quiet
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     if dtype == "bf16":
         def amp():
@@ -287,17 +297,28 @@ def main(argv=None):
 
     model, fp8_info = prepare_model(model, args, logger=print, module_filter_fn=LM_HEAD_FILTER,
                                     precision=dtype.upper())
+    # --ddp: DDP(model); --fsdp: model sharded in place (before the optimizer: it holds the shards)
+    wrapped = wrap_distributed(model, dinfo, device)
     optimizer = make_optimizer(model, args, device)
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_optimizer_state(model, optimizer, ckpt["optimizer"], dinfo)
     load_scaling_state(model, ckpt, fp8_info)
-    train_model = torch.compile(model) if args.compile else model
+    train_model = torch.compile(wrapped) if args.compile else wrapped
 
     # --- data ---------------------------------------------------------------------------------------
     train_data, val_data, data_desc = load_data(args, device, cfg.block_size)
     print(f"data: {data_desc}")
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed)
+
+    def rank_batch(data, generator):
+        # Every rank draws the same global micro-batch and keeps its own slice: the data depends
+        # on the global batch only, whatever the number of ranks.
+        x, y = get_batch(data, args.batch_size * dinfo.world, cfg.block_size, generator)
+        if dinfo.world == 1:
+            return x, y
+        part = slice(dinfo.rank * args.batch_size, (dinfo.rank + 1) * args.batch_size)
+        return x[part], y[part]
     start_step, best_val = 0, float("inf")
     metrics = {"steps": [], "train_loss": [], "val_steps": [], "val_loss": [],
                "tokens_per_s_steps": [], "tokens_per_s": []}
@@ -308,11 +329,11 @@ def main(argv=None):
     del ckpt  # the optimizer copied its state; free the checkpoint's copy
 
     # --- logging ----------------------------------------------------------------------------------
-    writer = make_writer(args, out_dir, start_step)
-    tokens_per_step = args.batch_size * args.grad_accum * cfg.block_size
+    writer = make_writer(args, out_dir, start_step) if dinfo.main else None
+    tokens_per_step = args.batch_size * args.grad_accum * cfg.block_size * dinfo.world
     interactive = sys.stderr.isatty()
     bar = None
-    if tqdm is not None and start_step < args.steps:
+    if tqdm is not None and start_step < args.steps and dinfo.main:
         bar = tqdm(total=args.steps, initial=start_step, unit="step", dynamic_ncols=True,
                    mininterval=1 if interactive else 30)
 
@@ -323,16 +344,21 @@ def main(argv=None):
         """Move the per-step loss tensors into metrics (one device sync for all of them)."""
         if pending:
             metrics["steps"] += [s for s, _ in pending]
-            metrics["train_loss"] += torch.stack([l for _, l in pending]).tolist()
+            metrics["train_loss"] += all_ranks_mean(torch.stack([l for _, l in pending]), dinfo).tolist()
             pending.clear()
 
     def checkpoint(step, *names):
         """Save once, then copy: serializing a large model twice costs more than a file copy."""
         flush_losses()
+        # The plain model's full state dict and the single-process optimizer format, whatever
+        # --ddp/--fsdp (under --fsdp every rank takes part in gathering them to rank 0).
+        model_sd, optim_sd = full_state_dicts(model, optimizer, dinfo)
+        if not dinfo.main:
+            return
         sd = getattr(fp8ops, "scaling_state_dict", None)
         save_atomic({
-            "model": portable_state_dict(model),
-            "optimizer": optimizer.state_dict(),
+            "model": model_sd,
+            "optimizer": optim_sd,
             "step": step,
             "best_val_loss": best_val,
             "args": vars(args),
@@ -358,10 +384,12 @@ def main(argv=None):
         summary = dict(metrics, label=fp8_info["summary"], backend=fp8_info["backend"],
                        device=where, dtype=dtype, model_config=dataclasses.asdict(cfg),
                        tokens_per_step=tokens_per_step, last_step=step,
+                       world_size=dinfo.world, parallel=dinfo.mode,
                        mean_tokens_per_s=sum(steady) / len(steady) if steady else None,
                        final_val_loss=metrics["val_loss"][-1] if metrics["val_loss"] else None,
                        final_train_loss=final_train_loss(metrics))
-        save_atomic(summary, out_dir / "metrics.json", json_text=True)
+        if dinfo.main:
+            save_atomic(summary, out_dir / "metrics.json", json_text=True)
         return summary
 
     @torch.no_grad()
@@ -372,11 +400,11 @@ def main(argv=None):
         model.eval()
         total = torch.zeros((), device=device)
         for _ in range(args.eval_iters):
-            x, y = get_batch(val_data, args.batch_size, cfg.block_size, g)
+            x, y = rank_batch(val_data, g)
             with amp(), fp8_info["autocast"]():
                 total += train_model(x, y)[1]
         model.train()
-        return (total / args.eval_iters).item()
+        return all_ranks_mean(total / args.eval_iters, dinfo).item()
 
     # --- train --------------------------------------------------------------------------------------
     if start_step >= args.steps:
@@ -396,23 +424,29 @@ def main(argv=None):
         while step < args.steps:
             if stopper.requested:
                 stop_reason = "interrupted (Ctrl-C)"
-                break
-            if args.max_time_min is not None and time.time() - t_start > 60 * args.max_time_min:
+            elif args.max_time_min is not None and time.time() - t_start > 60 * args.max_time_min:
                 stop_reason = f"--max_time_min {args.max_time_min} reached"
+            if dinfo.world > 1:
+                # the ranks stop together, deciding at log steps (one small collective there)
+                stop_reason = agreed_stop(stop_reason, step % args.log_every == 0, dinfo, device)
+            if stop_reason:
                 break
             lr = lr_at(step, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_sum = torch.zeros((), device=device)
-            for _ in range(args.grad_accum):
-                x, y = get_batch(train_data, args.batch_size, cfg.block_size, gen)
-                with amp(), fp8_info["autocast"]():
-                    _, loss = train_model(x, y)
-                (loss / args.grad_accum).backward()
+            for micro in range(args.grad_accum):
+                x, y = rank_batch(train_data, gen)
+                with grad_sync(wrapped, dinfo, last=micro == args.grad_accum - 1):
+                    with amp(), fp8_info["autocast"]():
+                        _, loss = train_model(x, y)
+                    (loss / args.grad_accum).backward()
                 loss_sum += loss.detach()
             grad_norm = None
             if args.grad_clip > 0:
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                if hasattr(grad_norm, "full_tensor"):  # --fsdp: a DTensor; every rank takes part
+                    grad_norm = grad_norm.full_tensor()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
@@ -585,6 +619,162 @@ def log_fp8_state(writer, model, fp8_info, step):
                 value = row.get(f"{kind}_{t}")
                 if value is not None:
                     writer.add_scalar(f"fp8_{kind}/{row['name']}/{t}", value, step)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data parallel under torchrun: --ddp (DistributedDataParallel) or --fsdp (FSDP2 fully_shard).
+#
+#     torchrun --nproc_per_node=2 examples/train_fp8.py --use_fp8 --ddp
+#
+# Every rank builds the same model (same seed) and draws the same global micro-batch of
+# batch_size x ranks sequences, training on its own batch_size of them: 1 GPU with --batch_size 16
+# and 2 GPUs with --batch_size 8 see the same tokens. fp8ops all-reduces the amaxes, so every rank
+# casts with the same scales. Rank 0 alone prints, writes TensorBoard, metrics.json and the
+# checkpoints, which are those of a single-process run (the plain model's full state dict, the
+# optimizer state keyed by position): any run resumes from any other, with or without --ddp/--fsdp.
+
+@dataclasses.dataclass
+class DistInfo:
+    mode: str = None    # None (one process), "ddp" or "fsdp"
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self):
+        return self.rank == 0
+
+
+def init_distributed(args, device):
+    """(device, DistInfo). Under --ddp/--fsdp join the process group torchrun describes (NCCL on
+    CUDA, gloo on the CPU) and take the GPU of this rank's LOCAL_RANK; without torchrun, run as
+    a single rank. The other ranks' stdout goes to /dev/null: only rank 0 logs."""
+    mode = "ddp" if args.ddp else "fsdp" if args.fsdp else None
+    if mode is None:
+        return device, DistInfo()
+    import atexit
+
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+            dist.init_process_group(backend, device_id=device)
+        else:
+            dist.init_process_group(backend)
+    else:
+        print(f"--{mode}: not started by torchrun, running as a single rank")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+    def shutdown():
+        # Tear down while the interpreter is whole (gloo aborts otherwise), once every rank is
+        # done: rank 0 may still be writing its files when the others finish.
+        if dist.is_initialized():
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
+    atexit.register(shutdown)
+    info = DistInfo(mode, dist.get_rank(), dist.get_world_size())
+    if not info.main:
+        sys.stdout = open(os.devnull, "w")
+    print(f"distributed: --{mode}, {info.world} ranks ({backend}); rank 0 logs and saves")
+    return device, info
+
+
+def wrap_distributed(model, dinfo, device):
+    """The module to run: DDP(model), or (--fsdp) the model itself, sharded in place: each
+    transformer block, then the root (embeddings, final LayerNorm and the tied lm_head).
+    `model` stays the module that checkpoints and reports read."""
+    if dinfo.mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        # fp8ops.convert lists its scaling buffers in model._ddp_params_and_buffers_to_ignore:
+        # DDP must not overwrite the amaxes each rank records (they are all-reduced at the step)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if dinfo.mode == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (dinfo.world,))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def _param_names(model, optimizer):
+    """The optimizer's parameters by name, in the order of its state_dict's integer keys."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def full_state_dicts(model, optimizer, dinfo):
+    """(model, optimizer) state dicts as a single-process run saves them. Under --fsdp they are
+    gathered to rank 0, on the CPU (the other ranks get empty dicts); DCP keys the optimizer
+    state by parameter name, which is mapped back to the single-process integer keys."""
+    if dinfo.mode != "fsdp":
+        return portable_state_dict(model), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=options)
+    model_sd = {k: v for k, v in model_sd.items() if not k.endswith("._extra_state")}
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
+    if not optim_sd:
+        return model_sd, optim_sd
+    index = {name: i for i, name in enumerate(_param_names(model, optimizer))}
+    return model_sd, {
+        "state": {index[k]: v for k, v in optim_sd["state"].items()},
+        "param_groups": [dict(g, params=[index[k] for k in g["params"]]) for g in optim_sd["param_groups"]],
+    }
+
+
+def load_optimizer_state(model, optimizer, state, dinfo):
+    """Load a single-process-format optimizer state (what every run saves). Under --fsdp, every
+    rank passes the full state to DCP, which keeps this rank's shards."""
+    if dinfo.mode != "fsdp":
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = _param_names(model, optimizer)
+    state = {"state": {names[i]: v for i, v in state["state"].items()},
+             "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def grad_sync(wrapped, dinfo, last):
+    """Reduce gradients once per optimizer step, at its last micro-batch (--grad_accum)."""
+    if dinfo.mode == "ddp" and not last:
+        return wrapped.no_sync()
+    if dinfo.mode == "fsdp":
+        wrapped.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+def all_ranks_mean(t, dinfo):
+    """The mean of t over the ranks (the global batch's loss); t itself in a single process."""
+    if dinfo.world == 1:
+        return t
+    import torch.distributed as dist
+
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t / dinfo.world
+
+
+def agreed_stop(reason, check_now, dinfo, device):
+    """Ranks stop at the same step: at check points, all stop when one wants to."""
+    if not check_now:
+        return None
+    import torch.distributed as dist
+
+    flag = torch.tensor([float(reason is not None)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return (reason or "another rank stopped") if flag.item() else None
 
 
 if __name__ == "__main__":

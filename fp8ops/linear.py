@@ -268,11 +268,14 @@ class Fp8Linear(nn.Linear):
             self.fp8_fallback_calls += 1
             with torch.autocast("cuda", dtype=cdtype, enabled=cdtype != torch.float32):
                 return F.linear(x, self.weight, self.bias)
-        if x2.dtype != cdtype:
+        if x2.dtype not in ops.HP_DTYPES:
             x2 = x2.to(cdtype)
+        # an fp32 input (LayerNorm under autocast) is cast to fp8 directly: no
+        # extra pass through bf16; its gradient comes back in fp32 as well
         x2 = x2.contiguous()
         cfg = self.fp8_config
-        if cfg.recipe == "delayed" and not self._fp8_primed and not torch.compiler.is_compiling():
+        # priming also runs under torch.compile (the flag flip costs one recompile)
+        if cfg.recipe == "delayed" and not self._fp8_primed:
             self._prime_scales(x2)
             self._fp8_primed = True
         grad = torch.is_grad_enabled()
@@ -280,7 +283,7 @@ class Fp8Linear(nn.Linear):
         need_dgrad = grad and x.requires_grad
         w8, w8t = self._weight_fp8(cdtype, need_dgrad)
         x_dt, _, g_dt = cfg.dtypes()
-        prime_g = cfg.recipe == "delayed" and grad and not self._fp8_g_primed and not torch.compiler.is_compiling()
+        prime_g = cfg.recipe == "delayed" and grad and not self._fp8_g_primed
         if prime_g:
             self._fp8_g_primed = True
         static = (x_dt, g_dt, cdtype, cfg.fast_accum, cfg.recipe == "current", float(cfg.margin),
