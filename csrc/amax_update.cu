@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(AU_THREADS)
       const float t = (fp8_max[col] / a) / pow2_margin;  // same expression order as the CPU
       // an overflow clamps to FLT_MAX; an underflow to 0 (huge amax, large margin) keeps s
       if (isinf(t)) s = FLT_MAX;
-      else if (t > 0.0f) s = t;
+      else if (t > 0.0f && isfinite(1.0f / t)) s = t;  // scale_inv must stay finite too
     }
     scale[col] = s;
     scale_inv[col] = 1.0f / s;

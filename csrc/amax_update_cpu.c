@@ -42,7 +42,7 @@ int fp8ops_amax_update_cpu(float* amax_history, float* scale, float* scale_inv,
       /* an overflow clamps to FLT_MAX; an underflow to 0 (huge amax, large
        * margin) keeps the previous scale: a scale is never 0, inf or NaN */
       if (isinf(t)) s = FLT_MAX;
-      else if (t > 0.0f) s = t;
+      else if (t > 0.0f && isfinite(1.0f / t)) s = t; /* scale_inv must stay finite too */
     }
     scale[i] = s;
     scale_inv[i] = 1.0f / s;

@@ -97,7 +97,7 @@ int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* a
  * For each tensor (column) i:
  *   a = max |history[:, i]| (algo max) or |history[0, i]| (most_recent)
  *   if a is finite and a > 0: scale[i] = (fp8_max[i] / a) / 2^margin, an infinite
- *   result clamped to FLT_MAX, one that underflows to 0 ignored; otherwise
+ *   result clamped to FLT_MAX, one so small that 1/scale overflows ignored; otherwise
  *   scale[i] keeps its value. So a finite positive scale stays finite and positive.
  *   scale_inv[i] = 1 / scale[i]
  *   history[:, i] = roll(history[:, i], -1); history[0, i] = 0

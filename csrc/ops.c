@@ -249,7 +249,8 @@ static int run_cast(AtenTensorHandle hx, AtenTensorHandle hs, int32_t out_dtype,
   FP8OPS_REQUIRE(x.ndim >= 1, "%s: x must have at least 1 dim, found a 0-dim tensor; "
                  "use x.reshape(1)", op);
   const int64_t cols = x.sizes[x.ndim - 1];
-  const int64_t rows = cols > 0 ? x.numel / cols : 0;
+  int64_t rows = 1; /* product of the leading dims (also when cols == 0) */
+  for (int64_t i = 0; i + 1 < x.ndim; ++i) rows *= x.sizes[i];
   const int64_t tsz[2] = {cols, rows}, zero[1] = {0};
   FP8OPS_TRY(new_tensor(op, x.ndim, x.sizes, out_dtype, &x, &outs[0]));
   FP8OPS_TRY(transpose ? new_tensor(op, 2, tsz, out_dtype, &x, &outs[1])

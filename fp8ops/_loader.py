@@ -25,9 +25,14 @@ def _explain(err: BaseException) -> str:
     msg = str(err)
     sym = re.search(r"undefined symbol: (\S+)", msg)
     if sym:
-        return (f"fp8ops' C extension needs libtorch symbol {sym.group(1)}, which torch "
-                f"{torch.__version__} does not export; fp8ops needs torch >= "
-                f"{MIN_TORCH[0]}.{MIN_TORCH[1]} (pip install -U 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}')")
+        head = (f"fp8ops' C extension needs libtorch symbol {sym.group(1)}, which torch "
+                f"{torch.__version__} does not export")
+        if _torch_version() < MIN_TORCH:
+            return (f"{head}; fp8ops needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} "
+                    f"(pip install -U 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}')")
+        return (f"{head}, although this torch meets fp8ops' minimum (torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}): "
+                f"the installed fp8ops build does not match it; reinstall fp8ops "
+                f"(pip install --force-reinstall --no-cache-dir .) and report a bug if it persists")
     if "No module named" in msg or "cannot import name '_C'" in msg:
         return ("fp8ops' C extension (fp8ops/_C*.so) is not built; install the package with "
                 "`pip install .` (a C compiler is required; nvcc for the CUDA kernels)")

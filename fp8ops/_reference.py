@@ -12,7 +12,10 @@ def cast_ref(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, trans
     fmax = FP8_MAX[out_dtype]
     out = (x.float() * scale.float().reshape(())).clamp(-fmax, fmax).to(out_dtype)
     cols = x.shape[-1]
-    out_t = out.reshape(-1, cols).t().contiguous() if transpose else out.new_empty((0,))
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    out_t = out.reshape(rows, cols).t().contiguous() if transpose else out.new_empty((0,))
     amax = x.float().abs().amax() if x.numel() else torch.zeros((), device=x.device)
     return out, out_t, amax
 
@@ -26,15 +29,16 @@ def amax_update_ref(amax_history, scale, scale_inv, fp8_max, margin: float = 0.0
     (new_history, new_scale, new_scale_inv). History is [H] or [H, n]; row 0 is
     the current step's amax; roll up by one, then zero row 0."""
     h = amax_history.reshape(amax_history.shape[0], -1).clone()
+    # amaxes are magnitudes: the reduction is over |h| (NaN propagates)
     if algo == "max":
-        a = h.amax(dim=0)
-        a = torch.where(h.isnan().any(dim=0), torch.full_like(a, float("nan")), a)
+        a = h.abs().amax(dim=0)
     else:
-        a = h[0].clone()
+        a = h[0].abs()
     s_old = scale.reshape(-1).clone()
     s_new = (fp8_max.reshape(-1) / a) / (2.0 ** margin)
     s_new = torch.where(torch.isinf(s_new), torch.full_like(s_new, torch.finfo(torch.float32).max), s_new)
-    ok = torch.isfinite(a) & (a > 0) & (s_new > 0)  # an underflow to 0 keeps the old scale
+    # an underflow (to 0, or so small that 1/scale overflows) keeps the old scale
+    ok = torch.isfinite(a) & (a > 0) & (s_new > 0) & torch.isfinite(1.0 / s_new)
     s = torch.where(ok, s_new, s_old)
     h = torch.roll(h, -1, dims=0)
     h[0] = 0

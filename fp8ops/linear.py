@@ -31,11 +31,10 @@ from .config import Fp8Config
 X, W, G = 0, 1, 2
 
 
-def _record_amax(history: torch.Tensor, col: int, amax: torch.Tensor) -> None:
-    # row 0 accumulates the max over every cast of this step (micro-batches too)
-    with torch.no_grad():
-        slot = history[0, col]
-        torch.maximum(slot, amax.detach(), out=slot)
+def _record_amax(slot: torch.Tensor, amax: torch.Tensor) -> None:
+    """slot = history[0, col] (a view): row 0 accumulates the max over every
+    cast of this step (micro-batches too). amax comes from a raw cast: no grad."""
+    torch.maximum(slot, amax, out=slot)
 
 
 def _distributed() -> bool:
@@ -61,7 +60,7 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 def _current_scale(t2d: torch.Tensor, history, scale, scale_inv, fp8_max, col: int, margin: float,
-                   across_ranks: bool = False):
+                   across_ranks: bool = False, overflow: torch.Tensor | None = None):
     """Current (dynamic) scaling of one tensor: its amax now -> scale. Reuses
     amax_update on the tensor's own column with most_recent, so the rules
     (zero / non-finite amax keeps the previous scale) are the same code.
@@ -69,9 +68,12 @@ def _current_scale(t2d: torch.Tensor, history, scale, scale_inv, fp8_max, col: i
     (delayed scaling's priming: each rank sees only its part of the batch, and
     the ranks must start from one scale, the one a single process would get)."""
     with torch.no_grad():
-        a = ops.amax(t2d.detach())
+        a = ops._amax_raw(t2d.detach())
         if across_ranks:
             a = _all_ranks_(a.reshape(1), dist.ReduceOp.MAX)
+        if overflow is not None:
+            # a NaN/inf amax keeps the previous scale (amax_update); count the event
+            overflow.add_(torch.isfinite(a).logical_not().reshape(()))
         h = history[:1, col:col + 1]
         h.copy_(a.reshape(1, 1))
         ops.amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent")
@@ -79,20 +81,22 @@ def _current_scale(t2d: torch.Tensor, history, scale, scale_inv, fp8_max, col: i
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, w8, w8t, history, scale, scale_inv, fp8_max, cfg_static):
+    def forward(ctx, x2, weight, bias, w8, w8t, history, scale, scale_inv, fp8_max, views, cfg_static):
         x_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = cfg_static
+        (s_x, _, _), (si_x, si_w, _), (h_x, _, _), overflow = views
         if current:
-            _current_scale(x2, history, scale, scale_inv, fp8_max, X, margin)
-        x8, x8t, amax_x = ops.cast(x2, scale[X:X + 1], x_dtype, need_wgrad)
+            _current_scale(x2, history, scale, scale_inv, fp8_max, X, margin, overflow=overflow)
+        x8, x8t, amax_x = ops._cast_raw(x2, s_x, x_dtype, need_wgrad)
         if not current:
-            _record_amax(history, X, amax_x)
-        sx_inv = scale_inv[X:X + 1]
+            _record_amax(h_x, amax_x)
+        sx_inv = si_x
         if current:
             # another micro-batch's forward may rescale x before this backward runs
             sx_inv = sx_inv.clone()
         b = None if bias is None else bias.to(ops._bias_dtype(out_dtype))
-        y = ops.gemm(x8, w8, sx_inv, scale_inv[W:W + 1], b, out_dtype, fast_accum)
+        y = ops._gemm_raw(x8, w8, sx_inv, si_w, b, out_dtype, fast_accum)
         ctx.save_for_backward(x8t, w8t, sx_inv, history, scale, scale_inv, fp8_max)
+        ctx.views = views
         ctx.cfg = cfg_static
         ctx.w_dtype = weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
@@ -103,22 +107,24 @@ class _Fp8LinearFn(torch.autograd.Function):
     def backward(ctx, gy):
         x8t, w8t, sx_inv, history, scale, scale_inv, fp8_max = ctx.saved_tensors
         x_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = ctx.cfg
+        (_, _, s_g), (_, si_w, si_g), (_, _, h_g), overflow = ctx.views
         g2 = gy.contiguous()
         if current or prime_g:
             # priming (delayed): the first gradient's amax, max over the ranks
-            _current_scale(g2, history, scale, scale_inv, fp8_max, G, margin, across_ranks=prime_g)
-        g8, g8t, amax_g = ops.cast(g2, scale[G:G + 1], g_dtype, need_wgrad)
+            _current_scale(g2, history, scale, scale_inv, fp8_max, G, margin, across_ranks=prime_g,
+                           overflow=overflow if current else None)
+        g8, g8t, amax_g = ops._cast_raw(g2, s_g, g_dtype, need_wgrad)
         if not current:
-            _record_amax(history, G, amax_g)
+            _record_amax(h_g, amax_g)
         dx = dw = db = None
         if need_dgrad and ctx.needs_input_grad[0]:
-            dx = ops.gemm(g8, w8t, scale_inv[G:G + 1], scale_inv[W:W + 1], None, ctx.x2_dtype, False)
+            dx = ops._gemm_raw(g8, w8t, si_g, si_w, None, ctx.x2_dtype, False)
         if need_wgrad and ctx.needs_input_grad[1]:
             w_out = ctx.w_dtype if ctx.w_dtype in ops.HP_DTYPES else torch.float32
-            dw = ops.gemm(g8t, x8t, scale_inv[G:G + 1], sx_inv, None, w_out, False)
+            dw = ops._gemm_raw(g8t, x8t, si_g, sx_inv, None, w_out, False)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(ctx.b_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -207,13 +213,29 @@ class Fp8Linear(nn.Linear):
         if key is not None and self._w_cache is not None and self._w_cache[0] == key:
             return self._w_cache[1], self._w_cache[2]
         if cfg.recipe == "current":
-            _current_scale(w.detach(), self.fp8_amax_history, self.fp8_scale, self.fp8_scale_inv, self.fp8_max, W, cfg.margin)
-        w8, w8t, amax_w = ops.cast(w.detach(), self.fp8_scale[W:W + 1], cfg.dtypes()[1], need_t)
+            _current_scale(w.detach(), self.fp8_amax_history, self.fp8_scale, self.fp8_scale_inv, self.fp8_max, W, cfg.margin,
+                           overflow=self.fp8_overflow_count)
+        (_, s_w, _), _, (_, h_w, _), _ = self._fp8_views()
+        w8, w8t, amax_w = ops._cast_raw(w.detach(), s_w, cfg.dtypes()[1], need_t)
         if cfg.recipe == "delayed":
-            _record_amax(self.fp8_amax_history, W, amax_w)
+            _record_amax(h_w, amax_w)
         if key is not None:
-            self._w_cache = (key, w8, w8t)
+            self.__dict__["_w_cache"] = (key, w8, w8t)  # not Module.__setattr__: hot path
         return w8, w8t
+
+    def _fp8_views(self):
+        """Per-tensor views of the scaling buffers: ((s_x, s_w, s_g), (si_x,
+        si_w, si_g), (h0_x, h0_w, h0_g), overflow_count). Cached while the
+        buffers are the same objects (.to() / .cuda() replace them); sliced
+        afresh under compile."""
+        s, si, h, o = self.fp8_scale, self.fp8_scale_inv, self.fp8_amax_history, self.fp8_overflow_count
+        if torch.compiler.is_compiling():
+            return (s[0:1], s[1:2], s[2:3]), (si[0:1], si[1:2], si[2:3]), (h[0, 0], h[0, 1], h[0, 2]), o
+        c = self.__dict__.get("_fp8_view_cache")
+        if c is None or any(a is not b for a, b in zip(c[0], (s, si, h, o))):
+            c = ((s, si, h, o), ((s[0:1], s[1:2], s[2:3]), (si[0:1], si[1:2], si[2:3]), (h[0, 0], h[0, 1], h[0, 2]), o))
+            self.__dict__["_fp8_view_cache"] = c
+        return c[1]
 
     def _fp8_pays(self, M: int, cdtype: torch.dtype) -> bool:
         """policy="auto": is FP8 faster than BF16 for this shape on this GPU?
@@ -289,5 +311,5 @@ class Fp8Linear(nn.Linear):
         static = (x_dt, g_dt, cdtype, cfg.fast_accum, cfg.recipe == "current", float(cfg.margin),
                   need_wgrad, need_dgrad, prime_g)
         y = _Fp8LinearFn.apply(x2, self.weight, self.bias, w8, w8t, self.fp8_amax_history,
-                               self.fp8_scale, self.fp8_scale_inv, self.fp8_max, static)
+                               self.fp8_scale, self.fp8_scale_inv, self.fp8_max, self._fp8_views(), static)
         return y.reshape(*x.shape[:-1], self.out_features)

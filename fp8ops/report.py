@@ -12,7 +12,8 @@ from .linear import G, W, X, Fp8Linear
 def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     """One row per linear layer: name, backend ("fp8ops" | "bf16"), reason,
     recipe, scale_x/w/g, amax_x/w/g (the latest completed step's amaxes),
-    overflow_steps, fallback_calls. Prints a table unless print_table=False.
+    overflow_steps (delayed: optimizer steps whose amax was NaN/inf; current:
+    casts whose amax was NaN/inf -- the scale was kept each time), fallback_calls. Prints a table unless print_table=False.
     Reading the scales synchronises with the GPU once."""
     decisions = getattr(model, DECISIONS_ATTR, {})
     rows = []

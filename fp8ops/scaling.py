@@ -99,14 +99,16 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     if due:
         _reduce_amax(due, group)
     for layer in layers:
-        layer.fp8_step += 1
+        layer.__dict__["fp8_step"] = layer.fp8_step + 1  # not Module.__setattr__: per layer per step
     for layer in due:
         cfg = layer.fp8_config
+        h = layer.fp8_amax_history
         # count overflow events (NaN/inf amax this step; amax_update keeps the
         # previous scale), on the device so the step never synchronises
-        layer.fp8_overflow_count += (~torch.isfinite(layer.fp8_amax_history[0])).any()
-        ops.amax_update(layer.fp8_amax_history, layer.fp8_scale, layer.fp8_scale_inv, layer.fp8_max,
-                        float(cfg.margin), cfg.amax_compute_algo)
+        layer.fp8_overflow_count.add_(torch.isfinite(h[0]).logical_not_().any())
+        with ops._below_autograd():
+            torch.ops.fp8ops.amax_update.default(h, layer.fp8_scale, layer.fp8_scale_inv, layer.fp8_max,
+                                                 float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo])
 
 
 def step(model: torch.nn.Module) -> None:

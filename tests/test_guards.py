@@ -1,0 +1,424 @@
+"""Numerical guards, end to end: NaN and +inf injected into activations or
+gradients in the middle of training never turn an FP8 scale into 0, inf or
+NaN; the step is counted (Fp8Linear.fp8_overflow_count, report's
+"overflow_steps") and visible in TensorBoard (the example's per-layer amax);
+training goes on with finite losses and the scales adapt again.
+
+The model is a small MLP whose three linears are Fp8Linear. On CPU the FP8
+path runs through the C reference kernels (`fp8_on_cpu = True`); the same
+tests run on CUDA on an FP8 GPU (gpu/fp8 markers).
+
+How the training loop treats a poisoned step (both are what real loops do):
+  "skip": like torch.amp.GradScaler, optimizer.step() is skipped when any
+          gradient is non-finite. The optimizer hook then does not run, the
+          NaN/inf amax stays in the history's current row and is counted at
+          the next optimizer step.
+  "zero": non-finite gradients are zeroed and the step runs (the parameters
+          keep their values up to weight decay); the hook counts the overflow
+          in the same step.
+
+Checked after every step, for every layer: scale and scale_inv finite and > 0;
+when the optimizer stepped, the new history/scale/scale_inv are bit-identical
+to fp8ops._reference.amax_update_ref applied to the state just before the step,
+and the overflow counter grew by one exactly when that state's current row
+held a NaN/inf amax; when it did not step, nothing changed.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fp8ops
+from fp8ops import Fp8Config, ops
+from fp8ops._reference import amax_update_ref
+from fp8ops.linear import G, W, X, Fp8Linear
+
+from conftest import requires_fp8
+
+FLT_MAX = torch.finfo(torch.float32).max
+NAN, INF = float("nan"), float("inf")
+STEPS, AT, H = 20, 8, 4           # 20 steps, poison at step 8, amax history of 4 steps
+LAYERS = ("up", "down", "head")
+ROOT = Path(__file__).resolve().parent.parent
+
+# which (layer, column) sees the non-finite amax, per injection
+AFFECTED = {
+    # a NaN input propagates through every layer, and its NaN loss into every gradient
+    "act_nan": {(n, c) for n in LAYERS for c in (X, G)},
+    # +inf saturates to fp8_max in up's input cast: up's output, the loss and the
+    # gradients stay finite; only up's input amax is inf
+    "act_inf": {("up", X)},
+    # a NaN / +inf in the gradient reaching up's output: up's grad_output amax
+    "grad_nan": {("up", G)},
+    "grad_inf": {("up", G)},
+}
+
+
+def _poison(t: torch.Tensor, value: float) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1)[0] = value
+    return t
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+        self.head = nn.Linear(32, 16)
+        self.grad_poison = None          # written into the gradient reaching up's output
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.grad_poison is not None and h.requires_grad:
+            v = self.grad_poison
+            h.register_hook(lambda g: _poison(g, v))
+        return self.head(self.down(torch.relu(h)))
+
+
+def fp8_mlp(config: Fp8Config, device="cpu") -> MLP:
+    torch.manual_seed(0)
+    model = MLP().to(device)
+    for name in LAYERS:
+        new = Fp8Linear.from_linear(getattr(model, name), config)
+        new.fp8_on_cpu = device == "cpu"
+        setattr(model, name, new)
+    return model
+
+
+def make_opt(name, model):
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+
+
+def layers(model) -> dict[str, Fp8Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+
+
+def assert_scales_ok(model, where: str):
+    for n, m in layers(model).items():
+        for buf in ("fp8_scale", "fp8_scale_inv"):
+            t = getattr(m, buf).detach().float().cpu()
+            assert torch.isfinite(t).all() and (t > 0).all(), f"{where}: {n}.{buf} = {t.tolist()}"
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.detach().cpu().view(torch.int32), b.detach().cpu().view(torch.int32))
+
+
+def train(model, opt_name, inject=None, mode="skip", device="cpu", steps=STEPS, at=AT, check_reference=True):
+    """Train `steps` steps on a teacher task, poisoning step `at`; check the
+    guards after every step; return one record per step."""
+    opt = make_opt(opt_name, model)
+    gen = torch.Generator().manual_seed(1)
+    teacher = torch.randn(32, 16, generator=gen) / 4
+    lay = layers(model)
+    records = []
+    for step in range(steps):
+        x = torch.randn(32, 32, generator=gen)
+        target = torch.tanh(x @ teacher).to(device)     # from the clean input
+        x = x.to(device)
+        model.grad_poison = None
+        if step == at and inject:
+            kind, value = inject.split("_")
+            value = NAN if value == "nan" else INF
+            if kind == "act":
+                x = _poison(x, value)
+            else:
+                model.grad_poison = value
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x).float(), target)
+        loss.backward()
+        grads_finite = all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        before = {n: (m.fp8_amax_history.clone(), m.fp8_scale.clone(), m.fp8_scale_inv.clone(),
+                      int(m.fp8_overflow_count)) for n, m in lay.items()}
+        stepped = True
+        if not grads_finite:
+            if mode == "skip":
+                stepped = False
+            else:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.zero_()
+        if stepped:
+            opt.step()
+        where = f"step {step} ({inject}, {mode}, {opt_name})"
+        assert_scales_ok(model, where)
+        for n, m in lay.items():
+            h, s, si, count = before[n]
+            if not stepped:
+                assert _same_bits(m.fp8_scale, s) and int(m.fp8_overflow_count) == count, where
+                continue
+            overflow = bool((~torch.isfinite(h[0])).any())
+            assert int(m.fp8_overflow_count) == count + overflow, f"{where}: {n} overflow count"
+            if check_reference and m.fp8_config.recipe == "delayed":
+                cfg = m.fp8_config
+                rh, rs, rsi = amax_update_ref(h, s, si, m.fp8_max, cfg.margin, cfg.amax_compute_algo)
+                assert _same_bits(m.fp8_amax_history, rh), f"{where}: {n} history"
+                assert _same_bits(m.fp8_scale, rs), f"{where}: {n} scale {m.fp8_scale.tolist()} vs {rs.tolist()}"
+                assert _same_bits(m.fp8_scale_inv, rsi), f"{where}: {n} scale_inv"
+        records.append({"loss": loss.item(), "stepped": stepped, "grads_finite": grads_finite,
+                        "scale": {n: m.fp8_scale.detach().cpu().clone() for n, m in lay.items()},
+                        "overflow": {n: int(m.fp8_overflow_count) for n, m in lay.items()}})
+    return records
+
+
+def _check_recovery(model, records, inject, mode):
+    # the poisoned step: NaN input -> NaN loss; everything else stays finite
+    for i, r in enumerate(records):
+        if i == AT and inject == "act_nan":
+            assert math.isnan(r["loss"])
+        else:
+            assert math.isfinite(r["loss"]), f"step {i}: loss {r['loss']}"
+    # non-finite gradients exactly where the injection makes them (act_inf saturates)
+    assert [i for i, r in enumerate(records) if not r["grads_finite"]] == ([] if inject == "act_inf" else [AT])
+    # counted once per affected layer (the NaN stays in the history H steps, counted once)
+    affected_layers = {n for n, _ in AFFECTED[inject]}
+    counts = {n: int(m.fp8_overflow_count) for n, m in layers(model).items()}
+    assert counts == {n: int(n in affected_layers) for n in LAYERS}, counts
+    rows = {r["name"]: r for r in fp8ops.report(model, print_table=False)}
+    assert {n: rows[n]["overflow_steps"] for n in LAYERS} == counts
+    # the update that met the overflow kept the scale, the next H-1 too (the bad
+    # amax is still in the history), then the scale adapts again
+    ov = next(i for i, r in enumerate(records) if i >= AT and r["stepped"])
+    assert records[ov]["overflow"] != records[ov - 1]["overflow"]
+    for n, col in AFFECTED[inject]:
+        frozen = records[ov - 1]["scale"][n][col]
+        for i in range(ov, ov + H):
+            assert records[i]["scale"][n][col] == frozen, f"{n}[{col}] step {i}: the scale must be kept"
+        assert records[-1]["scale"][n][col] != frozen, f"{n}[{col}]: the scale never adapted again"
+    # and it learns: the last steps' loss is below the first steps'
+    first = sum(r["loss"] for r in records[:3]) / 3
+    last = sum(r["loss"] for r in records[-3:]) / 3
+    assert last < first, (first, last)
+
+
+# ---------------------------------------------------------------------- CPU
+
+@pytest.mark.parametrize("mode", ["skip", "zero"])
+@pytest.mark.parametrize("inject", list(AFFECTED))
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_injection_mid_training_recovers(opt_name, inject, mode):
+    model = fp8_mlp(Fp8Config(amax_history_len=H))
+    records = train(model, opt_name, inject, mode)
+    _check_recovery(model, records, inject, mode)
+
+
+def test_clean_run_counts_no_overflow():
+    model = fp8_mlp(Fp8Config(amax_history_len=H))
+    records = train(model, "adamw", None)
+    assert all(r["grads_finite"] and math.isfinite(r["loss"]) for r in records)
+    assert all(r["overflow_steps"] == 0 for r in fp8ops.report(model, print_table=False))
+
+
+def test_report_table_shows_overflow_steps(capsys):
+    model = fp8_mlp(Fp8Config(amax_history_len=H))
+    train(model, "sgd", "act_nan", "zero", steps=AT + 2)
+    capsys.readouterr()
+    rows = fp8ops.report(model)                          # prints the table
+    assert [(r["name"], r["overflow_steps"]) for r in rows] == [(n, 1) for n in LAYERS]
+    table = capsys.readouterr().out.strip()
+    header = table.splitlines()[1]
+    col = header.index("ovf")
+    for line in table.splitlines()[3:]:
+        assert line[col:col + 3].strip() == "1", line
+
+
+def test_report_amax_shows_the_overflowing_step():
+    """Right after the update that met it, report's amax of that step is the NaN/inf."""
+    model = fp8_mlp(Fp8Config(amax_history_len=H))
+    train(model, "sgd", "act_inf", "zero", steps=AT + 1)
+    row = {r["name"]: r for r in fp8ops.report(model, print_table=False)}["up"]
+    assert row["amax_x"] == INF
+    assert math.isfinite(row["scale_x"]) and row["scale_x"] > 0
+
+
+def _train_fp8_module():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import train_fp8  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    return train_fp8
+
+
+def _logged_scalars(tmp_path, model, step):
+    """What examples/train_fp8.py writes to TensorBoard for the FP8 layers."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415
+    from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+
+    train_fp8 = _train_fp8_module()
+    writer = SummaryWriter(log_dir=str(tmp_path))
+    train_fp8.log_fp8_state(writer, model, {"backend": "fp8ops"}, step)
+    writer.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_shows_the_overflowing_amax(tmp_path):
+    model = fp8_mlp(Fp8Config(amax_history_len=H))
+    train(model, "sgd", "act_inf", "zero", steps=AT + 1)
+    scalars = _logged_scalars(tmp_path, model, AT + 1)
+    assert scalars["fp8_amax/up/x"] == [INF]
+    assert all(math.isfinite(v[0]) and v[0] > 0 for k, v in scalars.items() if k.startswith("fp8_scale/"))
+
+
+def test_tensorboard_logs_overflow_count(tmp_path):
+    model = fp8_mlp(Fp8Config(amax_history_len=H))
+    train(model, "sgd", "act_nan", "zero", steps=AT + 3)
+    scalars = _logged_scalars(tmp_path, model, AT + 3)
+    assert any("overflow" in tag and vals == [1.0] for tag, vals in scalars.items()), sorted(scalars)
+
+
+# ----------------------------------------------------------- current scaling
+
+@pytest.mark.parametrize("inject", list(AFFECTED))
+def test_current_scaling_keeps_scales_finite(inject):
+    model = fp8_mlp(Fp8Config(recipe="current"))
+    records = train(model, "adamw", inject, "skip")
+    for i, r in enumerate(records):
+        assert math.isfinite(r["loss"]) or (i == AT and inject == "act_nan")
+    assert sum(r["loss"] for r in records[-3:]) < sum(r["loss"] for r in records[:3])
+
+
+@pytest.mark.parametrize("inject", ["act_nan", "grad_inf"])
+def test_current_scaling_counts_overflow(inject):
+    model = fp8_mlp(Fp8Config(recipe="current"))
+    train(model, "adamw", inject, "zero", steps=AT + 2)
+    # current scaling counts casts that met a NaN/inf amax: a NaN activation
+    # poisons x's cast and, through the loss, the gradient's cast of that step
+    assert int(model.up.fp8_overflow_count) == (2 if inject == "act_nan" else 1)
+
+
+# ------------------------------------------------------------ scale rules
+
+def _primed_layer(config, x):
+    lin = Fp8Linear(32, 16, config=config)
+    lin.fp8_on_cpu = True
+    y = lin(x)
+    return lin, y
+
+
+def test_history_with_nan_keeps_scale_until_it_rolls_out():
+    """A NaN already in the history (e.g. restored from a saved scaling state)
+    keeps the scale while any update sees it, and is not counted again."""
+    lin = Fp8Linear(32, 16, config=Fp8Config(amax_history_len=H))
+    lin.fp8_on_cpu = True
+    opt = torch.optim.SGD(lin.parameters(), lr=0.0)
+
+    def step(amax):
+        opt.zero_grad()
+        lin(torch.full((16, 32), amax)).sum().backward()
+        opt.step()
+        assert_scales_ok(nn.Sequential(lin), f"amax {amax}")
+        return lin.fp8_scale[X].item()
+
+    assert [step(1.0) for _ in range(H)][-1] == 448.0
+    with torch.no_grad():
+        lin.fp8_amax_history[2, X] = NAN
+    # rows roll up by one per update and row 0 is zeroed: the NaN in row 2 is
+    # seen by two updates, then the history's max (2.0) gives the new scale
+    assert [step(2.0) for _ in range(3)] == [448.0, 448.0, 224.0]
+    assert int(lin.fp8_overflow_count) == 0             # counted when it happens (row 0), not again
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_tiny_amax_scale_clamped_to_flt_max(recipe):
+    x = torch.full((16, 32), 1e-40)                      # fp32 subnormal: 448 / 1e-40 overflows
+    lin, y = _primed_layer(Fp8Config(recipe=recipe, amax_history_len=H), x)
+    assert lin.fp8_scale[X].item() == FLT_MAX
+    assert lin.fp8_scale_inv[X].item() == (1.0 / torch.tensor(FLT_MAX)).item() > 0
+    assert torch.isfinite(y).all()
+    ref = F.linear(x, lin.weight, lin.bias)
+    torch.testing.assert_close(y, ref, rtol=1e-2, atol=1e-2)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.0)
+    y.sum().backward()
+    opt.step()
+    assert_scales_ok(nn.Sequential(lin), "after the update")
+    assert lin.fp8_scale[X].item() == FLT_MAX
+
+
+def test_zero_input_keeps_scale():
+    lin, _ = _primed_layer(Fp8Config(amax_history_len=H), torch.randn(16, 32))
+    before = lin.fp8_scale[X].item()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.0)
+    for _ in range(H + 1):                               # only zeros in the whole history
+        opt.zero_grad()
+        lin(torch.zeros(16, 32)).sum().backward()
+        opt.step()
+    assert lin.fp8_scale[X].item() == before and int(lin.fp8_overflow_count) == 0
+
+
+@pytest.mark.parametrize("margin", [0, 1, 2, 3])
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_margin_applied(margin, recipe):
+    torch.manual_seed(0)
+    x = torch.randn(16, 32) * 5
+    lin, _ = _primed_layer(Fp8Config(recipe=recipe, margin=margin, amax_history_len=H), x)
+    amax_x = x.abs().max()
+    expect = (torch.tensor(448.0) / amax_x) / 2.0 ** margin
+    assert lin.fp8_scale[X].item() == expect.item()
+    amax_w = lin.weight.detach().abs().max()
+    assert lin.fp8_scale[W].item() == ((torch.tensor(448.0) / amax_w) / 2.0 ** margin).item()
+    if recipe == "delayed":
+        opt = torch.optim.SGD(lin.parameters(), lr=0.0)
+        x2 = torch.randn(16, 32)
+        lin(x2).sum().backward()
+        opt.step()
+        hist_max = torch.maximum(amax_x, x2.abs().max())
+        assert lin.fp8_scale[X].item() == ((torch.tensor(448.0) / hist_max) / 2.0 ** margin).item()
+
+
+@pytest.mark.parametrize("amax,margin", [(3e38, 40.0), (3.0, 130.0), (3e38, 63.0)])
+def test_amax_update_underflow_keeps_previous_scale(amax, margin):
+    """fp8_max / amax / 2**margin rounding to 0 keeps the previous scale (never 0)."""
+    h, s, si, fm = torch.tensor([[amax]]), torch.tensor([2.0]), torch.ones(1), torch.tensor([448.0])
+    ops.amax_update(h, s, si, fm, margin, "max")
+    assert s.item() == 2.0 and si.item() == 0.5
+
+
+def test_huge_finite_amax_with_margin_keeps_scale_usable():
+    x = torch.randn(16, 32)
+    x[0, 0] = 3e38                                        # finite
+    lin, y = _primed_layer(Fp8Config(margin=10, amax_history_len=H), x)
+    assert_scales_ok(nn.Sequential(lin), "after priming")
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("amax,margin", [(3e38, 10.0), (3e38, 20.0), (1e30, 40.0)])
+def test_amax_update_scale_inv_stays_finite(amax, margin):
+    h, s, si, fm = torch.tensor([[amax]]), torch.ones(1), torch.ones(1), torch.tensor([448.0])
+    ops.amax_update(h, s, si, fm, margin, "max")
+    assert s.item() > 0 and math.isfinite(si.item())
+
+
+# ---------------------------------------------------------------------- GPU
+
+@requires_fp8
+@pytest.mark.gpu
+@pytest.mark.fp8
+@pytest.mark.parametrize("mode", ["skip", "zero"])
+@pytest.mark.parametrize("inject", list(AFFECTED))
+def test_injection_mid_training_recovers_cuda(inject, mode):
+    model = fp8_mlp(Fp8Config(amax_history_len=H), device="cuda")
+    records = train(model, "adamw", inject, mode, device="cuda")
+    _check_recovery(model, records, inject, mode)
+
+
+@requires_fp8
+@pytest.mark.gpu
+@pytest.mark.fp8
+@pytest.mark.parametrize("inject", list(AFFECTED))
+def test_current_scaling_keeps_scales_finite_cuda(inject):
+    model = fp8_mlp(Fp8Config(recipe="current"), device="cuda")
+    records = train(model, "adamw", inject, "skip", device="cuda")
+    assert all(math.isfinite(r["loss"]) or (i == AT and inject == "act_nan") for i, r in enumerate(records))
