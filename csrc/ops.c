@@ -377,9 +377,19 @@ static void boxed_amax_update(StableIValue* stack, uint64_t nargs, uint64_t nret
 // gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor bias,
 //      ScalarType out_dtype, bool use_fast_accum) -> Tensor
 
+/* A contiguous copy of t in a fresh allocation; *data points into it. */
+static int clone_to(const char* op, AtenTensorHandle t, AtenTensorHandle* copy, const void** data) {
+  void* p = NULL;
+  SHIM(aoti_torch_clone(t, copy));
+  SHIM(torch_get_mutable_data_ptr(*copy, &p));
+  *data = p;
+  return FP8OPS_OK;
+}
+
 static int run_gemm(AtenTensorHandle ha, AtenTensorHandle hb, AtenTensorHandle hsa,
                     AtenTensorHandle hsb, AtenTensorHandle hbias, int32_t out_dtype,
-                    bool fast_accum, AtenTensorHandle* out, AtenTensorHandle* workspace) {
+                    bool fast_accum, AtenTensorHandle* out, AtenTensorHandle* workspace,
+                    AtenTensorHandle copies[3]) {
   const char* op = "fp8ops::gemm";
   tinfo a, b, sa, sb, bias;
   fp8ops_fp8_format af = FP8OPS_E4M3, bf = FP8OPS_E4M3;
@@ -433,14 +443,24 @@ static int run_gemm(AtenTensorHandle ha, AtenTensorHandle hb, AtenTensorHandle h
                  "module_filter_fn", op, (long long)M, (long long)N, (long long)K);
   cuda_ctx c;
   FP8OPS_TRY(cuda_enter(op, &a, &c, 1));
-  int rc = fp8ops_cublaslt_init();
+  /* cuBLASLt FP8 needs 16-byte aligned operands: a view that starts at an odd
+   * offset is copied into a fresh (aligned) allocation first */
+  int rc = FP8OPS_OK;
+  const void* pa = a.data;
+  const void* pb = b.data;
+  if (((uintptr_t)pa & 15u) && (rc = clone_to(op, ha, &copies[0], &pa)) != FP8OPS_OK) goto out;
+  if (((uintptr_t)pb & 15u) && (rc = clone_to(op, hb, &copies[1], &pb)) != FP8OPS_OK) goto out;
+  if (bias_ptr && ((uintptr_t)bias_ptr & 15u) && (rc = clone_to(op, hbias, &copies[2], &bias_ptr)) != FP8OPS_OK)
+    goto out;
+  rc = fp8ops_cublaslt_init();
   const int64_t ws = (int64_t)fp8ops_gemm_workspace_bytes();
   if (rc == FP8OPS_OK) rc = new_tensor(op, 2, osz, out_dtype, &a, out);
   if (rc == FP8OPS_OK) rc = new_tensor(op, 1, &ws, aoti_torch_dtype_uint8(), &a, workspace);
   if (rc == FP8OPS_OK)
-    rc = fp8ops_gemm_cuda(a.data, af, b.data, bf, M, N, K, sa.data, sb.data, bias_ptr, od,
+    rc = fp8ops_gemm_cuda(pa, af, pb, bf, M, N, K, sa.data, sb.data, bias_ptr, od,
                           data_of(*out), fast_accum, data_of(*workspace), (size_t)ws,
                           a.dev_index, c.stream);
+out:
   cuda_exit(&c);
   return rc;
 }
@@ -449,10 +469,11 @@ static void boxed_gemm(StableIValue* stack, uint64_t nargs, uint64_t nret) {
   (void)nargs; (void)nret;
   AtenTensorHandle in[5] = {sv_tensor(stack[0]), sv_tensor(stack[1]), sv_tensor(stack[2]),
                             sv_tensor(stack[3]), sv_tensor(stack[4])};
-  AtenTensorHandle out = NULL, ws = NULL;
+  AtenTensorHandle out = NULL, ws = NULL, copies[3] = {NULL, NULL, NULL};
   int rc = run_gemm(in[0], in[1], in[2], in[3], in[4], sv_i32(stack[5]), sv_bool(stack[6]), &out,
-                    &ws);
+                    &ws, copies);
   release(in, 5);
+  release(copies, 3); /* stream-ordered frees: the GEMM that reads them is queued first */
   /* the workspace goes back to torch's caching allocator, stream-ordered */
   release(&ws, 1);
   if (rc != FP8OPS_OK) {

@@ -71,6 +71,7 @@ AOTITorchError aoti_torch_empty_strided(int64_t ndim, const int64_t* sizes, cons
                                         int32_t dtype, int32_t device_type, int32_t device_index,
                                         AtenTensorHandle* ret_new);
 AOTITorchError aoti_torch_delete_tensor_object(AtenTensorHandle t);
+AOTITorchError aoti_torch_clone(AtenTensorHandle self, AtenTensorHandle* ret_new);
 
 /* device guard (device-generic, libtorch_cpu) */
 AOTITorchError aoti_torch_create_device_guard(int32_t device_index, DeviceGuardHandle* ret);

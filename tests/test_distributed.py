@@ -267,7 +267,17 @@ def _policy_agreement(rank):
 def dist_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     import torch.multiprocessing as mp
-    mp.spawn(_worker, args=(WORLD, str(tmp), list(SCENARIOS)), nprocs=WORLD, join=True)
+    # CPU (gloo) tests, also on a GPU machine: keep the workers off the GPU, where
+    # FSDP2 / DDP would otherwise place buffers
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        mp.spawn(_worker, args=(WORLD, str(tmp), list(SCENARIOS)), nprocs=WORLD, join=True)
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

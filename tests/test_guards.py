@@ -25,6 +25,7 @@ held a NaN/inf amax; when it did not step, nothing changed.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -83,6 +84,8 @@ class MLP(nn.Module):
 
 
 def fp8_mlp(config: Fp8Config, device="cpu") -> MLP:
+    # policy "always": on a GPU, "auto" would (rightly) run these tiny layers in BF16
+    config = dataclasses.replace(config, policy="always")
     torch.manual_seed(0)
     model = MLP().to(device)
     for name in LAYERS:
