@@ -1,0 +1,90 @@
+"""Host overhead and hidden synchronisation of each fp8ops op on the GPU.
+
+For each op: (1) host microseconds per call on tiny tensors (launch-bound);
+(2) host time to enqueue 50 calls on large tensors vs the GPU time they take:
+an op that synchronises makes enqueue time ~= GPU time. Run:
+    python benchmarks/dev/overhead.py
+"""
+import time
+
+import torch
+
+import fp8ops
+from fp8ops import ops
+
+
+def host_us(fn, n=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def enqueue_vs_gpu(fn, n=50):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t = time.perf_counter()
+    e0.record()
+    for _ in range(n):
+        fn()
+    e1.record()
+    enq = (time.perf_counter() - t) * 1e3
+    e1.synchronize()
+    return enq, e0.elapsed_time(e1)
+
+
+dev = "cuda"
+e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+s = torch.ones(1, device=dev)
+sv = torch.ones(3, device=dev)[1:2]  # a 4-byte-offset view, as Fp8Linear passes
+xs = torch.randn(16, 16, device=dev, dtype=torch.bfloat16)
+a8 = torch.randn(16, 16, device=dev).to(e4)
+xl = torch.randn(16384, 3072, device=dev, dtype=torch.bfloat16)
+al = torch.randn(16384, 3072, device=dev).to(e4)
+bl = torch.randn(768, 3072, device=dev).to(e4)
+rows = [
+    ("torch.add tiny", lambda: torch.add(xs, xs), None),
+    ("ops.cast tiny (autograd layer)", lambda: ops.cast(xs, s, e4, True), None),
+    ("_cast_raw tiny", lambda: ops._cast_raw(xs, s, e4, True), lambda: ops._cast_raw(xl, s, e5, True)),
+    ("_cast_raw tiny no-T", lambda: ops._cast_raw(xs, s, e4, False), lambda: ops._cast_raw(xl, s, e5, False)),
+    ("_amax_raw tiny", lambda: ops._amax_raw(xs), lambda: ops._amax_raw(xl)),
+    ("_gemm_raw tiny", lambda: ops._gemm_raw(a8, a8, s, s, None, torch.bfloat16, False),
+     lambda: ops._gemm_raw(al, bl, s, s, None, torch.bfloat16, False)),
+    ("_gemm_raw tiny, offset scale", lambda: ops._gemm_raw(a8, a8, sv, sv, None, torch.bfloat16, False),
+     lambda: ops._gemm_raw(al, bl, sv, sv, None, torch.bfloat16, False)),
+    ("torch._scaled_mm tiny", lambda: torch._scaled_mm(a8, a8.t(), s, s, out_dtype=torch.bfloat16),
+     lambda: torch._scaled_mm(al, bl.t(), s, s, out_dtype=torch.bfloat16)),
+    ("amax_update 1x3", lambda: ops.amax_update(torch.zeros(4, 3, device=dev), torch.ones(3, device=dev),
+                                                torch.ones(3, device=dev), torch.full((3,), 448.0, device=dev)), None),
+]
+print(f"{'op':34} {'host us/call':>12} {'enqueue ms/50':>14} {'gpu ms/50':>10}")
+for name, tiny, big in rows:
+    h = host_us(tiny)
+    enq, gpu = enqueue_vs_gpu(big) if big else (float("nan"), float("nan"))
+    print(f"{name:34} {h:12.1f} {enq:14.2f} {gpu:10.2f}")
+
+lin = fp8ops.convert(torch.nn.Linear(768, 3072, bias=False).to(dev), config=fp8ops.Fp8Config(policy="always"))
+ref = torch.nn.Linear(768, 3072, bias=False).to(dev)
+x = torch.randn(16384, 768, device=dev, requires_grad=True)
+g = torch.randn(16384, 3072, device=dev, dtype=torch.bfloat16)
+
+
+def it(m, step):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = m(x)
+    y.backward(g)
+    if step:
+        fp8ops.step(m)
+
+
+for name, fn in [("bf16 linear fwd+bwd", lambda: it(ref, False)), ("fp8ops linear fwd+bwd+step", lambda: it(lin, True)),
+                 ("fp8ops linear fwd+bwd (cached W)", lambda: it(lin, False))]:
+    enq, gpu = enqueue_vs_gpu(fn, 20)
+    print(f"{name:34} enqueue {enq / 20:.3f} ms/iter, GPU {gpu / 20:.3f} ms/iter")
