@@ -139,7 +139,7 @@ class Fp8Linear(nn.Linear):
     def _init_fp8_state(self, config: Fp8Config) -> None:
         self.fp8_config = config
         dev = self.weight.device
-        x_dt, w_dt, g_dt = config.dtypes()
+        x_dt, w_dt, g_dt = self.fp8_dtypes = config.dtypes()
         H = config.amax_history_len if config.recipe == "delayed" else 1
         self.register_buffer("fp8_amax_history", torch.zeros(H, 3, device=dev), persistent=False)
         self.register_buffer("fp8_scale", torch.ones(3, device=dev), persistent=False)
@@ -216,7 +216,7 @@ class Fp8Linear(nn.Linear):
             _current_scale(w.detach(), self.fp8_amax_history, self.fp8_scale, self.fp8_scale_inv, self.fp8_max, W, cfg.margin,
                            overflow=self.fp8_overflow_count)
         (_, s_w, _), _, (_, h_w, _), _ = self._fp8_views()
-        w8, w8t, amax_w = ops._cast_raw(w.detach(), s_w, cfg.dtypes()[1], need_t)
+        w8, w8t, amax_w = ops._cast_raw(w.detach(), s_w, self.fp8_dtypes[1], need_t)
         if cfg.recipe == "delayed":
             _record_amax(h_w, amax_w)
         if key is not None:
@@ -304,7 +304,7 @@ class Fp8Linear(nn.Linear):
         need_wgrad = grad and self.weight.requires_grad
         need_dgrad = grad and x.requires_grad
         w8, w8t = self._weight_fp8(cdtype, need_dgrad)
-        x_dt, _, g_dt = cfg.dtypes()
+        x_dt, _, g_dt = self.fp8_dtypes
         prime_g = cfg.recipe == "delayed" and grad and not self._fp8_g_primed
         if prime_g:
             self._fp8_g_primed = True
