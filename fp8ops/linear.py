@@ -153,6 +153,7 @@ class Fp8Linear(nn.Linear):
         self._fp8_primed = False        # delayed: first forward primes x/w scales from current amaxes
         self._fp8_g_primed = False      # ... and the first backward the grad scale
         self._w_cache = None            # (key, w8, w8t)
+        self._fp8_cast_since_update = False  # update_scales skips layers that cast nothing
         self.fp8_on_cpu = False         # tests: run the FP8 path on CPU with the C reference kernels
         self.fp8_policy_measuring = False  # policy.py's throwaway layers skip the policy
         self.fp8_policy = {}            # M -> (fp8 wins, speedup): policy="auto" verdicts for this layer
@@ -242,6 +243,8 @@ class Fp8Linear(nn.Linear):
         Measured once per shape (policy.py); under torch.compile or CUDA-graph
         capture nothing is measured and an unknown shape runs FP8."""
         hit = self.fp8_policy.get((M, cdtype))
+        if hit is not None:
+            return hit[0]        return hit[0]
         if hit is None:
             if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
                 return True
@@ -281,15 +284,16 @@ class Fp8Linear(nn.Linear):
             cdtype = x.dtype if x.dtype in ops.HP_DTYPES else torch.float32
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] % 16 != 0 and x.device.type == "cuda":
-            # cuBLASLt FP8 needs M % 16 == 0; this call (e.g. an odd eval batch) runs BF16
-            self.fp8_fallback_calls += 1
-            with torch.autocast("cuda", dtype=cdtype, enabled=cdtype != torch.float32):
-                return F.linear(x, self.weight, self.bias)
+            # cuBLASLt FP8 needs M % 16 == 0; this call (e.g. an odd eval batch)
+            # runs exactly as the nn.Linear would (under the caller's autocast)
+            self.__dict__["fp8_fallback_calls"] = self.fp8_fallback_calls + 1
+            return F.linear(x, self.weight, self.bias)
         if (self.fp8_config.policy == "auto" and x.device.type == "cuda" and not self.fp8_policy_measuring
                 and not self._fp8_pays(x2.shape[0], cdtype)):
-            self.fp8_fallback_calls += 1
-            with torch.autocast("cuda", dtype=cdtype, enabled=cdtype != torch.float32):
-                return F.linear(x, self.weight, self.bias)
+            # policy "auto" measured BF16 faster for this shape: the plain path,
+            # with nothing else to pay (update_scales skips a layer that cast nothing)
+            self.__dict__["fp8_fallback_calls"] = self.fp8_fallback_calls + 1
+            return F.linear(x, self.weight, self.bias)
         if x2.dtype not in ops.HP_DTYPES:
             x2 = x2.to(cdtype)
         # an fp32 input (LayerNorm under autocast) is cast to fp8 directly: no
@@ -300,6 +304,7 @@ class Fp8Linear(nn.Linear):
         if cfg.recipe == "delayed" and not self._fp8_primed:
             self._prime_scales(x2)
             self._fp8_primed = True
+        self.__dict__["_fp8_cast_since_update"] = True
         grad = torch.is_grad_enabled()
         need_wgrad = grad and self.weight.requires_grad
         need_dgrad = grad and x.requires_grad

@@ -94,13 +94,16 @@ def exclude_from_ddp_broadcast(model: torch.nn.Module) -> list[str]:
 
 def update_scales(layers: list[Fp8Linear], group=None) -> None:
     """One optimizer step has happened for these layers."""
-    delayed = [l for l in layers if l.fp8_config.recipe == "delayed"]
+    # a layer that cast nothing since the last update (policy "auto" chose BF16
+    # for its shape, or it was not called) has no amax to fold in: skip the work
+    delayed = [l for l in layers if l.fp8_config.recipe == "delayed" and l._fp8_cast_since_update]
     due = [l for l in delayed if (l.fp8_step + 1) % l.fp8_config.interval == 0]
     if due:
         _reduce_amax(due, group)
     for layer in layers:
         layer.__dict__["fp8_step"] = layer.fp8_step + 1  # not Module.__setattr__: per layer per step
     for layer in due:
+        layer.__dict__["_fp8_cast_since_update"] = False
         cfg = layer.fp8_config
         h = layer.fp8_amax_history
         # count overflow events (NaN/inf amax this step; amax_update keeps the
