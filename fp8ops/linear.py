@@ -244,20 +244,19 @@ class Fp8Linear(nn.Linear):
         capture nothing is measured and an unknown shape runs FP8."""
         hit = self.fp8_policy.get((M, cdtype))
         if hit is not None:
-            return hit[0]        return hit[0]
-        if hit is None:
-            if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
-                return True
-            from . import policy  # noqa: PLC0415
-            hit = policy.measure(self, M, cdtype)
-            if _distributed():
-                # Ranks time on their own GPUs (and may read different disk
-                # caches): FP8 only where every rank measured it faster, so all
-                # ranks run the layer alike; a rank running it in FP8 alone
-                # would prime scales with a collective the others never join.
-                wins = torch.tensor([float(hit[0])], device=self.weight.device)
-                hit = (bool(_all_ranks_(wins, dist.ReduceOp.MIN).item()), hit[1])
-            self.fp8_policy[(M, cdtype)] = hit
+            return hit[0]
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return True
+        from . import policy  # noqa: PLC0415
+        hit = policy.measure(self, M, cdtype)
+        if _distributed():
+            # Ranks time on their own GPUs (and may read different disk
+            # caches): FP8 only where every rank measured it faster, so all
+            # ranks run the layer alike; a rank running it in FP8 alone
+            # would prime scales with a collective the others never join.
+            wins = torch.tensor([float(hit[0])], device=self.weight.device)
+            hit = (bool(_all_ranks_(wins, dist.ReduceOp.MIN).item()), hit[1])
+        self.fp8_policy[(M, cdtype)] = hit
         return hit[0]
 
     def _load_from_state_dict(self, *args, **kwargs):
