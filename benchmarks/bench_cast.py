@@ -31,16 +31,14 @@ Timing: CUDA events around each rep, median over reps; before every rep a 256 MB
 would leave ~50 MB of dirty lines whose write-back would be billed to the timed kernel.
 """
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
+
+from bench_common import environment, fp8_ready, print_environment, table, write_json  # noqa: E402,F401
 
 DEFAULT_SHAPES = "16384x4096,16384x14336,4096x4096,16384x768,16384x3072,1x16,5x160,217x256"
 TARGET_SHAPES = {(16384, 4096), (16384, 14336)}
@@ -52,74 +50,7 @@ DEVICE = "cuda"  # a CPU smoke test of this script's logic sets "cpu" (with CUDA
 
 
 # ------------------------------------------------------------------------------------------------
-# common helpers (each benchmark script stands alone, so these are repeated in each)
-
-def environment() -> dict:
-    """GPU, driver, torch/CUDA versions and date; printed at the top and stored in the JSON."""
-    env = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-           "host": platform.node(), "python": platform.python_version(),
-           "torch": torch.__version__, "cuda": torch.version.cuda, "argv": sys.argv}
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        env.update(gpu=p.name, sm=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
-                   gpu_mem_gib=round(p.total_memory / 2**30, 1))
-        try:
-            q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,power.limit,clocks.max.sm",
-                                "--format=csv,noheader", "-i", "0"], capture_output=True, text=True,
-                               timeout=20)
-            if q.returncode == 0:
-                env["nvidia_smi"] = q.stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    try:
-        import fp8ops
-        env["fp8ops"] = getattr(fp8ops, "__version__", "?")
-        env["fp8ops_build"] = {k: str(v) for k, v in fp8ops.build_info().items()}
-    except Exception as e:  # noqa: BLE001 -- the header must print whatever is broken
-        env["fp8ops"] = f"not importable: {e}"
-    return env
-
-
-def print_environment(env: dict) -> None:
-    print(f"# {os.path.basename(__file__)}  {env['date']}  host {env['host']}")
-    if "gpu" in env:
-        print(f"# GPU: {env['gpu']} (sm_{env['sm'].replace('.', '')}, {env['sms']} SMs, {env['gpu_mem_gib']} GiB)"
-              f"  driver, power limit, max SM clock: {env.get('nvidia_smi', '?')}")
-    else:
-        print("# GPU: none visible to torch")
-    print(f"# torch {env['torch']}  CUDA {env['cuda']}  python {env['python']}  fp8ops {env.get('fp8ops')} (CUDA archs {env.get('fp8ops_build', {}).get('cuda_archs', '?')})")
-
-
-def fp8_ready() -> str | None:
-    """None when CUDA + an FP8-capable GPU + fp8ops' CUDA kernels are all here; else why not."""
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
-    try:
-        import fp8ops
-    except Exception as e:  # noqa: BLE001
-        return f"fp8ops is not importable: {e}"
-    ok, why = fp8ops.fp8_supported_here()
-    return None if ok else why
-
-
-def write_json(path: str | None, data: dict) -> None:
-    if not path:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, default=str)
-    os.replace(tmp, path)
-
-
-def table(headers: list[str], rows: list[list], title: str = "") -> str:
-    cells = [[str(c) for c in r] for r in rows]
-    w = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    line = "-+-".join("-" * x for x in w)
-    out = [title] if title else []
-    out += [" | ".join(h.rjust(x) for h, x in zip(headers, w)), line]
-    out += [" | ".join(c.rjust(x) for c, x in zip(r, w)) for r in cells]
-    return "\n".join(out)
+# helpers
 
 
 def wall_us_per_call(fn, n: int = 100) -> float:
