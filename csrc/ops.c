@@ -446,21 +446,20 @@ static int run_gemm(AtenTensorHandle ha, AtenTensorHandle hb, AtenTensorHandle h
   /* cuBLASLt FP8 needs 16-byte aligned operands: a view that starts at an odd
    * offset is copied into a fresh (aligned) allocation first */
   int rc = FP8OPS_OK;
+  const int64_t ws = (int64_t)fp8ops_gemm_workspace_bytes();
   const void* pa = a.data;
   const void* pb = b.data;
-  if (((uintptr_t)pa & 15u) && (rc = clone_to(op, ha, &copies[0], &pa)) != FP8OPS_OK) goto out;
-  if (((uintptr_t)pb & 15u) && (rc = clone_to(op, hb, &copies[1], &pb)) != FP8OPS_OK) goto out;
-  if (bias_ptr && ((uintptr_t)bias_ptr & 15u) && (rc = clone_to(op, hbias, &copies[2], &bias_ptr)) != FP8OPS_OK)
-    goto out;
-  rc = fp8ops_cublaslt_init();
-  const int64_t ws = (int64_t)fp8ops_gemm_workspace_bytes();
+  if ((uintptr_t)pa & 15u) rc = clone_to(op, ha, &copies[0], &pa);
+  if (rc == FP8OPS_OK && ((uintptr_t)pb & 15u)) rc = clone_to(op, hb, &copies[1], &pb);
+  if (rc == FP8OPS_OK && bias_ptr && ((uintptr_t)bias_ptr & 15u))
+    rc = clone_to(op, hbias, &copies[2], &bias_ptr);
+  if (rc == FP8OPS_OK) rc = fp8ops_cublaslt_init();
   if (rc == FP8OPS_OK) rc = new_tensor(op, 2, osz, out_dtype, &a, out);
   if (rc == FP8OPS_OK) rc = new_tensor(op, 1, &ws, aoti_torch_dtype_uint8(), &a, workspace);
   if (rc == FP8OPS_OK)
     rc = fp8ops_gemm_cuda(pa, af, pb, bf, M, N, K, sa.data, sb.data, bias_ptr, od,
                           data_of(*out), fast_accum, data_of(*workspace), (size_t)ws,
                           a.dev_index, c.stream);
-out:
   cuda_exit(&c);
   return rc;
 }
