@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from bench_common import environment, fp8_ready, print_environment, table, write_json  # noqa: E402,F401
+from bench_common import start, table, write_json  # noqa: E402
 
 DEFAULT_SHAPES = "16384x4096,16384x14336,4096x4096,16384x768,16384x3072,1x16,5x160,217x256"
 TARGET_SHAPES = {(16384, 4096), (16384, 14336)}
@@ -135,12 +135,8 @@ def main() -> int:
     args = ap.parse_args()
     shapes = parse_shapes(args.shapes)
 
-    env = environment()
-    print_environment(env)
-    why = fp8_ready()
-    if why is not None:
-        print(f"bench_cast: nothing to measure here: {why}. FP8 needs CUDA and an sm_89+ GPU; exiting.")
-        write_json(args.json, {"env": env, "skipped": why})
+    env = start(args.json)
+    if env is None:
         return 0
 
     from fp8ops import ops

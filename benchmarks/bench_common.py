@@ -84,3 +84,17 @@ def table(headers: list[str], rows: list[list], title: str = "") -> str:
     out += [" | ".join(h.rjust(x) for h, x in zip(headers, w)), line]
     out += [" | ".join(c.rjust(x) for c, x in zip(r, w)) for r in cells]
     return "\n".join(out)
+
+
+def start(json_path: str | None) -> dict | None:
+    """Print the environment header; return it, or None (after saying why and
+    writing the JSON) when FP8 cannot run here and the script should exit 0."""
+    env = environment()
+    print_environment(env)
+    why = fp8_ready()
+    if why is not None:
+        print(f"{os.path.basename(sys.argv[0]).removesuffix('.py')}: nothing to measure here: {why}. "
+              f"FP8 needs CUDA and an sm_89+ GPU; exiting.")
+        write_json(json_path, {"env": env, "skipped": why})
+        return None
+    return env

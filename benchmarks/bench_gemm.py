@@ -33,7 +33,7 @@ import sys
 
 import torch
 
-from bench_common import environment, fp8_ready, print_environment, table, write_json  # noqa: E402,F401
+from bench_common import start, table, write_json  # noqa: E402
 
 DEFAULT_SHAPES = "8192x8192x8192,16384x4096x14336,16384x14336x4096,16384x768x3072,4096x4096x4096"
 TARGET_SHAPES = {(8192, 8192, 8192), (16384, 4096, 14336), (16384, 14336, 4096)}
@@ -106,12 +106,8 @@ def main() -> int:
     ap.add_argument("--json", metavar="PATH", help="write every number here")
     args = ap.parse_args()
 
-    env = environment()
-    print_environment(env)
-    why = fp8_ready()
-    if why is not None:
-        print(f"bench_gemm: nothing to measure here: {why}. FP8 GEMMs need CUDA and an sm_89+ GPU; exiting.")
-        write_json(args.json, {"env": env, "skipped": why})
+    env = start(args.json)
+    if env is None:
         return 0
     from fp8ops import ops
 

@@ -47,7 +47,7 @@ import sys
 
 import torch
 
-from bench_common import environment, fp8_ready, print_environment, table, write_json  # noqa: E402,F401
+from bench_common import start, table, write_json  # noqa: E402
 import torch.nn as nn
 
 ALL_SHAPES = ("16384x768x3072,16384x3072x768,16384x2048x8192,16384x4096x4096,16384x4096x14336,"
@@ -321,12 +321,8 @@ def main() -> int:
         variants.insert(0, "bf16")  # the baseline of every ratio
     variants.sort(key=lambda v: (v != "bf16", v.startswith("torchao")))  # bf16 first, torchao last
 
-    env = environment()
-    print_environment(env)
-    why = fp8_ready()
-    if why is not None:
-        print(f"bench_linear: nothing to measure here: {why}. FP8 needs CUDA and an sm_89+ GPU; exiting.")
-        write_json(args.json, {"env": env, "skipped": why})
+    env = start(args.json)
+    if env is None:
         return 0
     import fp8ops
 

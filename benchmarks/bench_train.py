@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from bench_common import environment, fp8_ready, print_environment, table, write_json  # noqa: E402,F401
+from bench_common import start, table, write_json  # noqa: E402
 
 MODELS = {
     "small": dict(cfg=dict(n_layer=12, n_head=12, n_embd=768, block_size=1024), batch=8),
@@ -151,12 +151,8 @@ def main() -> int:
     # torchao last: from 0.18 its convert patches inductor's min/max codegen for the process
     variants.sort(key=lambda v: v.startswith("torchao"))
 
-    env = environment()
-    print_environment(env)
-    why = fp8_ready()
-    if why is not None:
-        print(f"bench_train: nothing to measure here: {why}. FP8 needs CUDA and an sm_89+ GPU; exiting.")
-        write_json(args.json, {"env": env, "skipped": why})
+    env = start(args.json)
+    if env is None:
         return 0
     import fp8ops
     GPT, GPTConfig, lm_filter = import_gpt()

@@ -105,12 +105,7 @@ __global__ void __launch_bounds__(AU_THREADS)
 extern "C" int fp8ops_amax_update_cuda(float* amax_history, float* scale, float* scale_inv,
                                        const float* fp8_max, int64_t n, int64_t H, float margin,
                                        fp8ops_amax_algo algo, void* stream) {
-  FP8OPS_REQUIRE(n >= 0 && H >= 1, "amax_update: bad sizes n=%lld H=%lld", (long long)n,
-                 (long long)H);
-  FP8OPS_REQUIRE(algo == FP8OPS_AMAX_MAX || algo == FP8OPS_AMAX_MOST_RECENT,
-                 "amax_update: unknown amax_compute_algo code %d", (int)algo);
-  FP8OPS_REQUIRE(n == 0 || (amax_history && scale && scale_inv && fp8_max),
-                 "amax_update: null pointer");
+  FP8OPS_TRY(fp8ops_amax_update_check(amax_history, scale, scale_inv, fp8_max, n, H, algo));
   FP8OPS_REQUIRE(n == 0 || H <= INT64_MAX / n, "amax_update: history [%lld, %lld] too large",
                  (long long)H, (long long)n);
   if (n == 0) return FP8OPS_OK;

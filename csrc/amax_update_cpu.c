@@ -12,12 +12,7 @@
 int fp8ops_amax_update_cpu(float* amax_history, float* scale, float* scale_inv,
                            const float* fp8_max, int64_t n, int64_t H, float margin,
                            fp8ops_amax_algo algo) {
-  FP8OPS_REQUIRE(n >= 0 && H >= 1, "amax_update: bad sizes n=%lld H=%lld", (long long)n,
-                 (long long)H);
-  FP8OPS_REQUIRE(algo == FP8OPS_AMAX_MAX || algo == FP8OPS_AMAX_MOST_RECENT,
-                 "amax_update: unknown amax_compute_algo code %d", (int)algo);
-  FP8OPS_REQUIRE(n == 0 || (amax_history && scale && scale_inv && fp8_max),
-                 "amax_update: null pointer");
+  FP8OPS_TRY(fp8ops_amax_update_check(amax_history, scale, scale_inv, fp8_max, n, H, algo));
   for (int64_t i = 0; i < n; ++i) {
     /* reduce: NaN-propagating max through the ordered |bits| (see cast_cpu.c) */
     uint32_t m = 0;

@@ -32,4 +32,17 @@
     if (fp8ops_s_ != FP8OPS_OK) return fp8ops_s_; \
   } while (0)
 
+/* Argument checks shared by amax_update's CPU and CUDA implementations. */
+static inline int fp8ops_amax_update_check(const float* amax_history, const float* scale,
+                                           const float* scale_inv, const float* fp8_max, int64_t n,
+                                           int64_t H, fp8ops_amax_algo algo) {
+  FP8OPS_REQUIRE(n >= 0 && H >= 1, "amax_update: bad sizes n=%lld H=%lld", (long long)n,
+                 (long long)H);
+  FP8OPS_REQUIRE(algo == FP8OPS_AMAX_MAX || algo == FP8OPS_AMAX_MOST_RECENT,
+                 "amax_update: unknown amax_compute_algo code %d", (int)algo);
+  FP8OPS_REQUIRE(n == 0 || (amax_history && scale && scale_inv && fp8_max),
+                 "amax_update: null pointer");
+  return FP8OPS_OK;
+}
+
 #endif /* FP8OPS_COMMON_H */

@@ -204,13 +204,19 @@ out:
 
 #define FP8OPS_MAX_DEVICES 64
 
+/* Cached per device: ops.c asks on every GEMM call. Racing writers store the same value. */
+static int g_cc[FP8OPS_MAX_DEVICES];
+
 int fp8ops_device_capability(int device, int* cc) {
   FP8OPS_REQUIRE(cc != NULL, "fp8ops_device_capability: cc must not be NULL");
   FP8OPS_REQUIRE(device >= 0, "fp8ops_device_capability: device must be >= 0 (got %d)", device);
+  if (device < FP8OPS_MAX_DEVICES && (*cc = __atomic_load_n(&g_cc[device], __ATOMIC_RELAXED)) > 0)
+    return FP8OPS_OK;
   int major = 0, minor = 0;
   FP8OPS_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   FP8OPS_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   *cc = major * 10 + minor;
+  if (device < FP8OPS_MAX_DEVICES) __atomic_store_n(&g_cc[device], *cc, __ATOMIC_RELAXED);
   return FP8OPS_OK;
 }
 
@@ -221,19 +227,14 @@ size_t fp8ops_gemm_workspace_bytes(void) { return (size_t)32 << 20; }
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* g_dev, g_cache, g_tick */
 
 static struct {
-  int cc;                  /* 0 = not queried yet */
   cublasLtHandle_t handle; /* NULL = not created yet */
 } g_dev[FP8OPS_MAX_DEVICES];
 
 /* Under g_lock: capability check (cached) and the device's handle (created once). */
 static int device_handle_locked(int device, cublasLtHandle_t* handle) {
   int rc = FP8OPS_OK;
-  if (g_dev[device].cc == 0) {
-    int cc = 0;
-    FP8OPS_TRY(fp8ops_device_capability(device, &cc));
-    g_dev[device].cc = cc;
-  }
-  const int cc = g_dev[device].cc;
+  int cc = 0;
+  FP8OPS_TRY(fp8ops_device_capability(device, &cc)); /* cached */
   if (cc < 89)
     return fp8ops_set_error(FP8OPS_ERR_UNSUPPORTED,
                             "FP8 GEMM needs a GPU of compute capability 8.9 or newer (sm_89 Ada, "

@@ -81,7 +81,7 @@ def _current_scale(t2d: torch.Tensor, history, scale, scale_inv, fp8_max, col: i
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, bias, w8, w8t, history, scale, scale_inv, fp8_max, views, cfg_static):
+    def forward(ctx, x2, weight, bias, w8, w8t, b_lp, history, scale, scale_inv, fp8_max, views, cfg_static):
         x_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = cfg_static
         (s_x, _, _), (si_x, si_w, _), (h_x, _, _), overflow = views
         if current:
@@ -93,8 +93,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         if current:
             # another micro-batch's forward may rescale x before this backward runs
             sx_inv = sx_inv.clone()
-        b = None if bias is None else bias.to(ops._bias_dtype(out_dtype))
-        y = ops._gemm_raw(x8, w8, sx_inv, si_w, b, out_dtype, fast_accum)
+        y = ops._gemm_raw(x8, w8, sx_inv, si_w, b_lp, out_dtype, fast_accum)
         ctx.save_for_backward(x8t, w8t, sx_inv, history, scale, scale_inv, fp8_max)
         ctx.views = views
         ctx.cfg = cfg_static
@@ -124,7 +123,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             dw = ops._gemm_raw(g8t, x8t, si_g, sx_inv, None, w_out, False)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(ctx.b_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -152,7 +151,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_fallback_calls = 0     # forwards that ran BF16 (input on CPU, M % 16 != 0)
         self._fp8_primed = False        # delayed: first forward primes x/w scales from current amaxes
         self._fp8_g_primed = False      # ... and the first backward the grad scale
-        self._w_cache = None            # (key, w8, w8t)
+        self._w_cache = None            # (key, w8, w8t, bias in the GEMM's bias dtype)
         self._fp8_cast_since_update = False  # update_scales skips layers that cast nothing
         self.fp8_on_cpu = False         # tests: run the FP8 path on CPU with the C reference kernels
         self.fp8_policy_measuring = False  # policy.py's throwaway layers skip the policy
@@ -195,8 +194,9 @@ class Fp8Linear(nn.Linear):
         _current_scale(w2.detach(), self.fp8_amax_history, self.fp8_scale, self.fp8_scale_inv, self.fp8_max, W, cfg.margin)
 
     def _weight_fp8(self, compute_dtype: torch.dtype, need_t: bool):
-        """Cast the weight once per optimizer step (reused by micro-batches).
-        The cache is keyed on the weight's version counter, which the optimizer's
+        """Cast the weight once per optimizer step (reused by micro-batches), and
+        the bias to the GEMM's bias dtype with it; returns (w8, w8t, bias_lp).
+        The cache is keyed on the version counters, which the optimizer's
         in-place update bumps, and on the scale update count.
 
         FSDP2: forward sees the unsharded weight, a plain contiguous Parameter
@@ -210,9 +210,11 @@ class Fp8Linear(nn.Linear):
         cfg = self.fp8_config
         w = self.weight
         compiling = torch.compiler.is_compiling()
-        key = None if compiling else (w._version, w.data_ptr(), self.fp8_step, compute_dtype, need_t)
+        b = self.bias
+        key = None if compiling else (w._version, w.data_ptr(), None if b is None else b._version,
+                                      self.fp8_step, compute_dtype, need_t)
         if key is not None and self._w_cache is not None and self._w_cache[0] == key:
-            return self._w_cache[1], self._w_cache[2]
+            return self._w_cache[1:]
         if cfg.recipe == "current":
             _current_scale(w.detach(), self.fp8_amax_history, self.fp8_scale, self.fp8_scale_inv, self.fp8_max, W, cfg.margin,
                            overflow=self.fp8_overflow_count)
@@ -220,9 +222,10 @@ class Fp8Linear(nn.Linear):
         w8, w8t, amax_w = ops._cast_raw(w.detach(), s_w, self.fp8_dtypes[1], need_t)
         if cfg.recipe == "delayed":
             _record_amax(h_w, amax_w)
+        b_lp = None if b is None else b.detach().to(ops._bias_dtype(compute_dtype))
         if key is not None:
-            self.__dict__["_w_cache"] = (key, w8, w8t)  # not Module.__setattr__: hot path
-        return w8, w8t
+            self.__dict__["_w_cache"] = (key, w8, w8t, b_lp)  # not Module.__setattr__: hot path
+        return w8, w8t, b_lp
 
     def _fp8_views(self):
         """Per-tensor views of the scaling buffers: ((s_x, s_w, s_g), (si_x,
@@ -307,13 +310,13 @@ class Fp8Linear(nn.Linear):
         grad = torch.is_grad_enabled()
         need_wgrad = grad and self.weight.requires_grad
         need_dgrad = grad and x.requires_grad
-        w8, w8t = self._weight_fp8(cdtype, need_dgrad)
+        w8, w8t, b_lp = self._weight_fp8(cdtype, need_dgrad)
         x_dt, _, g_dt = self.fp8_dtypes
         prime_g = cfg.recipe == "delayed" and grad and not self._fp8_g_primed
         if prime_g:
             self._fp8_g_primed = True
         static = (x_dt, g_dt, cdtype, cfg.fast_accum, cfg.recipe == "current", float(cfg.margin),
                   need_wgrad, need_dgrad, prime_g)
-        y = _Fp8LinearFn.apply(x2, self.weight, self.bias, w8, w8t, self.fp8_amax_history,
+        y = _Fp8LinearFn.apply(x2, self.weight, self.bias, w8, w8t, b_lp, self.fp8_amax_history,
                                self.fp8_scale, self.fp8_scale_inv, self.fp8_max, self._fp8_views(), static)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -92,6 +92,18 @@ def exclude_from_ddp_broadcast(model: torch.nn.Module) -> list[str]:
     return names
 
 
+def _count_overflows(layers: list[Fp8Linear]) -> None:
+    """Count this step's overflow events (a NaN/inf amax; amax_update keeps the
+    previous scale) on the device, so the step never synchronises: a handful of
+    launches for all layers of a device, not four per layer."""
+    by_device: dict[torch.device, list[Fp8Linear]] = {}
+    for layer in layers:
+        by_device.setdefault(layer.fp8_amax_history.device, []).append(layer)
+    for group in by_device.values():
+        bad = torch.stack([l.fp8_amax_history[0] for l in group]).isfinite().logical_not_().any(dim=1)
+        torch._foreach_add_([l.fp8_overflow_count for l in group], list(bad.unbind()))
+
+
 def update_scales(layers: list[Fp8Linear], group=None) -> None:
     """One optimizer step has happened for these layers."""
     # a layer that cast nothing since the last update (policy "auto" chose BF16
@@ -102,13 +114,11 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
         _reduce_amax(due, group)
     for layer in layers:
         layer.__dict__["fp8_step"] = layer.fp8_step + 1  # not Module.__setattr__: per layer per step
+    _count_overflows(due)
     for layer in due:
         layer.__dict__["_fp8_cast_since_update"] = False
         cfg = layer.fp8_config
         h = layer.fp8_amax_history
-        # count overflow events (NaN/inf amax this step; amax_update keeps the
-        # previous scale), on the device so the step never synchronises
-        layer.fp8_overflow_count.add_(torch.isfinite(h[0]).logical_not_().any())
         with ops._below_autograd():
             torch.ops.fp8ops.amax_update.default(h, layer.fp8_scale, layer.fp8_scale_inv, layer.fp8_max,
                                                  float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo])
