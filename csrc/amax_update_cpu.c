@@ -11,7 +11,7 @@
 
 int fp8ops_amax_update_cpu(float* amax_history, float* scale, float* scale_inv,
                            const float* fp8_max, int64_t n, int64_t H, float margin,
-                           fp8ops_amax_algo algo) {
+                           fp8ops_amax_algo algo, int64_t* overflow_count) {
   FP8OPS_TRY(fp8ops_amax_update_check(amax_history, scale, scale_inv, fp8_max, n, H, algo));
   for (int64_t i = 0; i < n; ++i) {
     /* reduce: NaN-propagating max through the ordered |bits| (see cast_cpu.c) */
@@ -27,6 +27,7 @@ int fp8ops_amax_update_cpu(float* amax_history, float* scale, float* scale_inv,
     const float a = fp8ops_bits_f32(m);
     /* roll up by one: row h takes row h+1, the old row 0 goes to row H-1 */
     const float first = amax_history[i];
+    if (overflow_count && !isfinite(first)) overflow_count[i] += 1;
     for (int64_t h = 0; h + 1 < H; ++h) amax_history[h * n + i] = amax_history[(h + 1) * n + i];
     amax_history[(H - 1) * n + i] = first;
     amax_history[i] = 0.0f;

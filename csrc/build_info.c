@@ -36,15 +36,20 @@ int fp8ops_cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64
   (void)out_t; (void)amax; (void)stream;
   return NO_CUDA("cast");
 }
+int fp8ops_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                int64_t cols, const float* scale, fp8ops_fp8_format fmt,
+                                uint8_t* out, uint8_t* out_t, float* amax, void* stream) {
+  return fp8ops_cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, stream);
+}
 int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax, void* stream) {
   (void)x; (void)x_dtype; (void)n; (void)amax; (void)stream;
   return NO_CUDA("amax");
 }
 int fp8ops_amax_update_cuda(float* amax_history, float* scale, float* scale_inv,
                             const float* fp8_max, int64_t n, int64_t H, float margin,
-                            fp8ops_amax_algo algo, void* stream) {
+                            fp8ops_amax_algo algo, int64_t* overflow_count, void* stream) {
   (void)amax_history; (void)scale; (void)scale_inv; (void)fp8_max; (void)n; (void)H;
-  (void)margin; (void)algo; (void)stream;
+  (void)margin; (void)algo; (void)overflow_count; (void)stream;
   return NO_CUDA("amax_update");
 }
 int fp8ops_gemm_cuda(const uint8_t* a, fp8ops_fp8_format a_fmt, const uint8_t* b,

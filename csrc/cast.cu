@@ -692,9 +692,9 @@ static int launch_cast_fmt(const void* x, int64_t rows, int64_t cols, const floa
              : launch_cast<DT, FP8OPS_E5M2>(x, rows, cols, scale, out, out_t, amax, stream);
 }
 
-extern "C" int fp8ops_cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
-                                int64_t cols, const float* scale, fp8ops_fp8_format fmt,
-                                uint8_t* out, uint8_t* out_t, float* amax, void* stream) {
+static int cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
+                     const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
+                     float* amax, bool accumulate, void* stream) {
   FP8OPS_REQUIRE(rows >= 0 && cols >= 0, "cast: negative shape [%lld, %lld]", (long long)rows,
                  (long long)cols);
   FP8OPS_REQUIRE(cols == 0 || rows <= INT64_MAX / cols, "cast: rows * cols overflows ([%lld, %lld])",
@@ -707,14 +707,30 @@ extern "C" int fp8ops_cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t 
                  "cast: input pointer %p is not aligned to its dtype (%d bytes)", x,
                  dtype_size(x_dtype));
   cudaStream_t s = (cudaStream_t)stream;
-  // amax accumulates with atomicMax on its bits: start from +0
-  FP8OPS_CHECK_CUDA(cudaMemsetAsync(amax, 0, sizeof(float), s));
+  // blocks fold their amax into *amax with atomicMax on its bits: start from
+  // +0, or (accumulate) from the value there, e.g. an amax history slot
+  if (!accumulate) FP8OPS_CHECK_CUDA(cudaMemsetAsync(amax, 0, sizeof(float), s));
   if (rows * cols == 0) return FP8OPS_OK;
   switch (x_dtype) {
     case FP8OPS_F32: return launch_cast_fmt<FP8OPS_F32>(x, rows, cols, scale, fmt, out, out_t, amax, s);
     case FP8OPS_BF16: return launch_cast_fmt<FP8OPS_BF16>(x, rows, cols, scale, fmt, out, out_t, amax, s);
     default: return launch_cast_fmt<FP8OPS_F16>(x, rows, cols, scale, fmt, out, out_t, amax, s);
   }
+}
+
+extern "C" int fp8ops_cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                int64_t cols, const float* scale, fp8ops_fp8_format fmt,
+                                uint8_t* out, uint8_t* out_t, float* amax, void* stream) {
+  return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, false, stream);
+}
+
+extern "C" int fp8ops_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                           int64_t cols, const float* scale,
+                                           fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
+                                           float* amax, void* stream) {
+  FP8OPS_REQUIRE(aligned(amax, sizeof(float)), "cast: amax pointer %p is not 4-byte aligned",
+                 (const void*)amax);
+  return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, true, stream);
 }
 
 extern "C" int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax,

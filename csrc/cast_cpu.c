@@ -26,9 +26,9 @@ static inline uint32_t abs_bits(float v) { return fp8ops_f32_bits(v) & 0x7FFFFFF
 // ----------------------------------------------------------------------------
 // kernels
 
-int fp8ops_cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
+static int cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
                     const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
-                    float* amax) {
+                    float* amax, int accumulate) {
   FP8OPS_REQUIRE(rows >= 0 && cols >= 0, "cast: negative shape [%lld, %lld]", (long long)rows,
                  (long long)cols);
   FP8OPS_REQUIRE(scale && amax && (rows * cols == 0 || (x && out)), "cast: null pointer");
@@ -53,8 +53,21 @@ int fp8ops_cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_
       if (out_t) out_t[c * rows + r] = q;
     }
   }
-  *amax = fp8ops_bits_f32(amax_bits);
+  /* accumulate: the same max over raw bits as the CUDA kernels' atomicMax */
+  if (!accumulate || amax_bits > fp8ops_f32_bits(*amax)) *amax = fp8ops_bits_f32(amax_bits);
   return FP8OPS_OK;
+}
+
+int fp8ops_cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
+                    const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
+                    float* amax) {
+  return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 0);
+}
+
+int fp8ops_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                               int64_t cols, const float* scale, fp8ops_fp8_format fmt,
+                               uint8_t* out, uint8_t* out_t, float* amax) {
+  return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 1);
 }
 
 int fp8ops_amax_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax) {

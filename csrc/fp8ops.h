@@ -80,6 +80,17 @@ int fp8ops_cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_
 int fp8ops_cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
                      const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
                      float* amax, void* stream);
+/* The same cast, folding this input's amax into the running value at *amax
+ * instead of overwriting it: *amax = max(*amax, max |x|), the max taken over
+ * the fp32 bit patterns (so a NaN on either side wins, as in amax_update).
+ * *amax must hold a non-negative value or NaN, e.g. row 0 of an amax history;
+ * used by Fp8Linear so no separate max op follows each cast. */
+int fp8ops_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
+                               const float* scale, fp8ops_fp8_format fmt, uint8_t* out,
+                               uint8_t* out_t, float* amax);
+int fp8ops_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                int64_t cols, const float* scale, fp8ops_fp8_format fmt,
+                                uint8_t* out, uint8_t* out_t, float* amax, void* stream);
 
 /* ------------------------------------------------------------------------- */
 /* amax: max |x| of a contiguous hp tensor of n elements into one fp32
@@ -94,6 +105,8 @@ int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* a
  * \param[in,out] scale        [n] fp32
  * \param[out]    scale_inv    [n] fp32, 1 / new scale
  * \param[in]     fp8_max      [n] fp32, the format max of each tensor (448 or 57344)
+ * \param[in,out] overflow_count [n] int64 or NULL: overflow_count[i] += 1 when
+ *                             history[0, i] (this step's amax) is NaN or +-inf
  * For each tensor (column) i:
  *   a = max |history[:, i]| (algo max) or |history[0, i]| (most_recent)
  *   if a is finite and a > 0: scale[i] = (fp8_max[i] / a) / 2^margin, an infinite
@@ -104,10 +117,10 @@ int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* a
  */
 int fp8ops_amax_update_cpu(float* amax_history, float* scale, float* scale_inv,
                            const float* fp8_max, int64_t n, int64_t H, float margin,
-                           fp8ops_amax_algo algo);
+                           fp8ops_amax_algo algo, int64_t* overflow_count);
 int fp8ops_amax_update_cuda(float* amax_history, float* scale, float* scale_inv,
                             const float* fp8_max, int64_t n, int64_t H, float margin,
-                            fp8ops_amax_algo algo, void* stream);
+                            fp8ops_amax_algo algo, int64_t* overflow_count, void* stream);
 
 /* ------------------------------------------------------------------------- */
 /* gemm: out[M, N] = (a[M, K] . b[N, K]^T) * a_scale_inv * b_scale_inv (+ bias[N])

@@ -10,9 +10,11 @@
  *       -> (Tensor out, Tensor out_t, Tensor amax)
  *   amax(Tensor x) -> Tensor
  *   amax_update(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) scale_inv,
- *               Tensor fp8_max, float margin, int algo) -> ()
+ *               Tensor fp8_max, float margin, int algo, Tensor(d!) overflow_count) -> ()
  *   gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor bias,
  *        ScalarType out_dtype, bool use_fast_accum) -> Tensor
+ *   cast_accumulate, linear_fwd, linear_bwd: Fp8Linear's fused calls, schemas
+ *        at their wrappers below (cast + amax folded into a history slot + GEMMs).
  * `bias` is "absent" when it has no elements (schemas avoid T?, see STYLE.md).
  */
 #include <dlfcn.h>
@@ -233,11 +235,15 @@ static bool is_cuda(const tinfo* t) { return t->dev_type == aoti_torch_device_ty
 // ----------------------------------------------------------------------------
 // cast(Tensor x, Tensor scale, ScalarType out_dtype, bool transpose)
 //     -> (Tensor out, Tensor out_t, Tensor amax)
+// cast_accumulate(Tensor x, Tensor scale, Tensor(a!) amax, ScalarType out_dtype,
+//                 bool transpose) -> (Tensor out, Tensor out_t)
 
-static int run_cast(AtenTensorHandle hx, AtenTensorHandle hs, int32_t out_dtype, bool transpose,
-                    AtenTensorHandle outs[3]) {
-  const char* op = "fp8ops::cast";
-  tinfo x, s;
+/* hamax == NULL: cast (amax is a new output, outs[2]); else cast_accumulate
+ * (this input's amax is folded into the 1-element fp32 tensor hamax). */
+static int run_cast(AtenTensorHandle hx, AtenTensorHandle hs, AtenTensorHandle hamax,
+                    int32_t out_dtype, bool transpose, AtenTensorHandle outs[3]) {
+  const char* op = hamax ? "fp8ops::cast_accumulate" : "fp8ops::cast";
+  tinfo x, s, a;
   fp8ops_hp_dtype xd = FP8OPS_F32;
   fp8ops_fp8_format fmt = FP8OPS_E4M3;
   FP8OPS_TRY(describe(op, "x", hx, &x));
@@ -248,6 +254,10 @@ static int run_cast(AtenTensorHandle hx, AtenTensorHandle hs, int32_t out_dtype,
   FP8OPS_TRY(require_scalar_f32(op, "scale", &s, &x, "x"));
   FP8OPS_REQUIRE(x.ndim >= 1, "%s: x must have at least 1 dim, found a 0-dim tensor; "
                  "use x.reshape(1)", op);
+  if (hamax) {
+    FP8OPS_TRY(describe(op, "amax", hamax, &a));
+    FP8OPS_TRY(require_scalar_f32(op, "amax", &a, &x, "x"));
+  }
   const int64_t cols = x.sizes[x.ndim - 1];
   int64_t rows = 1; /* product of the leading dims (also when cols == 0) */
   for (int64_t i = 0; i + 1 < x.ndim; ++i) rows *= x.sizes[i];
@@ -255,14 +265,18 @@ static int run_cast(AtenTensorHandle hx, AtenTensorHandle hs, int32_t out_dtype,
   FP8OPS_TRY(new_tensor(op, x.ndim, x.sizes, out_dtype, &x, &outs[0]));
   FP8OPS_TRY(transpose ? new_tensor(op, 2, tsz, out_dtype, &x, &outs[1])
                        : new_tensor(op, 1, zero, out_dtype, &x, &outs[1]));
-  FP8OPS_TRY(new_tensor(op, 0, NULL, aoti_torch_dtype_float32(), &x, &outs[2]));
+  if (!hamax) FP8OPS_TRY(new_tensor(op, 0, NULL, aoti_torch_dtype_float32(), &x, &outs[2]));
   uint8_t* out = (uint8_t*)data_of(outs[0]);
   uint8_t* out_t = transpose ? (uint8_t*)data_of(outs[1]) : NULL;
-  float* amax = (float*)data_of(outs[2]);
-  if (!is_cuda(&x)) return fp8ops_cast_cpu(x.data, xd, rows, cols, s.data, fmt, out, out_t, amax);
+  float* amax = hamax ? (float*)a.data : (float*)data_of(outs[2]);
+  if (!is_cuda(&x))
+    return hamax ? fp8ops_cast_accumulate_cpu(x.data, xd, rows, cols, s.data, fmt, out, out_t, amax)
+                 : fp8ops_cast_cpu(x.data, xd, rows, cols, s.data, fmt, out, out_t, amax);
   cuda_ctx c;
   FP8OPS_TRY(cuda_enter(op, &x, &c, 0));
-  int rc = fp8ops_cast_cuda(x.data, xd, rows, cols, s.data, fmt, out, out_t, amax, c.stream);
+  int rc = hamax ? fp8ops_cast_accumulate_cuda(x.data, xd, rows, cols, s.data, fmt, out, out_t,
+                                               amax, c.stream)
+                 : fp8ops_cast_cuda(x.data, xd, rows, cols, s.data, fmt, out, out_t, amax, c.stream);
   cuda_exit(&c);
   return rc;
 }
@@ -271,7 +285,7 @@ static void boxed_cast(StableIValue* stack, uint64_t nargs, uint64_t nret) {
   (void)nargs; (void)nret;
   AtenTensorHandle in[2] = {sv_tensor(stack[0]), sv_tensor(stack[1])};
   AtenTensorHandle outs[3] = {NULL, NULL, NULL};
-  int rc = run_cast(in[0], in[1], sv_i32(stack[2]), sv_bool(stack[3]), outs);
+  int rc = run_cast(in[0], in[1], NULL, sv_i32(stack[2]), sv_bool(stack[3]), outs);
   release(in, 2);
   if (rc != FP8OPS_OK) {
     release(outs, 3);
@@ -279,6 +293,20 @@ static void boxed_cast(StableIValue* stack, uint64_t nargs, uint64_t nret) {
     return;
   }
   for (int i = 0; i < 3; ++i) stack[i] = sv_from_tensor(outs[i]);
+}
+
+static void boxed_cast_accumulate(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  AtenTensorHandle in[3] = {sv_tensor(stack[0]), sv_tensor(stack[1]), sv_tensor(stack[2])};
+  AtenTensorHandle outs[3] = {NULL, NULL, NULL};
+  int rc = run_cast(in[0], in[1], in[2], sv_i32(stack[3]), sv_bool(stack[4]), outs);
+  release(in, 3);
+  if (rc != FP8OPS_OK) {
+    release(outs, 3);
+    raise_last_error(__func__);
+    return;
+  }
+  for (int i = 0; i < 2; ++i) stack[i] = sv_from_tensor(outs[i]);
 }
 
 // ----------------------------------------------------------------------------
@@ -316,12 +344,15 @@ static void boxed_amax(StableIValue* stack, uint64_t nargs, uint64_t nret) {
 
 // ----------------------------------------------------------------------------
 // amax_update(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) scale_inv,
-//             Tensor fp8_max, float margin, int algo) -> ()
+//             Tensor fp8_max, float margin, int algo, Tensor(d!) overflow_count) -> ()
+// overflow_count: [n] int64 counters (+1 where this step's amax is NaN/inf),
+// or empty for none.
 
 static int run_amax_update(AtenTensorHandle hh, AtenTensorHandle hs, AtenTensorHandle hsi,
-                           AtenTensorHandle hm, double margin, int64_t algo) {
+                           AtenTensorHandle hm, double margin, int64_t algo,
+                           AtenTensorHandle ho) {
   const char* op = "fp8ops::amax_update";
-  tinfo h, s, si, m;
+  tinfo h, s, si, m, o;
   const int32_t f32 = aoti_torch_dtype_float32();
   FP8OPS_TRY(describe(op, "amax_history", hh, &h));
   FP8OPS_TRY(describe(op, "scale", hs, &s));
@@ -352,30 +383,61 @@ static int run_amax_update(AtenTensorHandle hh, AtenTensorHandle hs, AtenTensorH
                  "found %lld", op, (long long)algo);
   FP8OPS_REQUIRE(margin == margin && margin > -1e6 && margin < 1e6,
                  "%s: margin must be a finite number, found %g", op, margin);
+  FP8OPS_TRY(describe(op, "overflow_count", ho, &o));
+  int64_t* counts = NULL;
+  if (o.numel > 0) {
+    FP8OPS_TRY(require_dtype(op, "overflow_count", &o, aoti_torch_dtype_int64()));
+    FP8OPS_TRY(require_contiguous(op, "overflow_count", &o));
+    FP8OPS_TRY(require_same_device(op, "overflow_count", &o, "amax_history", &h));
+    FP8OPS_REQUIRE(o.numel == n, "%s: overflow_count must have %lld elements (one per "
+                   "amax_history column) or none, found %lld", op, (long long)n,
+                   (long long)o.numel);
+    counts = (int64_t*)o.data;
+  }
   if (n == 0) return FP8OPS_OK;
   if (!is_cuda(&h))
     return fp8ops_amax_update_cpu(h.data, s.data, si.data, m.data, n, H, (float)margin,
-                                  (fp8ops_amax_algo)algo);
+                                  (fp8ops_amax_algo)algo, counts);
   cuda_ctx c;
   FP8OPS_TRY(cuda_enter(op, &h, &c, 0));
   int rc = fp8ops_amax_update_cuda(h.data, s.data, si.data, m.data, n, H, (float)margin,
-                                   (fp8ops_amax_algo)algo, c.stream);
+                                   (fp8ops_amax_algo)algo, counts, c.stream);
   cuda_exit(&c);
   return rc;
 }
 
 static void boxed_amax_update(StableIValue* stack, uint64_t nargs, uint64_t nret) {
   (void)nargs; (void)nret;
-  AtenTensorHandle in[4] = {sv_tensor(stack[0]), sv_tensor(stack[1]), sv_tensor(stack[2]),
-                            sv_tensor(stack[3])};
-  int rc = run_amax_update(in[0], in[1], in[2], in[3], sv_f64(stack[4]), sv_i64(stack[5]));
-  release(in, 4);
+  AtenTensorHandle in[5] = {sv_tensor(stack[0]), sv_tensor(stack[1]), sv_tensor(stack[2]),
+                            sv_tensor(stack[3]), sv_tensor(stack[6])};
+  int rc = run_amax_update(in[0], in[1], in[2], in[3], sv_f64(stack[4]), sv_i64(stack[5]), in[4]);
+  release(in, 5);
   if (rc != FP8OPS_OK) raise_last_error(__func__);
 }
 
 // ----------------------------------------------------------------------------
-// gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor bias,
-//      ScalarType out_dtype, bool use_fast_accum) -> Tensor
+// FP8 GEMM plumbing shared by gemm, linear_fwd and linear_bwd
+
+/* One FP8 GEMM operand: its handle (to copy it when misaligned), data, format. */
+typedef struct {
+  AtenTensorHandle h;
+  const void* data;
+  fp8ops_fp8_format fmt;
+} gemm_operand;
+
+/* What a CUDA GEMM op owns until it returns: one workspace, reused by the op's
+ * GEMMs in stream order, and copies of misaligned operands. Released after the
+ * GEMMs are queued: torch's caching allocator reuses memory in stream order. */
+#define MAX_COPIES 6
+typedef struct {
+  AtenTensorHandle workspace;
+  AtenTensorHandle copies[MAX_COPIES];
+} gemm_scratch;
+
+static void scratch_release(gemm_scratch* s) {
+  release(&s->workspace, 1);
+  release(s->copies, MAX_COPIES);
+}
 
 /* A contiguous copy of t in a fresh allocation; *data points into it. */
 static int clone_to(const char* op, AtenTensorHandle t, AtenTensorHandle* copy, const void** data) {
@@ -386,10 +448,89 @@ static int clone_to(const char* op, AtenTensorHandle t, AtenTensorHandle* copy, 
   return FP8OPS_OK;
 }
 
+/* cuBLASLt FP8 needs 16-byte aligned operands: a view that starts at an odd
+ * offset is copied into a fresh (aligned) allocation first. */
+static int aligned_data(const char* op, AtenTensorHandle h, const void** data, gemm_scratch* s) {
+  if (((uintptr_t)*data & 15u) == 0) return FP8OPS_OK;
+  for (int i = 0; i < MAX_COPIES; ++i)
+    if (!s->copies[i]) return clone_to(op, h, &s->copies[i], data);
+  return fp8ops_set_error(FP8OPS_ERR_INVALID, "%s: internal error: too many operand copies", op);
+}
+
+static int require_gemm_dims(const char* op, int64_t M, int64_t N, int64_t K) {
+  FP8OPS_REQUIRE(M % 16 == 0 && N % 16 == 0 && K % 16 == 0 && M > 0 && N > 0 && K > 0,
+                 "%s: FP8 GEMM on CUDA needs M, N and K to be positive multiples of 16 "
+                 "(got M=%lld, N=%lld, K=%lld); pad the tensors or exclude this layer via "
+                 "module_filter_fn", op, (long long)M, (long long)N, (long long)K);
+  return FP8OPS_OK;
+}
+
+/* bias: absent (no elements) or [N] in the GEMM's bias dtype on ref's device;
+ * *ptr = its data or NULL. */
+static int check_bias(const char* op, const tinfo* bias, int64_t N, int32_t out_dtype,
+                      fp8ops_hp_dtype od, const tinfo* ref, const char* ref_arg,
+                      const void** ptr) {
+  *ptr = NULL;
+  if (bias->numel == 0) return FP8OPS_OK;
+  const fp8ops_hp_dtype want = fp8ops_gemm_bias_dtype(od);
+  FP8OPS_REQUIRE(bias->ndim == 1 && bias->numel == N, "%s: bias must be 1-D [N] = [%lld], "
+                 "found %lld elements in %lld dims", op, (long long)N, (long long)bias->numel,
+                 (long long)bias->ndim);
+  FP8OPS_REQUIRE(bias->dtype == torch_dtype_of_hp(want), "%s: bias must be %s for out_dtype "
+                 "%s (cuBLASLt's FP8 bias rule), found %s", op,
+                 dtype_name(torch_dtype_of_hp(want)), dtype_name(out_dtype),
+                 dtype_name(bias->dtype));
+  FP8OPS_TRY(require_contiguous(op, "bias", bias));
+  FP8OPS_TRY(require_same_device(op, "bias", bias, ref_arg, ref));
+  *ptr = bias->data;
+  return FP8OPS_OK;
+}
+
+/* *out = a[M, K] . b[N, K]^T * sa * sb (+ bias[N]) in out_dtype, on the device
+ * of `like` (CPU reference or cuBLASLt; CUDA callers are inside cuda_enter). */
+static int gemm_into(const char* op, gemm_operand a, gemm_operand b, int64_t M, int64_t N,
+                     int64_t K, const float* sa, const float* sb, AtenTensorHandle hbias,
+                     const void* bias, int32_t out_dtype, fp8ops_hp_dtype od, bool fast_accum,
+                     const tinfo* like, void* stream, gemm_scratch* s, AtenTensorHandle* out) {
+  const int64_t osz[2] = {M, N};
+  if (!is_cuda(like)) {
+    FP8OPS_TRY(new_tensor(op, 2, osz, out_dtype, like, out));
+    return fp8ops_gemm_cpu(a.data, a.fmt, b.data, b.fmt, M, N, K, sa, sb, bias, od,
+                           data_of(*out));
+  }
+  FP8OPS_TRY(require_gemm_dims(op, M, N, K));
+  FP8OPS_TRY(aligned_data(op, a.h, &a.data, s));
+  FP8OPS_TRY(aligned_data(op, b.h, &b.data, s));
+  if (bias) FP8OPS_TRY(aligned_data(op, hbias, &bias, s));
+  FP8OPS_TRY(fp8ops_cublaslt_init());
+  const int64_t ws = (int64_t)fp8ops_gemm_workspace_bytes();
+  if (!s->workspace)
+    FP8OPS_TRY(new_tensor(op, 1, &ws, aoti_torch_dtype_uint8(), like, &s->workspace));
+  FP8OPS_TRY(new_tensor(op, 2, osz, out_dtype, like, out));
+  return fp8ops_gemm_cuda(a.data, a.fmt, b.data, b.fmt, M, N, K, sa, sb, bias, od,
+                          data_of(*out), fast_accum, data_of(s->workspace), (size_t)ws,
+                          like->dev_index, stream);
+}
+
+/* A CUDA op's body runs between cuda_enter and cuda_exit: this keeps one exit. */
+#define CUDA_BODY(op, ref, need_fp8, rc, body) \
+  do {                                         \
+    cuda_ctx c_ = {NULL, NULL};                \
+    if (is_cuda(ref)) FP8OPS_TRY(cuda_enter(op, ref, &c_, need_fp8)); \
+    void* stream = c_.stream;                  \
+    (void)stream;                              \
+    rc = FP8OPS_OK;                            \
+    body;                                      \
+    cuda_exit(&c_);                            \
+  } while (0)
+
+// ----------------------------------------------------------------------------
+// gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor bias,
+//      ScalarType out_dtype, bool use_fast_accum) -> Tensor
+
 static int run_gemm(AtenTensorHandle ha, AtenTensorHandle hb, AtenTensorHandle hsa,
                     AtenTensorHandle hsb, AtenTensorHandle hbias, int32_t out_dtype,
-                    bool fast_accum, AtenTensorHandle* out, AtenTensorHandle* workspace,
-                    AtenTensorHandle copies[3]) {
+                    bool fast_accum, AtenTensorHandle* out, gemm_scratch* scratch) {
   const char* op = "fp8ops::gemm";
   tinfo a, b, sa, sb, bias;
   fp8ops_fp8_format af = FP8OPS_E4M3, bf = FP8OPS_E4M3;
@@ -418,49 +559,13 @@ static int run_gemm(AtenTensorHandle ha, AtenTensorHandle hb, AtenTensorHandle h
   FP8OPS_TRY(require_scalar_f32(op, "b_scale_inv", &sb, &a, "a"));
   const int64_t M = a.sizes[0], K = a.sizes[1], N = b.sizes[0];
   const void* bias_ptr = NULL;
-  if (bias.numel > 0) {
-    const fp8ops_hp_dtype want = fp8ops_gemm_bias_dtype(od);
-    FP8OPS_REQUIRE(bias.ndim == 1 && bias.numel == N, "%s: bias must be 1-D [N] = [%lld], "
-                   "found %lld elements in %lld dims", op, (long long)N, (long long)bias.numel,
-                   (long long)bias.ndim);
-    FP8OPS_REQUIRE(bias.dtype == torch_dtype_of_hp(want), "%s: bias must be %s for out_dtype "
-                   "%s (cuBLASLt's FP8 bias rule), found %s", op,
-                   dtype_name(torch_dtype_of_hp(want)), dtype_name(out_dtype),
-                   dtype_name(bias.dtype));
-    FP8OPS_TRY(require_contiguous(op, "bias", &bias));
-    FP8OPS_TRY(require_same_device(op, "bias", &bias, "a", &a));
-    bias_ptr = bias.data;
-  }
-  const int64_t osz[2] = {M, N};
-  if (!is_cuda(&a)) {
-    FP8OPS_TRY(new_tensor(op, 2, osz, out_dtype, &a, out));
-    return fp8ops_gemm_cpu(a.data, af, b.data, bf, M, N, K, sa.data, sb.data, bias_ptr, od,
-                           data_of(*out));
-  }
-  FP8OPS_REQUIRE(M % 16 == 0 && N % 16 == 0 && K % 16 == 0 && M > 0 && N > 0 && K > 0,
-                 "%s: FP8 GEMM on CUDA needs M, N and K to be positive multiples of 16 "
-                 "(got M=%lld, N=%lld, K=%lld); pad the tensors or exclude this layer via "
-                 "module_filter_fn", op, (long long)M, (long long)N, (long long)K);
-  cuda_ctx c;
-  FP8OPS_TRY(cuda_enter(op, &a, &c, 1));
-  /* cuBLASLt FP8 needs 16-byte aligned operands: a view that starts at an odd
-   * offset is copied into a fresh (aligned) allocation first */
-  int rc = FP8OPS_OK;
-  const int64_t ws = (int64_t)fp8ops_gemm_workspace_bytes();
-  const void* pa = a.data;
-  const void* pb = b.data;
-  if ((uintptr_t)pa & 15u) rc = clone_to(op, ha, &copies[0], &pa);
-  if (rc == FP8OPS_OK && ((uintptr_t)pb & 15u)) rc = clone_to(op, hb, &copies[1], &pb);
-  if (rc == FP8OPS_OK && bias_ptr && ((uintptr_t)bias_ptr & 15u))
-    rc = clone_to(op, hbias, &copies[2], &bias_ptr);
-  if (rc == FP8OPS_OK) rc = fp8ops_cublaslt_init();
-  if (rc == FP8OPS_OK) rc = new_tensor(op, 2, osz, out_dtype, &a, out);
-  if (rc == FP8OPS_OK) rc = new_tensor(op, 1, &ws, aoti_torch_dtype_uint8(), &a, workspace);
-  if (rc == FP8OPS_OK)
-    rc = fp8ops_gemm_cuda(pa, af, pb, bf, M, N, K, sa.data, sb.data, bias_ptr, od,
-                          data_of(*out), fast_accum, data_of(*workspace), (size_t)ws,
-                          a.dev_index, c.stream);
-  cuda_exit(&c);
+  FP8OPS_TRY(check_bias(op, &bias, N, out_dtype, od, &a, "a", &bias_ptr));
+  if (is_cuda(&a)) FP8OPS_TRY(require_gemm_dims(op, M, N, K));
+  const gemm_operand ga = {ha, a.data, af}, gb = {hb, b.data, bf};
+  int rc;
+  CUDA_BODY(op, &a, 1, rc,
+            rc = gemm_into(op, ga, gb, M, N, K, sa.data, sb.data, hbias, bias_ptr, out_dtype, od,
+                           fast_accum, &a, stream, scratch, out));
   return rc;
 }
 
@@ -468,19 +573,217 @@ static void boxed_gemm(StableIValue* stack, uint64_t nargs, uint64_t nret) {
   (void)nargs; (void)nret;
   AtenTensorHandle in[5] = {sv_tensor(stack[0]), sv_tensor(stack[1]), sv_tensor(stack[2]),
                             sv_tensor(stack[3]), sv_tensor(stack[4])};
-  AtenTensorHandle out = NULL, ws = NULL, copies[3] = {NULL, NULL, NULL};
+  AtenTensorHandle out = NULL;
+  gemm_scratch scratch = {0};
   int rc = run_gemm(in[0], in[1], in[2], in[3], in[4], sv_i32(stack[5]), sv_bool(stack[6]), &out,
-                    &ws, copies);
+                    &scratch);
   release(in, 5);
-  release(copies, 3); /* stream-ordered frees: the GEMM that reads them is queued first */
-  /* the workspace goes back to torch's caching allocator, stream-ordered */
-  release(&ws, 1);
+  scratch_release(&scratch); /* stream-ordered: the GEMM that reads them is queued first */
   if (rc != FP8OPS_OK) {
     release(&out, 1);
     raise_last_error(__func__);
     return;
   }
   stack[0] = sv_from_tensor(out);
+}
+
+// ----------------------------------------------------------------------------
+// linear_fwd(Tensor x, Tensor w8, Tensor x_scale, Tensor(a!) x_amax, Tensor x_scale_inv,
+//            Tensor w_scale_inv, Tensor bias, ScalarType x_fp8_dtype, ScalarType out_dtype,
+//            bool use_fast_accum, bool save_xt) -> (Tensor y, Tensor x8t)
+//
+// Fp8Linear's forward in one call: x8 (, x8t) = cast(x * x_scale) with x's
+// amax folded into x_amax; y = gemm(x8, w8) * x_scale_inv * w_scale_inv + bias.
+// x8 is a temporary; x8t (the transpose, for the weight gradient) is returned
+// when save_xt, else empty. One dispatcher call instead of three: small layers
+// are bound by the host's per-op cost, not by the GPU.
+
+static int run_linear_fwd(AtenTensorHandle in[7], int32_t x_fp8, int32_t out_dtype,
+                          bool fast_accum, bool save_xt, AtenTensorHandle outs[2],
+                          AtenTensorHandle* x8, gemm_scratch* scratch) {
+  const char* op = "fp8ops::linear_fwd";
+  tinfo x, w, xs, xa, xsi, wsi, bias;
+  fp8ops_hp_dtype xd = FP8OPS_F32, od = FP8OPS_BF16;
+  fp8ops_fp8_format xf = FP8OPS_E4M3, wf = FP8OPS_E4M3;
+  char sh1[96], sh2[96];
+  FP8OPS_TRY(describe(op, "x", in[0], &x));
+  FP8OPS_TRY(describe(op, "w8", in[1], &w));
+  FP8OPS_TRY(describe(op, "x_scale", in[2], &xs));
+  FP8OPS_TRY(describe(op, "x_amax", in[3], &xa));
+  FP8OPS_TRY(describe(op, "x_scale_inv", in[4], &xsi));
+  FP8OPS_TRY(describe(op, "w_scale_inv", in[5], &wsi));
+  FP8OPS_TRY(describe(op, "bias", in[6], &bias));
+  FP8OPS_TRY(hp_code(op, "x", x.dtype, &xd));
+  FP8OPS_TRY(fp8_code(op, "w8", w.dtype, &wf));
+  FP8OPS_TRY(fp8_code(op, "x_fp8_dtype", x_fp8, &xf));
+  FP8OPS_TRY(hp_code(op, "out_dtype", out_dtype, &od));
+  FP8OPS_REQUIRE(!(xf == FP8OPS_E5M2 && wf == FP8OPS_E5M2), "%s: x_fp8_dtype and w8 are both "
+                 "float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand", op);
+  FP8OPS_REQUIRE(x.ndim == 2, "%s: x must be 2-D [M, K], found %lld dims; reshape it to "
+                 "(-1, in_features)", op, (long long)x.ndim);
+  FP8OPS_REQUIRE(w.ndim == 2, "%s: w8 must be 2-D [N, K], found %lld dims", op, (long long)w.ndim);
+  shape_str(&x, sh1, sizeof sh1);
+  shape_str(&w, sh2, sizeof sh2);
+  FP8OPS_REQUIRE(x.sizes[1] == w.sizes[1], "%s: x %s and w8 %s must share the inner dim K "
+                 "(x is [M, K], w8 is [N, K]: y = x @ w8.T)", op, sh1, sh2);
+  FP8OPS_TRY(require_contiguous(op, "x", &x));
+  FP8OPS_TRY(require_contiguous(op, "w8", &w));
+  FP8OPS_TRY(require_same_device(op, "w8", &w, "x", &x));
+  FP8OPS_TRY(require_scalar_f32(op, "x_scale", &xs, &x, "x"));
+  FP8OPS_TRY(require_scalar_f32(op, "x_amax", &xa, &x, "x"));
+  FP8OPS_TRY(require_scalar_f32(op, "x_scale_inv", &xsi, &x, "x"));
+  FP8OPS_TRY(require_scalar_f32(op, "w_scale_inv", &wsi, &x, "x"));
+  const int64_t M = x.sizes[0], K = x.sizes[1], N = w.sizes[0];
+  const void* bias_ptr = NULL;
+  FP8OPS_TRY(check_bias(op, &bias, N, out_dtype, od, &x, "x", &bias_ptr));
+  if (is_cuda(&x)) FP8OPS_TRY(require_gemm_dims(op, M, N, K));
+  const int64_t tsz[2] = {K, M}, zero[1] = {0};
+  FP8OPS_TRY(new_tensor(op, 2, x.sizes, x_fp8, &x, x8));
+  FP8OPS_TRY(new_tensor(op, save_xt ? 2 : 1, save_xt ? tsz : zero, x_fp8, &x, &outs[1]));
+  uint8_t* p8 = (uint8_t*)data_of(*x8);
+  uint8_t* p8t = save_xt ? (uint8_t*)data_of(outs[1]) : NULL;
+  const gemm_operand a = {*x8, p8, xf}, b = {in[1], w.data, wf};
+  int rc;
+  CUDA_BODY(op, &x, 1, rc, {
+    rc = is_cuda(&x) ? fp8ops_cast_accumulate_cuda(x.data, xd, M, K, xs.data, xf, p8, p8t,
+                                                    xa.data, stream)
+                     : fp8ops_cast_accumulate_cpu(x.data, xd, M, K, xs.data, xf, p8, p8t, xa.data);
+    if (rc == FP8OPS_OK)
+      rc = gemm_into(op, a, b, M, N, K, xsi.data, wsi.data, in[6], bias_ptr, out_dtype, od,
+                     fast_accum, &x, stream, scratch, &outs[0]);
+  });
+  return rc;
+}
+
+static void boxed_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  AtenTensorHandle in[7];
+  for (int i = 0; i < 7; ++i) in[i] = sv_tensor(stack[i]);
+  AtenTensorHandle outs[2] = {NULL, NULL}, x8 = NULL;
+  gemm_scratch scratch = {0};
+  int rc = run_linear_fwd(in, sv_i32(stack[7]), sv_i32(stack[8]), sv_bool(stack[9]),
+                          sv_bool(stack[10]), outs, &x8, &scratch);
+  release(in, 7);
+  release(&x8, 1); /* stream-ordered, after the GEMM that reads it */
+  scratch_release(&scratch);
+  if (rc != FP8OPS_OK) {
+    release(outs, 2);
+    raise_last_error(__func__);
+    return;
+  }
+  stack[0] = sv_from_tensor(outs[0]);
+  stack[1] = sv_from_tensor(outs[1]);
+}
+
+// ----------------------------------------------------------------------------
+// linear_bwd(Tensor gy, Tensor w8t, Tensor x8t, Tensor g_scale, Tensor(a!) g_amax,
+//            Tensor g_scale_inv, Tensor w_scale_inv, Tensor x_scale_inv,
+//            ScalarType g_fp8_dtype, ScalarType dx_dtype, ScalarType dw_dtype,
+//            bool need_dx, bool need_dw) -> (Tensor dx, Tensor dw)
+//
+// Fp8Linear's backward in one call: g8 (, g8t) = cast(gy * g_scale) with gy's
+// amax folded into g_amax; dx = gemm(g8, w8t) * g_scale_inv * w_scale_inv
+// [M, K] when need_dx; dw = gemm(g8t, x8t) * g_scale_inv * x_scale_inv [N, K]
+// when need_dw. gy is [M, N], w8t [K, N], x8t [K, M]; an output (and the
+// operand it alone reads) that is not needed is empty.
+
+static int run_linear_bwd(AtenTensorHandle in[8], int32_t g_fp8, int32_t dx_dtype,
+                          int32_t dw_dtype, bool need_dx, bool need_dw, AtenTensorHandle outs[2],
+                          AtenTensorHandle tmp[2], gemm_scratch* scratch) {
+  const char* op = "fp8ops::linear_bwd";
+  tinfo g, wt, xt, gs, ga, gsi, wsi, xsi;
+  fp8ops_hp_dtype gd = FP8OPS_F32, dxd = FP8OPS_BF16, dwd = FP8OPS_F32;
+  fp8ops_fp8_format gf = FP8OPS_E5M2, wf = FP8OPS_E4M3, xf = FP8OPS_E4M3;
+  char sh1[96], sh2[96];
+  FP8OPS_TRY(describe(op, "gy", in[0], &g));
+  FP8OPS_TRY(describe(op, "w8t", in[1], &wt));
+  FP8OPS_TRY(describe(op, "x8t", in[2], &xt));
+  FP8OPS_TRY(describe(op, "g_scale", in[3], &gs));
+  FP8OPS_TRY(describe(op, "g_amax", in[4], &ga));
+  FP8OPS_TRY(describe(op, "g_scale_inv", in[5], &gsi));
+  FP8OPS_TRY(describe(op, "w_scale_inv", in[6], &wsi));
+  FP8OPS_TRY(describe(op, "x_scale_inv", in[7], &xsi));
+  FP8OPS_TRY(hp_code(op, "gy", g.dtype, &gd));
+  FP8OPS_TRY(fp8_code(op, "g_fp8_dtype", g_fp8, &gf));
+  FP8OPS_REQUIRE(g.ndim == 2, "%s: gy must be 2-D [M, N], found %lld dims; reshape it to "
+                 "(-1, out_features)", op, (long long)g.ndim);
+  FP8OPS_TRY(require_contiguous(op, "gy", &g));
+  FP8OPS_TRY(require_scalar_f32(op, "g_scale", &gs, &g, "gy"));
+  FP8OPS_TRY(require_scalar_f32(op, "g_amax", &ga, &g, "gy"));
+  FP8OPS_TRY(require_scalar_f32(op, "g_scale_inv", &gsi, &g, "gy"));
+  const int64_t M = g.sizes[0], N = g.sizes[1];
+  int64_t K = 0;
+  shape_str(&g, sh1, sizeof sh1);
+  if (need_dx) {
+    FP8OPS_TRY(fp8_code(op, "w8t", wt.dtype, &wf));
+    FP8OPS_TRY(hp_code(op, "dx_dtype", dx_dtype, &dxd));
+    FP8OPS_REQUIRE(!(gf == FP8OPS_E5M2 && wf == FP8OPS_E5M2), "%s: g_fp8_dtype and w8t are "
+                   "both float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand", op);
+    shape_str(&wt, sh2, sizeof sh2);
+    FP8OPS_REQUIRE(wt.ndim == 2 && wt.sizes[1] == N, "%s: w8t must be [K, N] for gy %s "
+                   "(the transposed FP8 weight), found %s", op, sh1, sh2);
+    FP8OPS_TRY(require_contiguous(op, "w8t", &wt));
+    FP8OPS_TRY(require_same_device(op, "w8t", &wt, "gy", &g));
+    FP8OPS_TRY(require_scalar_f32(op, "w_scale_inv", &wsi, &g, "gy"));
+    K = wt.sizes[0];
+  }
+  if (need_dw) {
+    FP8OPS_TRY(fp8_code(op, "x8t", xt.dtype, &xf));
+    FP8OPS_TRY(hp_code(op, "dw_dtype", dw_dtype, &dwd));
+    FP8OPS_REQUIRE(!(gf == FP8OPS_E5M2 && xf == FP8OPS_E5M2), "%s: g_fp8_dtype and x8t are "
+                   "both float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand", op);
+    shape_str(&xt, sh2, sizeof sh2);
+    FP8OPS_REQUIRE(xt.ndim == 2 && xt.sizes[1] == M && (!need_dx || xt.sizes[0] == K),
+                   "%s: x8t must be [K, M]%s for gy %s (the transposed FP8 input), found %s", op,
+                   need_dx ? " with K = w8t.shape[0]" : "", sh1, sh2);
+    FP8OPS_TRY(require_contiguous(op, "x8t", &xt));
+    FP8OPS_TRY(require_same_device(op, "x8t", &xt, "gy", &g));
+    FP8OPS_TRY(require_scalar_f32(op, "x_scale_inv", &xsi, &g, "gy"));
+    K = xt.sizes[0];
+  }
+  if (is_cuda(&g) && (need_dx || need_dw)) FP8OPS_TRY(require_gemm_dims(op, M, N, K));
+  const int64_t zero[1] = {0}, tsz[2] = {N, M};
+  FP8OPS_TRY(new_tensor(op, 2, g.sizes, g_fp8, &g, &tmp[0]));
+  if (need_dw) FP8OPS_TRY(new_tensor(op, 2, tsz, g_fp8, &g, &tmp[1]));
+  if (!need_dx) FP8OPS_TRY(new_tensor(op, 1, zero, dx_dtype, &g, &outs[0]));
+  if (!need_dw) FP8OPS_TRY(new_tensor(op, 1, zero, dw_dtype, &g, &outs[1]));
+  uint8_t* p8 = (uint8_t*)data_of(tmp[0]);
+  uint8_t* p8t = need_dw ? (uint8_t*)data_of(tmp[1]) : NULL;
+  const gemm_operand a_dx = {tmp[0], p8, gf}, b_dx = {in[1], wt.data, wf};
+  const gemm_operand a_dw = {tmp[1], p8t, gf}, b_dw = {in[2], xt.data, xf};
+  int rc;
+  CUDA_BODY(op, &g, need_dx || need_dw, rc, {
+    rc = is_cuda(&g) ? fp8ops_cast_accumulate_cuda(g.data, gd, M, N, gs.data, gf, p8, p8t,
+                                                    ga.data, stream)
+                     : fp8ops_cast_accumulate_cpu(g.data, gd, M, N, gs.data, gf, p8, p8t, ga.data);
+    if (rc == FP8OPS_OK && need_dx)
+      rc = gemm_into(op, a_dx, b_dx, M, K, N, gsi.data, wsi.data, NULL, NULL, dx_dtype, dxd, false,
+                     &g, stream, scratch, &outs[0]);
+    if (rc == FP8OPS_OK && need_dw)
+      rc = gemm_into(op, a_dw, b_dw, N, K, M, gsi.data, xsi.data, NULL, NULL, dw_dtype, dwd, false,
+                     &g, stream, scratch, &outs[1]);
+  });
+  return rc;
+}
+
+static void boxed_linear_bwd(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  AtenTensorHandle in[8];
+  for (int i = 0; i < 8; ++i) in[i] = sv_tensor(stack[i]);
+  AtenTensorHandle outs[2] = {NULL, NULL}, tmp[2] = {NULL, NULL};
+  gemm_scratch scratch = {0};
+  int rc = run_linear_bwd(in, sv_i32(stack[8]), sv_i32(stack[9]), sv_i32(stack[10]),
+                          sv_bool(stack[11]), sv_bool(stack[12]), outs, tmp, &scratch);
+  release(in, 8);
+  release(tmp, 2); /* stream-ordered, after the GEMMs that read them */
+  scratch_release(&scratch);
+  if (rc != FP8OPS_OK) {
+    release(outs, 2);
+    raise_last_error(__func__);
+    return;
+  }
+  stack[0] = sv_from_tensor(outs[0]);
+  stack[1] = sv_from_tensor(outs[1]);
 }
 
 // ----------------------------------------------------------------------------
@@ -497,10 +800,23 @@ static const op_row k_ops[] = {
              "(Tensor out, Tensor out_t, Tensor amax)", boxed_cast},
     {"amax", "amax(Tensor x) -> Tensor", boxed_amax},
     {"amax_update", "amax_update(Tensor(a!) amax_history, Tensor(b!) scale, "
-                    "Tensor(c!) scale_inv, Tensor fp8_max, float margin, int algo) -> ()",
+                    "Tensor(c!) scale_inv, Tensor fp8_max, float margin, int algo, "
+                    "Tensor(d!) overflow_count) -> ()",
      boxed_amax_update},
     {"gemm", "gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor bias, "
              "ScalarType out_dtype, bool use_fast_accum) -> Tensor", boxed_gemm},
+    {"cast_accumulate", "cast_accumulate(Tensor x, Tensor scale, Tensor(a!) amax, "
+                        "ScalarType out_dtype, bool transpose) -> (Tensor out, Tensor out_t)",
+     boxed_cast_accumulate},
+    {"linear_fwd", "linear_fwd(Tensor x, Tensor w8, Tensor x_scale, Tensor(a!) x_amax, "
+                   "Tensor x_scale_inv, Tensor w_scale_inv, Tensor bias, ScalarType x_fp8_dtype, "
+                   "ScalarType out_dtype, bool use_fast_accum, bool save_xt) -> "
+                   "(Tensor y, Tensor x8t)", boxed_linear_fwd},
+    {"linear_bwd", "linear_bwd(Tensor gy, Tensor w8t, Tensor x8t, Tensor g_scale, "
+                   "Tensor(a!) g_amax, Tensor g_scale_inv, Tensor w_scale_inv, "
+                   "Tensor x_scale_inv, ScalarType g_fp8_dtype, ScalarType dx_dtype, "
+                   "ScalarType dw_dtype, bool need_dx, bool need_dw) -> (Tensor dx, Tensor dw)",
+     boxed_linear_bwd},
 };
 #define N_OPS (sizeof k_ops / sizeof k_ops[0])
 
@@ -532,4 +848,6 @@ int fp8ops_register(int with_cuda) {
   return FP8OPS_OK;
 }
 
-const char* fp8ops_op_names(void) { return "cast amax amax_update gemm"; }
+const char* fp8ops_op_names(void) {
+  return "cast amax amax_update gemm cast_accumulate linear_fwd linear_bwd";
+}

@@ -619,8 +619,8 @@ def log_fp8_state(writer, model, fp8_info, step):
                 value = row.get(f"{kind}_{t}")
                 if value is not None:
                     writer.add_scalar(f"fp8_{kind}/{row['name']}/{t}", value, step)
-        # steps whose amax was NaN/inf (scale kept): cumulative, so none is lost between log steps
-        writer.add_scalar(f"fp8_overflow_steps/{row['name']}", row.get("overflow_steps", 0), step)
+        # amaxes that were NaN/inf (scale kept): cumulative, so none is lost between log steps
+        writer.add_scalar(f"fp8_overflows/{row['name']}", row.get("overflows", 0), step)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ Data flow (hybrid format; DESIGN.md):
 
 Scaling state lives in non-persistent buffers (never in state_dict):
     fp8_amax_history [H, 3]   columns: 0 input, 1 weight, 2 grad_output; row 0 = this step
-    fp8_scale [3], fp8_scale_inv [3], fp8_max [3]
+    fp8_scale [3], fp8_scale_inv [3], fp8_max [3], fp8_overflow_count [3] (int64)
 Delayed scaling updates them after optimizer steps (see scaling.py); current
 scaling recomputes each tensor's scale from its own amax before each cast.
 """
@@ -29,12 +29,10 @@ from ._reference import FP8_MAX
 from .config import Fp8Config
 
 X, W, G = 0, 1, 2
-
-
-def _record_amax(slot: torch.Tensor, amax: torch.Tensor) -> None:
-    """slot = history[0, col] (a view): row 0 accumulates the max over every
-    cast of this step (micro-batches too). amax comes from a raw cast: no grad."""
-    torch.maximum(slot, amax, out=slot)
+# Fp8Linear._fp8_views(): one flat tuple, indexed by these offsets (+ X / W / G)
+V_S, V_SI, V_H = 0, 3, 6   # scale[i:i+1], scale_inv[i:i+1], history[0, i]: per-tensor views
+V_OVERFLOW = 9             # fp8_overflow_count
+V_BUFFERS = 10             # fp8_amax_history, fp8_scale, fp8_scale_inv, fp8_max (whole)
 
 
 def _distributed() -> bool:
@@ -59,7 +57,7 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
-def _current_scale(t2d: torch.Tensor, history, scale, scale_inv, fp8_max, col: int, margin: float,
+def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float,
                    across_ranks: bool = False, overflow: torch.Tensor | None = None):
     """Current (dynamic) scaling of one tensor: its amax now -> scale. Reuses
     amax_update on the tensor's own column with most_recent, so the rules
@@ -67,36 +65,40 @@ def _current_scale(t2d: torch.Tensor, history, scale, scale_inv, fp8_max, col: i
     across_ranks: take the max of the amax over the data-parallel ranks first
     (delayed scaling's priming: each rank sees only its part of the batch, and
     the ranks must start from one scale, the one a single process would get)."""
+    history, scale, scale_inv, fp8_max = views[V_BUFFERS:V_BUFFERS + 4]
     with torch.no_grad():
         a = ops._amax_raw(t2d.detach())
         if across_ranks:
             a = _all_ranks_(a.reshape(1), dist.ReduceOp.MAX)
         if overflow is not None:
             # a NaN/inf amax keeps the previous scale (amax_update); count the event
-            overflow.add_(torch.isfinite(a).logical_not().reshape(()))
+            overflow[col].add_(torch.isfinite(a).logical_not().reshape(()))
         h = history[:1, col:col + 1]
         h.copy_(a.reshape(1, 1))
         ops.amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent")
 
 
 class _Fp8LinearFn(torch.autograd.Function):
+    """views: the layer's _fp8_views() tuple (scaling buffers and their
+    per-tensor slices); static: the call's constant settings (see forward)."""
+
     @staticmethod
-    def forward(ctx, x2, weight, bias, w8, w8t, b_lp, history, scale, scale_inv, fp8_max, views, cfg_static):
-        x_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = cfg_static
-        (s_x, _, _), (si_x, si_w, _), (h_x, _, _), overflow = views
+    def forward(ctx, x2, weight, bias, w8, w8t, b_lp, views, static):
+        x_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = static
         if current:
-            _current_scale(x2, history, scale, scale_inv, fp8_max, X, margin, overflow=overflow)
-        x8, x8t, amax_x = ops._cast_raw(x2, s_x, x_dtype, need_wgrad)
-        if not current:
-            _record_amax(h_x, amax_x)
-        sx_inv = si_x
+            _current_scale(x2, views, X, margin, overflow=views[V_OVERFLOW])
+        if b_lp is None:
+            b_lp = ops._empty_bias_for(x2, out_dtype)
+        # one C call: cast x (its amax folded into history row 0), GEMM with the FP8 weight
+        y, x8t = ops._linear_fwd_raw(x2, w8, views[V_S + X], views[V_H + X], views[V_SI + X], views[V_SI + W],
+                                     b_lp, x_dtype, out_dtype, fast_accum, need_wgrad)
+        sx_inv = views[V_SI + X]
         if current:
             # another micro-batch's forward may rescale x before this backward runs
             sx_inv = sx_inv.clone()
-        y = ops._gemm_raw(x8, w8, sx_inv, si_w, b_lp, out_dtype, fast_accum)
-        ctx.save_for_backward(x8t, w8t, sx_inv, history, scale, scale_inv, fp8_max)
+        ctx.save_for_backward(x8t, w8t, sx_inv)
         ctx.views = views
-        ctx.cfg = cfg_static
+        ctx.static = static
         ctx.w_dtype = weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         ctx.x2_dtype = x2.dtype
@@ -104,26 +106,24 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        x8t, w8t, sx_inv, history, scale, scale_inv, fp8_max = ctx.saved_tensors
-        x_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = ctx.cfg
-        (_, _, s_g), (_, si_w, si_g), (_, _, h_g), overflow = ctx.views
+        x8t, w8t, sx_inv = ctx.saved_tensors
+        x_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = ctx.static
+        views = ctx.views
         g2 = gy.contiguous()
         if current or prime_g:
             # priming (delayed): the first gradient's amax, max over the ranks
-            _current_scale(g2, history, scale, scale_inv, fp8_max, G, margin, across_ranks=prime_g,
-                           overflow=overflow if current else None)
-        g8, g8t, amax_g = ops._cast_raw(g2, s_g, g_dtype, need_wgrad)
-        if not current:
-            _record_amax(h_g, amax_g)
-        dx = dw = db = None
-        if need_dgrad and ctx.needs_input_grad[0]:
-            dx = ops._gemm_raw(g8, w8t, si_g, si_w, None, ctx.x2_dtype, False)
-        if need_wgrad and ctx.needs_input_grad[1]:
-            w_out = ctx.w_dtype if ctx.w_dtype in ops.HP_DTYPES else torch.float32
-            dw = ops._gemm_raw(g8t, x8t, si_g, sx_inv, None, w_out, False)
+            _current_scale(g2, views, G, margin, across_ranks=prime_g,
+                           overflow=views[V_OVERFLOW] if current else None)
+        need_dx = need_dgrad and ctx.needs_input_grad[0]
+        need_dw = need_wgrad and ctx.needs_input_grad[1]
+        w_out = ctx.w_dtype if ctx.w_dtype in ops.HP_DTYPES else torch.float32
+        # one C call: cast gy (amax folded into history row 0), dgrad and wgrad GEMMs
+        dx, dw = ops._linear_bwd_raw(g2, w8t, x8t, views[V_S + G], views[V_H + G], views[V_SI + G],
+                                     views[V_SI + W], sx_inv, g_dtype, ctx.x2_dtype, w_out, need_dx, need_dw)
+        db = None
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(ctx.b_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None
+        return (dx if need_dx else None), (dw if need_dw else None), db, None, None, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -145,8 +145,8 @@ class Fp8Linear(nn.Linear):
         self.register_buffer("fp8_scale_inv", torch.ones(3, device=dev), persistent=False)
         self.register_buffer("fp8_max", torch.tensor([FP8_MAX[x_dt], FP8_MAX[w_dt], FP8_MAX[g_dt]], device=dev),
                              persistent=False)
-        # scale updates that met a NaN/inf amax (the scale was kept)
-        self.register_buffer("fp8_overflow_count", torch.zeros((), dtype=torch.int64, device=dev), persistent=False)
+        # per tensor (input, weight, grad_output): amaxes that were NaN/inf (the scale was kept)
+        self.register_buffer("fp8_overflow_count", torch.zeros(3, dtype=torch.int64, device=dev), persistent=False)
         self.fp8_step = 0               # optimizer steps seen
         self.fp8_fallback_calls = 0     # forwards that ran BF16 (input on CPU, M % 16 != 0)
         self._fp8_primed = False        # delayed: first forward primes x/w scales from current amaxes
@@ -184,16 +184,16 @@ class Fp8Linear(nn.Linear):
         current amaxes of input and weight (and of the first gradient, in
         backward, via the 'current' path) instead of scale 1."""
         cfg = self.fp8_config
+        views = self._fp8_views(torch.compiler.is_compiling())
         # Data-parallel ranks each hold part of the batch: x's amax is reduced
         # (max) over the ranks so they all start from the single-process scale.
         # The weight needs no reduction: DDP replicates it, and FSDP2 runs
         # forward on the all-gathered (full) weight.
-        _current_scale(x2, self.fp8_amax_history, self.fp8_scale, self.fp8_scale_inv, self.fp8_max, X, cfg.margin,
-                       across_ranks=True)
+        _current_scale(x2, views, X, cfg.margin, across_ranks=True)
         w2 = self.weight if self.weight.dtype in ops.HP_DTYPES else self.weight.float()
-        _current_scale(w2.detach(), self.fp8_amax_history, self.fp8_scale, self.fp8_scale_inv, self.fp8_max, W, cfg.margin)
+        _current_scale(w2.detach(), views, W, cfg.margin)
 
-    def _weight_fp8(self, compute_dtype: torch.dtype, need_t: bool):
+    def _weight_fp8(self, compute_dtype: torch.dtype, need_t: bool, views: tuple, compiling: bool):
         """Cast the weight once per optimizer step (reused by micro-batches), and
         the bias to the GEMM's bias dtype with it; returns (w8, w8t, bias_lp).
         The cache is keyed on the version counters, which the optimizer's
@@ -207,48 +207,48 @@ class Fp8Linear(nn.Linear):
         optimizer hook (scaling.py) bumps it, matching the layer through the
         sharded DTensor that is registered on the module again after backward.
         A state_dict load drops the cache explicitly (_load_from_state_dict)."""
-        cfg = self.fp8_config
-        w = self.weight
-        compiling = torch.compiler.is_compiling()
-        b = self.bias
+        w = self._parameters["weight"]
+        b = self._parameters.get("bias")
         key = None if compiling else (w._version, w.data_ptr(), None if b is None else b._version,
                                       self.fp8_step, compute_dtype, need_t)
-        if key is not None and self._w_cache is not None and self._w_cache[0] == key:
-            return self._w_cache[1:]
+        cache = self._w_cache
+        if key is not None and cache is not None and cache[0] == key:
+            return cache[1:]
+        cfg = self.fp8_config
         if cfg.recipe == "current":
-            _current_scale(w.detach(), self.fp8_amax_history, self.fp8_scale, self.fp8_scale_inv, self.fp8_max, W, cfg.margin,
-                           overflow=self.fp8_overflow_count)
-        (_, s_w, _), _, (_, h_w, _), _ = self._fp8_views()
-        w8, w8t, amax_w = ops._cast_raw(w.detach(), s_w, self.fp8_dtypes[1], need_t)
-        if cfg.recipe == "delayed":
-            _record_amax(h_w, amax_w)
+            _current_scale(w.detach(), views, W, cfg.margin, overflow=views[V_OVERFLOW])
+        # the weight's amax is folded into history row 0 by the cast itself
+        w8, w8t = ops._cast_accumulate_raw(w.detach(), views[V_S + W], views[V_H + W], self.fp8_dtypes[1], need_t)
         b_lp = None if b is None else b.detach().to(ops._bias_dtype(compute_dtype))
         if key is not None:
             self.__dict__["_w_cache"] = (key, w8, w8t, b_lp)  # not Module.__setattr__: hot path
         return w8, w8t, b_lp
 
-    def _fp8_views(self):
-        """Per-tensor views of the scaling buffers: ((s_x, s_w, s_g), (si_x,
-        si_w, si_g), (h0_x, h0_w, h0_g), overflow_count). Cached while the
-        buffers are the same objects (.to() / .cuda() replace them); sliced
-        afresh under compile."""
-        s, si, h, o = self.fp8_scale, self.fp8_scale_inv, self.fp8_amax_history, self.fp8_overflow_count
-        if torch.compiler.is_compiling():
-            return (s[0:1], s[1:2], s[2:3]), (si[0:1], si[1:2], si[2:3]), (h[0, 0], h[0, 1], h[0, 2]), o
-        c = self.__dict__.get("_fp8_view_cache")
-        if c is None or any(a is not b for a, b in zip(c[0], (s, si, h, o))):
-            c = ((s, si, h, o), ((s[0:1], s[1:2], s[2:3]), (si[0:1], si[1:2], si[2:3]), (h[0, 0], h[0, 1], h[0, 2]), o))
+    def _fp8_views(self, compiling: bool) -> tuple:
+        """The scaling buffers and their per-tensor views as one flat tuple
+        (indices V_*). Cached while the buffers are the same objects (.to() /
+        .cuda() replace them); sliced afresh under compile."""
+        bufs = self._buffers
+        h, s, si, m, o = (bufs["fp8_amax_history"], bufs["fp8_scale"], bufs["fp8_scale_inv"], bufs["fp8_max"],
+                          bufs["fp8_overflow_count"])
+        if not compiling:
+            c = self.__dict__.get("_fp8_view_cache")
+            if c is not None and c[V_BUFFERS] is h and c[V_BUFFERS + 1] is s and c[V_BUFFERS + 2] is si \
+                    and c[V_BUFFERS + 3] is m and c[V_OVERFLOW] is o:
+                return c
+        c = (s[0:1], s[1:2], s[2:3], si[0:1], si[1:2], si[2:3], h[0, 0], h[0, 1], h[0, 2], o, h, s, si, m)
+        if not compiling:
             self.__dict__["_fp8_view_cache"] = c
-        return c[1]
+        return c
 
-    def _fp8_pays(self, M: int, cdtype: torch.dtype) -> bool:
+    def _fp8_pays(self, M: int, cdtype: torch.dtype, compiling: bool = False) -> bool:
         """policy="auto": is FP8 faster than BF16 for this shape on this GPU?
         Measured once per shape (policy.py); under torch.compile or CUDA-graph
         capture nothing is measured and an unknown shape runs FP8."""
         hit = self.fp8_policy.get((M, cdtype))
         if hit is not None:
             return hit[0]
-        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        if compiling or torch.cuda.is_current_stream_capturing():
             return True
         from . import policy  # noqa: PLC0415
         hit = policy.measure(self, M, cdtype)
@@ -272,10 +272,15 @@ class Fp8Linear(nn.Linear):
     # ----------------------------------------------------------------- forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.device.type != "cuda" and not self.fp8_on_cpu) or x.numel() == 0:
-            self.fp8_fallback_calls += 1
+        # The hot path of small layers is bound by host time: plain dict reads
+        # instead of Module.__getattr__, is_compiling() asked once.
+        d = self.__dict__
+        if (not x.is_cuda and not d["fp8_on_cpu"]) or x.numel() == 0:
+            d["fp8_fallback_calls"] += 1
             return super().forward(x)
-        if not torch.compiler.is_compiling() and _is_dtensor(self.weight):
+        compiling = torch.compiler.is_compiling()
+        weight = self._parameters["weight"]
+        if not compiling and _is_dtensor(weight):
             raise RuntimeError(
                 "Fp8Linear: the weight is a DTensor (a sharded FSDP2 or tensor-parallel parameter). Under "
                 "FSDP2, call the model through a fully_shard-ed module that contains this layer, so that "
@@ -285,38 +290,38 @@ class Fp8Linear(nn.Linear):
         else:
             cdtype = x.dtype if x.dtype in ops.HP_DTYPES else torch.float32
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] % 16 != 0 and x.device.type == "cuda":
+        cfg = d["fp8_config"]
+        if x2.shape[0] % 16 != 0 and x.is_cuda:
             # cuBLASLt FP8 needs M % 16 == 0; this call (e.g. an odd eval batch)
             # runs exactly as the nn.Linear would (under the caller's autocast)
-            self.__dict__["fp8_fallback_calls"] = self.fp8_fallback_calls + 1
-            return F.linear(x, self.weight, self.bias)
-        if (self.fp8_config.policy == "auto" and x.device.type == "cuda" and not self.fp8_policy_measuring
-                and not self._fp8_pays(x2.shape[0], cdtype)):
+            d["fp8_fallback_calls"] += 1
+            return F.linear(x, weight, self._parameters.get("bias"))
+        if (cfg.policy == "auto" and x.is_cuda and not d["fp8_policy_measuring"]
+                and not self._fp8_pays(x2.shape[0], cdtype, compiling)):
             # policy "auto" measured BF16 faster for this shape: the plain path,
             # with nothing else to pay (update_scales skips a layer that cast nothing)
-            self.__dict__["fp8_fallback_calls"] = self.fp8_fallback_calls + 1
-            return F.linear(x, self.weight, self.bias)
+            d["fp8_fallback_calls"] += 1
+            return F.linear(x, weight, self._parameters.get("bias"))
         if x2.dtype not in ops.HP_DTYPES:
             x2 = x2.to(cdtype)
         # an fp32 input (LayerNorm under autocast) is cast to fp8 directly: no
         # extra pass through bf16; its gradient comes back in fp32 as well
         x2 = x2.contiguous()
-        cfg = self.fp8_config
         # priming also runs under torch.compile (the flag flip costs one recompile)
-        if cfg.recipe == "delayed" and not self._fp8_primed:
+        if cfg.recipe == "delayed" and not d["_fp8_primed"]:
             self._prime_scales(x2)
-            self._fp8_primed = True
-        self.__dict__["_fp8_cast_since_update"] = True
+            d["_fp8_primed"] = True
+        d["_fp8_cast_since_update"] = True
         grad = torch.is_grad_enabled()
-        need_wgrad = grad and self.weight.requires_grad
+        need_wgrad = grad and weight.requires_grad
         need_dgrad = grad and x.requires_grad
-        w8, w8t, b_lp = self._weight_fp8(cdtype, need_dgrad)
-        x_dt, _, g_dt = self.fp8_dtypes
-        prime_g = cfg.recipe == "delayed" and grad and not self._fp8_g_primed
+        views = self._fp8_views(compiling)
+        w8, w8t, b_lp = self._weight_fp8(cdtype, need_dgrad, views, compiling)
+        x_dt, _, g_dt = d["fp8_dtypes"]
+        prime_g = cfg.recipe == "delayed" and grad and not d["_fp8_g_primed"]
         if prime_g:
-            self._fp8_g_primed = True
+            d["_fp8_g_primed"] = True
         static = (x_dt, g_dt, cdtype, cfg.fast_accum, cfg.recipe == "current", float(cfg.margin),
                   need_wgrad, need_dgrad, prime_g)
-        y = _Fp8LinearFn.apply(x2, self.weight, self.bias, w8, w8t, b_lp, self.fp8_amax_history,
-                               self.fp8_scale, self.fp8_scale_inv, self.fp8_max, self._fp8_views(), static)
+        y = _Fp8LinearFn.apply(x2, weight, self._parameters.get("bias"), w8, w8t, b_lp, views, static)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -60,6 +60,18 @@ def _chk_scalar_f32(op, name, t, ref_name, ref):
     _chk_device(op, name, t, ref_name, ref)
 
 
+def _chk_bias(op, bias, N, out_dtype, ref, ref_name):
+    if bias.numel() == 0:
+        return
+    _chk(bias.dim() == 1 and bias.numel() == N,
+         f"{op}: bias must be 1-D [N] = [{N}], found {bias.numel()} elements in {bias.dim()} dims")
+    want = _bias_dtype(out_dtype)
+    _chk(bias.dtype == want, f"{op}: bias must be {_dname(want)} for out_dtype {_dname(out_dtype)} "
+                             f"(cuBLASLt's FP8 bias rule), found {_dname(bias.dtype)}")
+    _chk_contig(op, "bias", bias)
+    _chk_device(op, "bias", bias, ref_name, ref)
+
+
 # ----------------------------------------------------------------------------
 # cast
 
@@ -125,19 +137,29 @@ def _amax_fake(x):
 # amax_update
 
 def amax_update(amax_history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
-                fp8_max: torch.Tensor, margin: float = 0.0, algo: str = "max") -> None:
+                fp8_max: torch.Tensor, margin: float = 0.0, algo: str = "max",
+                overflow_count: torch.Tensor | None = None) -> None:
     """Delayed scaling, in place, for every column of amax_history [H, n] (or
     [H]) in one launch: reduce |history| (max | most_recent), new scale =
     fp8_max / amax / 2**margin (a zero or non-finite amax, or a scale whose
     inverse would overflow, keeps the old scale), scale_inv = 1/scale, roll the
-    history up by one and zero row 0."""
+    history up by one and zero row 0. overflow_count: optional [n] int64
+    counters, +1 for each column whose row 0 (this step's amax) is NaN/inf."""
     if algo not in AMAX_ALGOS:
         raise ValueError(f"amax_update: algo must be one of {sorted(AMAX_ALGOS)}, found {algo!r}")
     _require()
-    torch.ops.fp8ops.amax_update.default(amax_history, scale, scale_inv, fp8_max, float(margin), AMAX_ALGOS[algo])
+    if overflow_count is None:
+        overflow_count = _no_counts(amax_history)
+    torch.ops.fp8ops.amax_update.default(amax_history, scale, scale_inv, fp8_max, float(margin), AMAX_ALGOS[algo],
+                                         overflow_count)
 
 
-def _amax_update_fake(amax_history, scale, scale_inv, fp8_max, margin, algo):
+def _no_counts(like: torch.Tensor) -> torch.Tensor:
+    # amax_update's "no overflow counters" argument (schemas avoid T?)
+    return torch.empty(0, dtype=torch.int64, device=like.device)
+
+
+def _amax_update_fake(amax_history, scale, scale_inv, fp8_max, margin, algo, overflow_count):
     op = "fp8ops::amax_update"
     h = amax_history
     for name, t in (("amax_history", h), ("scale", scale), ("scale_inv", scale_inv), ("fp8_max", fp8_max)):
@@ -153,6 +175,14 @@ def _amax_update_fake(amax_history, scale, scale_inv, fp8_max, margin, algo):
     _chk(scale_inv.numel() == n, f"{op}: scale_inv must have {n} elements, found {scale_inv.numel()}")
     _chk(fp8_max.numel() == n, f"{op}: fp8_max must have {n} elements, found {fp8_max.numel()}")
     _chk(algo in (0, 1), f"{op}: algo must be 0 (max) or 1 (most_recent), found {algo}")
+    _chk(-1e6 < margin < 1e6, f"{op}: margin must be a finite number, found {margin}")
+    o = overflow_count
+    if o.numel() > 0:
+        _chk(o.dtype == torch.int64, f"{op}: overflow_count must be int64, found {_dname(o.dtype)}")
+        _chk_contig(op, "overflow_count", o)
+        _chk_device(op, "overflow_count", o, "amax_history", h)
+        _chk(o.numel() == n, f"{op}: overflow_count must have {n} elements (one per amax_history column) or none, "
+                             f"found {o.numel()}")
     return None
 
 
@@ -186,15 +216,7 @@ def _gemm_fake(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_fast_accum):
     _chk_device(op, "b", b, "a", a)
     _chk_scalar_f32(op, "a_scale_inv", a_scale_inv, "a", a)
     _chk_scalar_f32(op, "b_scale_inv", b_scale_inv, "a", a)
-    if bias.numel() > 0:
-        N = b.shape[0]
-        _chk(bias.dim() == 1 and bias.numel() == N,
-             f"{op}: bias must be 1-D [N] = [{N}], found {bias.numel()} elements in {bias.dim()} dims")
-        want = _bias_dtype(out_dtype)
-        _chk(bias.dtype == want, f"{op}: bias must be {_dname(want)} for out_dtype {_dname(out_dtype)} "
-                                 f"(cuBLASLt's FP8 bias rule), found {_dname(bias.dtype)}")
-        _chk_contig(op, "bias", bias)
-        _chk_device(op, "bias", bias, "a", a)
+    _chk_bias(op, bias, b.shape[0], out_dtype, a, "a")
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
@@ -215,6 +237,123 @@ def _gemm_backward(ctx, g):
     gb = gf.t() @ a.float() if ctx.needs_input_grad[1] else None
     gbias = g.float().sum(0).to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[4] else None
     return ga, gb, None, None, gbias, None, None
+
+
+# ----------------------------------------------------------------------------
+# Fp8Linear's fused calls: one dispatcher call per forward, one per backward,
+# one per weight cast (the host's per-op cost is what bounds small layers).
+# No autograd formulas: Fp8Linear's autograd.Function calls them.
+
+def cast_accumulate(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                    out_dtype: torch.dtype = torch.float8_e4m3fn, transpose: bool = False):
+    """cast() that folds max |x| into the 1-element fp32 `amax` in place
+    (amax = max(amax, max |x|), NaN wins) instead of returning it; e.g. amax is
+    row 0 of an amax history, collecting a step's maximum. Returns (out, out_t)."""
+    _require()
+    return torch.ops.fp8ops.cast_accumulate.default(x, scale, amax, out_dtype, transpose)
+
+
+def _cast_accumulate_fake(x, scale, amax, out_dtype, transpose):
+    out, out_t, _ = _cast_fake(x, scale, out_dtype, transpose)
+    _chk_scalar_f32("fp8ops::cast_accumulate", "amax", amax, "x", x)
+    return out, out_t
+
+
+def linear_fwd(x, w8, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
+               x_fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, use_fast_accum=False,
+               save_xt=True):
+    """Fp8Linear's forward: x8 = cast(x * x_scale) (x's amax folded into
+    x_amax), y = (x8 @ w8.T) * x_scale_inv * w_scale_inv + bias. x [M, K] hp,
+    w8 [N, K] fp8. Returns (y [M, N], x8t [K, M] if save_xt else empty)."""
+    _require()
+    if bias is None:
+        bias = x.new_empty((0,), dtype=_bias_dtype(out_dtype))
+    return torch.ops.fp8ops.linear_fwd.default(x, w8, x_scale, x_amax, x_scale_inv, w_scale_inv, bias,
+                                               x_fp8_dtype, out_dtype, use_fast_accum, save_xt)
+
+
+def _linear_fwd_fake(x, w8, x_scale, x_amax, x_scale_inv, w_scale_inv, bias, x_fp8_dtype, out_dtype,
+                     use_fast_accum, save_xt):
+    op = "fp8ops::linear_fwd"
+    _chk(x.dtype in HP_DTYPES, f"{op}: x must be float32, bfloat16 or float16, found {_dname(x.dtype)}")
+    _chk(w8.dtype in FP8_DTYPES, f"{op}: w8 must be float8_e4m3fn or float8_e5m2, found {_dname(w8.dtype)}")
+    _chk(x_fp8_dtype in FP8_DTYPES,
+         f"{op}: x_fp8_dtype must be float8_e4m3fn or float8_e5m2, found {_dname(x_fp8_dtype)}")
+    _chk(out_dtype in HP_DTYPES, f"{op}: out_dtype must be float32, bfloat16 or float16, found {_dname(out_dtype)}")
+    _chk(not (x_fp8_dtype == torch.float8_e5m2 and w8.dtype == torch.float8_e5m2),
+         f"{op}: x_fp8_dtype and w8 are both float8_e5m2; FP8 tensor cores need at least one "
+         f"float8_e4m3fn operand")
+    _chk(x.dim() == 2, f"{op}: x must be 2-D [M, K], found {x.dim()} dims; reshape it to (-1, in_features)")
+    _chk(w8.dim() == 2, f"{op}: w8 must be 2-D [N, K], found {w8.dim()} dims")
+    _chk(x.shape[1] == w8.shape[1], f"{op}: x {list(x.shape)} and w8 {list(w8.shape)} must share the inner "
+                                    f"dim K (x is [M, K], w8 is [N, K]: y = x @ w8.T)")
+    _chk_contig(op, "x", x)
+    _chk_contig(op, "w8", w8)
+    _chk_device(op, "w8", w8, "x", x)
+    for name, t in (("x_scale", x_scale), ("x_amax", x_amax), ("x_scale_inv", x_scale_inv),
+                    ("w_scale_inv", w_scale_inv)):
+        _chk_scalar_f32(op, name, t, "x", x)
+    M, K, N = x.shape[0], x.shape[1], w8.shape[0]
+    _chk_bias(op, bias, N, out_dtype, x, "x")
+    x8t = x.new_empty((K, M) if save_xt else (0,), dtype=x_fp8_dtype)
+    return x.new_empty((M, N), dtype=out_dtype), x8t
+
+
+def linear_bwd(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv,
+               g_fp8_dtype=torch.float8_e5m2, dx_dtype=torch.bfloat16, dw_dtype=torch.float32,
+               need_dx=True, need_dw=True):
+    """Fp8Linear's backward: g8, g8t = cast(gy * g_scale) (gy's amax folded
+    into g_amax); dx = (g8 @ w8t.T) * g_scale_inv * w_scale_inv [M, K],
+    dw = (g8t @ x8t.T) * g_scale_inv * x_scale_inv [N, K]. gy [M, N], w8t
+    [K, N], x8t [K, M]. An output not asked for comes back empty."""
+    _require()
+    return torch.ops.fp8ops.linear_bwd.default(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv,
+                                               x_scale_inv, g_fp8_dtype, dx_dtype, dw_dtype, need_dx, need_dw)
+
+
+def _chk_bwd_operand(op, name, t, g_fp8_dtype, out_name, out_dtype, gy):
+    e5 = torch.float8_e5m2
+    _chk(t.dtype in FP8_DTYPES, f"{op}: {name} must be float8_e4m3fn or float8_e5m2, found {_dname(t.dtype)}")
+    _chk(out_dtype in HP_DTYPES,
+         f"{op}: {out_name} must be float32, bfloat16 or float16, found {_dname(out_dtype)}")
+    _chk(not (g_fp8_dtype == e5 and t.dtype == e5),
+         f"{op}: g_fp8_dtype and {name} are both float8_e5m2; FP8 tensor cores need at least one "
+         f"float8_e4m3fn operand")
+
+
+def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv, g_fp8_dtype,
+                     dx_dtype, dw_dtype, need_dx, need_dw):
+    op = "fp8ops::linear_bwd"
+    _chk(gy.dtype in HP_DTYPES, f"{op}: gy must be float32, bfloat16 or float16, found {_dname(gy.dtype)}")
+    _chk(g_fp8_dtype in FP8_DTYPES,
+         f"{op}: g_fp8_dtype must be float8_e4m3fn or float8_e5m2, found {_dname(g_fp8_dtype)}")
+    _chk(gy.dim() == 2, f"{op}: gy must be 2-D [M, N], found {gy.dim()} dims; reshape it to (-1, out_features)")
+    _chk_contig(op, "gy", gy)
+    for name, t in (("g_scale", g_scale), ("g_amax", g_amax), ("g_scale_inv", g_scale_inv)):
+        _chk_scalar_f32(op, name, t, "gy", gy)
+    M, N = gy.shape
+    K = 0
+    if need_dx:
+        _chk_bwd_operand(op, "w8t", w8t, g_fp8_dtype, "dx_dtype", dx_dtype, gy)
+        _chk(w8t.dim() == 2 and w8t.shape[1] == N,
+             f"{op}: w8t must be [K, N] for gy {list(gy.shape)} (the transposed FP8 weight), found {list(w8t.shape)}")
+        _chk_contig(op, "w8t", w8t)
+        _chk_device(op, "w8t", w8t, "gy", gy)
+        _chk_scalar_f32(op, "w_scale_inv", w_scale_inv, "gy", gy)
+        K = w8t.shape[0]
+    if need_dw:
+        _chk_bwd_operand(op, "x8t", x8t, g_fp8_dtype, "dw_dtype", dw_dtype, gy)
+        with_k = " with K = w8t.shape[0]" if need_dx else ""
+        _chk(x8t.dim() == 2 and x8t.shape[1] == M and (not need_dx or x8t.shape[0] == K),
+             f"{op}: x8t must be [K, M]{with_k} for gy {list(gy.shape)} (the transposed FP8 input), "
+             f"found {list(x8t.shape)}")
+        _chk_contig(op, "x8t", x8t)
+        _chk_device(op, "x8t", x8t, "gy", gy)
+        _chk_scalar_f32(op, "x_scale_inv", x_scale_inv, "gy", gy)
+        K = x8t.shape[0]
+    dx = gy.new_empty((M, K) if need_dx else (0,), dtype=dx_dtype)
+    dw = gy.new_empty((N, K) if need_dw else (0,), dtype=dw_dtype)
+    return dx, dw
 
 
 # ----------------------------------------------------------------------------
@@ -245,6 +384,30 @@ def _amax_raw(x):
         return torch.ops.fp8ops.amax.default(x)
 
 
+def _empty_bias_for(x, out_dtype):
+    """The "no bias" argument (an empty tensor of the bias dtype), one per
+    device and dtype in eager mode."""
+    if torch.compiler.is_compiling():
+        return x.new_empty((0,), dtype=_bias_dtype(out_dtype))
+    key = (x.device, out_dtype)
+    bias = _empty_bias.get(key)
+    if bias is None:
+        bias = _empty_bias[key] = x.new_empty((0,), dtype=_bias_dtype(out_dtype))
+    return bias
+
+
+def _cast_accumulate_raw(x, scale, amax, out_dtype, transpose):
+    return torch.ops.fp8ops.cast_accumulate.default(x, scale, amax, out_dtype, transpose)
+
+
+def _linear_fwd_raw(*args):
+    return torch.ops.fp8ops.linear_fwd.default(*args)
+
+
+def _linear_bwd_raw(*args):
+    return torch.ops.fp8ops.linear_bwd.default(*args)
+
+
 def _gemm_raw(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_fast_accum):
     if bias is None:
         if torch.compiler.is_compiling():
@@ -270,6 +433,9 @@ def _register() -> None:
     torch.library.register_fake("fp8ops::amax_update")(_amax_update_fake)
     torch.library.register_fake("fp8ops::gemm")(_gemm_fake)
     torch.library.register_autograd("fp8ops::gemm", _gemm_backward, setup_context=_gemm_setup)
+    torch.library.register_fake("fp8ops::cast_accumulate")(_cast_accumulate_fake)
+    torch.library.register_fake("fp8ops::linear_fwd")(_linear_fwd_fake)
+    torch.library.register_fake("fp8ops::linear_bwd")(_linear_bwd_fake)
 
 
 if _loader.is_available():

@@ -12,8 +12,10 @@ from .linear import G, W, X, Fp8Linear
 def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     """One row per linear layer: name, backend ("fp8ops" | "bf16"), reason,
     recipe, scale_x/w/g, amax_x/w/g (the latest completed step's amaxes),
-    overflow_steps (delayed: optimizer steps whose amax was NaN/inf; current:
-    casts whose amax was NaN/inf -- the scale was kept each time), fallback_calls. Prints a table unless print_table=False.
+    overflows (amaxes that were NaN/inf, the scale kept each time: per
+    optimizer step and tensor under delayed scaling, per cast under current)
+    and overflow_x/w/g (the same by tensor), fallback_calls. Prints a table
+    unless print_table=False.
     Reading the scales synchronises with the GPU once."""
     decisions = getattr(model, DECISIONS_ATTR, {})
     rows = []
@@ -24,6 +26,7 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
             # any update the running maxima are in row 0
             last = h[-1] if m.fp8_step > 0 and h.shape[0] > 1 else h[0]
             s = m.fp8_scale.detach().float().cpu()
+            ovf = m.fp8_overflow_count.detach().cpu().reshape(-1)
             rows.append({
                 "name": name or "<root>", "backend": "fp8ops",
                 "reason": decisions.get(name, ("fp8ops", "converted"))[1],
@@ -31,7 +34,8 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                 "shape": f"{m.in_features}->{m.out_features}",
                 "scale_x": float(s[X]), "scale_w": float(s[W]), "scale_g": float(s[G]),
                 "amax_x": float(last[X]), "amax_w": float(last[W]), "amax_g": float(last[G]),
-                "overflow_steps": int(m.fp8_overflow_count), "fallback_calls": m.fp8_fallback_calls,
+                "overflows": int(ovf.sum()), "overflow_x": int(ovf[X]), "overflow_w": int(ovf[W]),
+                "overflow_g": int(ovf[G]), "fallback_calls": m.fp8_fallback_calls,
             })
             slow = [f"M={M}: BF16 (FP8 {v[1]:.2f}x)" for (M, _), v in m.fp8_policy.items() if not v[0]]
             if slow:
@@ -42,7 +46,8 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                          "shape": f"{m.in_features}->{m.out_features}",
                          "scale_x": None, "scale_w": None, "scale_g": None,
                          "amax_x": None, "amax_w": None, "amax_g": None,
-                         "overflow_steps": 0, "fallback_calls": 0})
+                         "overflows": 0, "overflow_x": 0, "overflow_w": 0, "overflow_g": 0,
+                         "fallback_calls": 0})
     if print_table:
         print(format_table(rows))
     return rows
@@ -61,5 +66,5 @@ def format_table(rows: list[dict]) -> str:
         scales = "/".join(_f(r[k]) for k in ("scale_x", "scale_w", "scale_g")) if r["backend"] == "fp8ops" else "-"
         amaxes = "/".join(_f(r[k]) for k in ("amax_x", "amax_w", "amax_g")) if r["backend"] == "fp8ops" else "-"
         lines.append(f"{r['name'][:32]:<32} {r['shape']:>11} {r['backend']:>7} {scales:>26} {amaxes:>26} "
-                     f"{r['overflow_steps']:>4}  {r['reason']}")
+                     f"{r['overflows']:>4}  {r['reason']}")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Delayed-scaling bookkeeping: after each optimizer step, update every
 Fp8Linear's scales from its amax history (one amax_update launch per layer,
-all three tensors at once), after reducing this step's amaxes across the
+all three tensors at once, counting NaN/inf amaxes), after reducing this step's amaxes across the
 data-parallel ranks in ONE all-reduce for all layers, so every rank casts with
 the same scales.
 
@@ -92,18 +92,6 @@ def exclude_from_ddp_broadcast(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def _count_overflows(layers: list[Fp8Linear]) -> None:
-    """Count this step's overflow events (a NaN/inf amax; amax_update keeps the
-    previous scale) on the device, so the step never synchronises: a handful of
-    launches for all layers of a device, not four per layer."""
-    by_device: dict[torch.device, list[Fp8Linear]] = {}
-    for layer in layers:
-        by_device.setdefault(layer.fp8_amax_history.device, []).append(layer)
-    for group in by_device.values():
-        bad = torch.stack([l.fp8_amax_history[0] for l in group]).isfinite().logical_not_().any(dim=1)
-        torch._foreach_add_([l.fp8_overflow_count for l in group], list(bad.unbind()))
-
-
 def update_scales(layers: list[Fp8Linear], group=None) -> None:
     """One optimizer step has happened for these layers."""
     # a layer that cast nothing since the last update (policy "auto" chose BF16
@@ -114,14 +102,16 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
         _reduce_amax(due, group)
     for layer in layers:
         layer.__dict__["fp8_step"] = layer.fp8_step + 1  # not Module.__setattr__: per layer per step
-    _count_overflows(due)
+    update = torch.ops.fp8ops.amax_update.default
     for layer in due:
-        layer.__dict__["_fp8_cast_since_update"] = False
-        cfg = layer.fp8_config
-        h = layer.fp8_amax_history
-        with ops._below_autograd():
-            torch.ops.fp8ops.amax_update.default(h, layer.fp8_scale, layer.fp8_scale_inv, layer.fp8_max,
-                                                 float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo])
+        d = layer.__dict__
+        d["_fp8_cast_since_update"] = False
+        cfg = d["fp8_config"]
+        bufs = layer._buffers
+        # one launch per layer: scales of its 3 tensors, history roll, and the
+        # count of this step's NaN/inf amaxes (the scale was kept for those)
+        update(bufs["fp8_amax_history"], bufs["fp8_scale"], bufs["fp8_scale_inv"], bufs["fp8_max"],
+               float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo], bufs["fp8_overflow_count"])
 
 
 def step(model: torch.nn.Module) -> None:

@@ -83,7 +83,7 @@ def test_amax_update_errors(device):
         (lambda: ops.amax_update(h.t(), s, si, m), r"amax_history must be contiguous"),
         (lambda: ops.amax_update(torch.zeros(2, 2, 2, device=device), s, si, m), r"must be \[H\].*found 3 dims"),
         (lambda: ops.amax_update(torch.zeros(0, 3, device=device), s, si, m), r"at least 1 row"),
-        (lambda: torch.ops.fp8ops.amax_update(h, s, si, m, 0.0, 7), r"algo must be 0 \(max\) or 1"),
+        (lambda: torch.ops.fp8ops.amax_update(h, s, si, m, 0.0, 7, ops._no_counts(h)), r"algo must be 0 \(max\) or 1"),
         (lambda: ops.amax_update(h, s, si, m, float("nan")), r"margin must be a finite number"),
     ]
     for fn, pattern in cases:
@@ -103,7 +103,8 @@ def test_amax_update_mixed_devices():
 @pytest.mark.parametrize("device", DEVICES)
 def test_amax_update_opcheck_and_compile(device):
     h, s, si, m = torch.rand(8, 3, device=device), torch.ones(3, device=device), torch.ones(3, device=device), torch.full((3,), 448.0, device=device)
-    torch.library.opcheck(torch.ops.fp8ops.amax_update.default, (h.clone(), s.clone(), si.clone(), m, 0.0, 0))
+    counts = torch.zeros(3, dtype=torch.int64, device=device)
+    torch.library.opcheck(torch.ops.fp8ops.amax_update.default, (h.clone(), s.clone(), si.clone(), m, 0.0, 0, counts))
 
     def f(h, s, si, m):
         ops.amax_update(h, s, si, m, 0.0, "max")
@@ -115,3 +116,31 @@ def test_amax_update_opcheck_and_compile(device):
     h3, s3, si3 = h.clone(), s.clone(), si.clone()
     f(h3, s3, si3, m)
     assert torch.equal(h2, h3) and torch.equal(s2, s3) and torch.equal(out, s3 * 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [3, 70])  # 70: several CUDA blocks of columns
+def test_overflow_count_counts_nonfinite_current_amax(n, device):
+    hist = torch.rand(4, n, device=device) + 0.5
+    bad_cols = list(range(1, n, 3))
+    for i, c in enumerate(bad_cols):
+        hist[0, c] = (float("nan"), float("inf"), float("-inf"))[i % 3]
+    hist[2, 0] = float("nan")                # an older row is not this step's overflow
+    counts = torch.full((n,), 5, dtype=torch.int64, device=device)
+    scale, sinv, fmax = torch.ones(n, device=device), torch.ones(n, device=device), torch.full((n,), 448.0, device=device)
+    ops.amax_update(hist, scale, sinv, fmax, 0.0, "max", overflow_count=counts)
+    want = torch.full((n,), 5, dtype=torch.int64)
+    want[bad_cols] += 1
+    assert torch.equal(counts.cpu(), want)
+    ops.amax_update(hist, scale, sinv, fmax, 0.0, "max", overflow_count=counts)  # row 0 now clean
+    assert torch.equal(counts.cpu(), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overflow_count_bad_arguments(device):
+    h, s, si, m = torch.ones(2, 3, device=device), torch.ones(3, device=device), torch.ones(3, device=device), torch.full((3,), 448.0, device=device)
+    with pytest.raises(RuntimeError, match="overflow_count must be int64, found float32"):
+        ops.amax_update(h, s, si, m, overflow_count=torch.zeros(3, device=device))
+    with pytest.raises(RuntimeError, match="overflow_count must have 3 elements"):
+        ops.amax_update(h, s, si, m, overflow_count=torch.zeros(2, dtype=torch.int64, device=device))
+    assert torch.equal(h, torch.ones(2, 3, device=device))  # rejected calls change nothing

@@ -381,7 +381,7 @@ def test_fsdp2_current_scaling_weight_scale_is_unsharded_scale(dist_results, sin
                 lin = Fp8Linear(w.shape[1], w.shape[0], config=Fp8Config(recipe="current"))
                 with torch.no_grad():
                     lin.weight.copy_(w)
-                lin._weight_fp8(torch.float32, True)
+                lin._weight_fp8(torch.float32, True, lin._fp8_views(False), False)
                 assert run["w_scale_fwd"][step][layer] == lin.fp8_scale[W].item(), f"step {step} {layer}"
 
 

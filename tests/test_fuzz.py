@@ -591,6 +591,9 @@ def build_amax_update(case, device):
     return tensors
 
 
+NO_COUNTS = torch.empty(0, dtype=torch.int64)  # amax_update without overflow counters
+
+
 def amax_update_bad(t, margin, algo) -> set[str]:
     bad = set()
     h = t["amax_history"]
@@ -618,7 +621,7 @@ def check_amax_update(case, device="cpu") -> str:
     bad = amax_update_bad(t, margin, algo)
     before = {k: v.clone() for k, v in t.items()}
     res, err = _outcome("amax_update", bad, lambda: torch.ops.fp8ops.amax_update.default(
-        t["amax_history"], t["scale"], t["scale_inv"], t["fp8_max"], margin, algo))
+        t["amax_history"], t["scale"], t["scale_inv"], t["fp8_max"], margin, algo, NO_COUNTS))
     if err is not None:
         # a rejected call leaves every buffer untouched
         for k, v in t.items():
@@ -629,7 +632,7 @@ def check_amax_update(case, device="cpu") -> str:
         _check_amax_update_result(t, before, margin, algo, gpu=device != "cpu")
     if device == "cpu":
         _mirror_on_meta("amax_update", case, bad, None if err else (), lambda: torch.ops.fp8ops.amax_update.default(
-            *(_meta_like(v) for v in t.values()), margin, algo))
+            *(_meta_like(v) for v in t.values()), margin, algo, NO_COUNTS))
     return "raised" if err else "ok"
 
 
@@ -1106,7 +1109,8 @@ def _fake_gap_cases():
         "amax_update_scale_numel": lambda d: ops.amax_update(h.to(d), torch.ones(2, device=d), torch.ones(3, device=d),
                                                              torch.ones(3, device=d)),
         "amax_update_algo": lambda d: torch.ops.fp8ops.amax_update(h.to(d), torch.ones(3, device=d),
-                                                                   torch.ones(3, device=d), torch.ones(3, device=d), 0.0, 7),
+                                                                   torch.ones(3, device=d), torch.ones(3, device=d), 0.0, 7,
+                                                                   NO_COUNTS),
         "gemm_a_transposed": lambda d: ops.gemm(a.t().contiguous().t() if d == "cpu" else m(a.t().contiguous().t()),
                                                 a.to(d), s.to(d), s.to(d)),
         "gemm_scale_dtype": lambda d: ops.gemm(a.to(d), b.to(d), s.double().to(d), s.to(d)),

@@ -1,7 +1,7 @@
 """Numerical guards, end to end: NaN and +inf injected into activations or
 gradients in the middle of training never turn an FP8 scale into 0, inf or
-NaN; the step is counted (Fp8Linear.fp8_overflow_count, report's
-"overflow_steps") and visible in TensorBoard (the example's per-layer amax);
+NaN; each NaN/inf amax is counted per tensor (Fp8Linear.fp8_overflow_count
+[x, w, g], report's "overflows" and "overflow_x/w/g") and visible in TensorBoard (the example's per-layer amax);
 training goes on with finite losses and the scales adapt again.
 
 The model is a small MLP whose three linears are Fp8Linear. On CPU the FP8
@@ -20,8 +20,8 @@ How the training loop treats a poisoned step (both are what real loops do):
 Checked after every step, for every layer: scale and scale_inv finite and > 0;
 when the optimizer stepped, the new history/scale/scale_inv are bit-identical
 to fp8ops._reference.amax_update_ref applied to the state just before the step,
-and the overflow counter grew by one exactly when that state's current row
-held a NaN/inf amax; when it did not step, nothing changed.
+and each tensor's overflow counter grew by one exactly when that state's
+current row held a NaN/inf amax for it; when it did not step, nothing changed.
 """
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def train(model, opt_name, inject=None, mode="skip", device="cpu", steps=STEPS, 
         loss.backward()
         grads_finite = all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
         before = {n: (m.fp8_amax_history.clone(), m.fp8_scale.clone(), m.fp8_scale_inv.clone(),
-                      int(m.fp8_overflow_count)) for n, m in lay.items()}
+                      m.fp8_overflow_count.clone()) for n, m in lay.items()}
         stepped = True
         if not grads_finite:
             if mode == "skip":
@@ -157,10 +157,12 @@ def train(model, opt_name, inject=None, mode="skip", device="cpu", steps=STEPS, 
         for n, m in lay.items():
             h, s, si, count = before[n]
             if not stepped:
-                assert _same_bits(m.fp8_scale, s) and int(m.fp8_overflow_count) == count, where
+                assert _same_bits(m.fp8_scale, s) and torch.equal(m.fp8_overflow_count, count), where
                 continue
-            overflow = bool((~torch.isfinite(h[0])).any())
-            assert int(m.fp8_overflow_count) == count + overflow, f"{where}: {n} overflow count"
+            # delayed: +1 for each tensor whose amax this step (row 0) was NaN/inf;
+            # current scaling counts in the casts themselves, never in the step
+            overflow = (~torch.isfinite(h[0])).long() if m.fp8_config.recipe == "delayed" else 0
+            assert torch.equal(m.fp8_overflow_count, count + overflow), f"{where}: {n} overflow count"
             if check_reference and m.fp8_config.recipe == "delayed":
                 cfg = m.fp8_config
                 rh, rs, rsi = amax_update_ref(h, s, si, m.fp8_max, cfg.margin, cfg.amax_compute_algo)
@@ -169,7 +171,7 @@ def train(model, opt_name, inject=None, mode="skip", device="cpu", steps=STEPS, 
                 assert _same_bits(m.fp8_scale_inv, rsi), f"{where}: {n} scale_inv"
         records.append({"loss": loss.item(), "stepped": stepped, "grads_finite": grads_finite,
                         "scale": {n: m.fp8_scale.detach().cpu().clone() for n, m in lay.items()},
-                        "overflow": {n: int(m.fp8_overflow_count) for n, m in lay.items()}})
+                        "overflow": {n: int(m.fp8_overflow_count.sum()) for n, m in lay.items()}})
     return records
 
 
@@ -182,12 +184,12 @@ def _check_recovery(model, records, inject, mode):
             assert math.isfinite(r["loss"]), f"step {i}: loss {r['loss']}"
     # non-finite gradients exactly where the injection makes them (act_inf saturates)
     assert [i for i, r in enumerate(records) if not r["grads_finite"]] == ([] if inject == "act_inf" else [AT])
-    # counted once per affected layer (the NaN stays in the history H steps, counted once)
-    affected_layers = {n for n, _ in AFFECTED[inject]}
-    counts = {n: int(m.fp8_overflow_count) for n, m in layers(model).items()}
-    assert counts == {n: int(n in affected_layers) for n in LAYERS}, counts
+    # counted once per affected tensor (the NaN stays in the history H steps, counted once)
+    counts = {n: m.fp8_overflow_count.tolist() for n, m in layers(model).items()}
+    assert counts == {n: [int((n, c) in AFFECTED[inject]) for c in (X, W, G)] for n in LAYERS}, counts
     rows = {r["name"]: r for r in fp8ops.report(model, print_table=False)}
-    assert {n: rows[n]["overflow_steps"] for n in LAYERS} == counts
+    assert {n: [rows[n][f"overflow_{t}"] for t in "xwg"] for n in LAYERS} == counts
+    assert {n: rows[n]["overflows"] for n in LAYERS} == {n: sum(c) for n, c in counts.items()}
     # the update that met the overflow kept the scale, the next H-1 too (the bad
     # amax is still in the history), then the scale adapts again
     ov = next(i for i, r in enumerate(records) if i >= AT and r["stepped"])
@@ -218,20 +220,21 @@ def test_clean_run_counts_no_overflow():
     model = fp8_mlp(Fp8Config(amax_history_len=H))
     records = train(model, "adamw", None)
     assert all(r["grads_finite"] and math.isfinite(r["loss"]) for r in records)
-    assert all(r["overflow_steps"] == 0 for r in fp8ops.report(model, print_table=False))
+    assert all(r["overflows"] == 0 for r in fp8ops.report(model, print_table=False))
 
 
-def test_report_table_shows_overflow_steps(capsys):
+def test_report_table_shows_overflows(capsys):
     model = fp8_mlp(Fp8Config(amax_history_len=H))
     train(model, "sgd", "act_nan", "zero", steps=AT + 2)
     capsys.readouterr()
     rows = fp8ops.report(model)                          # prints the table
-    assert [(r["name"], r["overflow_steps"]) for r in rows] == [(n, 1) for n in LAYERS]
+    # the NaN input reaches every layer's input and (NaN loss) every gradient
+    assert [(r["name"], r["overflow_x"], r["overflow_w"], r["overflow_g"]) for r in rows] == [(n, 1, 0, 1) for n in LAYERS]
     table = capsys.readouterr().out.strip()
     header = table.splitlines()[1]
     col = header.index("ovf")
     for line in table.splitlines()[3:]:
-        assert line[col:col + 3].strip() == "1", line
+        assert line[col:col + 3].strip() == "2", line
 
 
 def test_report_amax_shows_the_overflowing_step():
@@ -279,7 +282,8 @@ def test_tensorboard_logs_overflow_count(tmp_path):
     model = fp8_mlp(Fp8Config(amax_history_len=H))
     train(model, "sgd", "act_nan", "zero", steps=AT + 3)
     scalars = _logged_scalars(tmp_path, model, AT + 3)
-    assert any("overflow" in tag and vals == [1.0] for tag, vals in scalars.items()), sorted(scalars)
+    # the NaN input: each layer's x and g amax, counted once each
+    assert any("overflow" in tag and vals == [2.0] for tag, vals in scalars.items()), sorted(scalars)
 
 
 # ----------------------------------------------------------- current scaling
@@ -299,7 +303,7 @@ def test_current_scaling_counts_overflow(inject):
     train(model, "adamw", inject, "zero", steps=AT + 2)
     # current scaling counts casts that met a NaN/inf amax: a NaN activation
     # poisons x's cast and, through the loss, the gradient's cast of that step
-    assert int(model.up.fp8_overflow_count) == (2 if inject == "act_nan" else 1)
+    assert model.up.fp8_overflow_count.tolist() == ([1, 0, 1] if inject == "act_nan" else [0, 0, 1])
 
 
 # ------------------------------------------------------------ scale rules
@@ -331,7 +335,7 @@ def test_history_with_nan_keeps_scale_until_it_rolls_out():
     # rows roll up by one per update and row 0 is zeroed: the NaN in row 2 is
     # seen by two updates, then the history's max (2.0) gives the new scale
     assert [step(2.0) for _ in range(3)] == [448.0, 448.0, 224.0]
-    assert int(lin.fp8_overflow_count) == 0             # counted when it happens (row 0), not again
+    assert int(lin.fp8_overflow_count.sum()) == 0       # counted when it happens (row 0), not again
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
@@ -358,7 +362,7 @@ def test_zero_input_keeps_scale():
         opt.zero_grad()
         lin(torch.zeros(16, 32)).sum().backward()
         opt.step()
-    assert lin.fp8_scale[X].item() == before and int(lin.fp8_overflow_count) == 0
+    assert lin.fp8_scale[X].item() == before and int(lin.fp8_overflow_count.sum()) == 0
 
 
 @pytest.mark.parametrize("margin", [0, 1, 2, 3])

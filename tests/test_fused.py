@@ -1,0 +1,189 @@
+"""Fp8Linear's fused calls -- cast_accumulate, linear_fwd, linear_bwd -- against
+the unfused ops they replace (cast, gemm), bit for bit, on CPU (C reference
+kernels) and CUDA; the amax folding into a history slot; their argument
+checks; opcheck (fake kernels, mutation of the amax slot) and compile."""
+import pytest
+import torch
+
+from fp8ops import ops
+
+from conftest import DEVICES, FP8_DEVICES, assert_bitwise
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+NAN, INF = float("nan"), float("inf")
+
+
+def _slot(value, device):
+    # row 0 of a [4, 3] history, column 1: the 4-byte-offset view Fp8Linear passes
+    h = torch.zeros(4, 3, device=device)
+    h[0, 1] = value
+    return h, h[0, 1]
+
+
+# ---------------------------------------------------------------- cast_accumulate
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prior,scale_x,want", [
+    (0.0, 3.0, 3.0),        # empty slot: this cast's amax
+    (5.0, 3.0, 5.0),        # a larger earlier micro-batch wins
+    (NAN, 3.0, NAN),        # NaN stays
+    (2.0, INF, INF),        # an inf input wins
+    (2.0, NAN, NAN),        # a NaN input wins
+])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_cast_accumulate_folds_amax(prior, scale_x, want, transpose, device):
+    x = torch.randn(48, 32, device=device, dtype=torch.bfloat16).clamp(-1, 1)
+    x[7, 5] = -scale_x
+    s = torch.tensor([4.0], device=device)
+    out_ref, out_t_ref, amax = ops.cast(x, s, E4, transpose)
+    h, slot = _slot(prior, device)
+    out, out_t = ops.cast_accumulate(x, s, slot, E4, transpose)
+    assert_bitwise(out, out_ref, "out")
+    assert_bitwise(out_t, out_t_ref, "out_t")
+    got = h[0, 1].item()
+    assert (got != got) if want != want else got == want, (got, want, amax.item())
+    assert h[0, 0].item() == 0 and h[0, 2].item() == 0 and h[1:].abs().sum().item() == 0  # neighbours untouched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cast_accumulate_rejects_bad_slot(device):
+    x = torch.randn(16, 16, device=device)
+    s = torch.ones(1, device=device)
+    with pytest.raises(RuntimeError, match=r"cast_accumulate: amax must be float32, found bfloat16"):
+        ops.cast_accumulate(x, s, torch.zeros(1, dtype=torch.bfloat16, device=device))
+    with pytest.raises(RuntimeError, match=r"cast_accumulate: amax must hold exactly 1 element"):
+        ops.cast_accumulate(x, s, torch.zeros(2, device=device))
+
+
+# ---------------------------------------------------------------- linear_fwd / linear_bwd
+
+def _fwd_inputs(M, K, N, device, x_dtype=torch.bfloat16, wf=E4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=gen) * 3).to(x_dtype).to(device)
+    w8 = (torch.randn(N, K, generator=gen) * 20).to(wf).to(device)
+    sx = torch.tensor([16.0], device=device)
+    sx_inv = 1 / sx
+    sw_inv = torch.tensor([0.125], device=device)
+    return x, w8, sx, sx_inv, sw_inv
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("save_xt", [True, False])
+def test_linear_fwd_is_cast_then_gemm(x_dtype, out_dtype, with_bias, save_xt, device):
+    M, K, N = 64, 48, 32
+    x, w8, sx, sx_inv, sw_inv = _fwd_inputs(M, K, N, device, x_dtype)
+    bias = torch.randn(N, device=device).to(ops._bias_dtype(out_dtype)) if with_bias else None
+    x8, x8t_ref, amax = ops.cast(x, sx, E4, True)
+    y_ref = ops.gemm(x8, w8, sx_inv, sw_inv, bias, out_dtype, True)
+    h, slot = _slot(0.5, device)
+    y, x8t = ops.linear_fwd(x, w8, sx, slot, sx_inv, sw_inv, bias, E4, out_dtype, True, save_xt)
+    assert_bitwise(y, y_ref, "y")
+    if save_xt:
+        assert_bitwise(x8t, x8t_ref, "x8t")
+    else:
+        assert x8t.numel() == 0
+    assert h[0, 1].item() == max(0.5, amax.item())
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+@pytest.mark.parametrize("g_fmt", [E5, E4])
+@pytest.mark.parametrize("need_dx,need_dw", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("w_out", [torch.float32, torch.bfloat16])
+def test_linear_bwd_is_cast_then_two_gemms(g_fmt, need_dx, need_dw, w_out, device):
+    M, K, N = 64, 48, 32
+    gen = torch.Generator().manual_seed(1)
+    gy = (torch.randn(M, N, generator=gen) * 1e-3).to(torch.bfloat16).to(device)
+    w8t = (torch.randn(K, N, generator=gen) * 20).to(E4).to(device)
+    x8t = (torch.randn(K, M, generator=gen) * 20).to(E4).to(device)
+    sg = torch.tensor([2.0 ** 14], device=device)
+    sg_inv, sw_inv, sx_inv = 1 / sg, torch.tensor([0.125], device=device), torch.tensor([0.0625], device=device)
+    g8, g8t, amax = ops.cast(gy, sg, g_fmt, True)
+    h, slot = _slot(0.0, device)
+    dx, dw = ops.linear_bwd(gy, w8t, x8t, sg, slot, sg_inv, sw_inv, sx_inv, g_fmt, torch.bfloat16, w_out,
+                            need_dx, need_dw)
+    if need_dx:
+        assert_bitwise(dx, ops.gemm(g8, w8t, sg_inv, sw_inv, None, torch.bfloat16), "dx")
+    else:
+        assert dx.numel() == 0
+    if need_dw:
+        assert_bitwise(dw, ops.gemm(g8t, x8t, sg_inv, sx_inv, None, w_out), "dw")
+    else:
+        assert dw.numel() == 0
+    assert h[0, 1].item() == amax.item()
+
+
+def _fwd_call(device, **over):
+    x, w8, sx, sx_inv, sw_inv = _fwd_inputs(32, 48, 16, device)
+    args = dict(x=x, w8=w8, x_scale=sx, x_amax=torch.zeros(1, device=device), x_scale_inv=sx_inv,
+                w_scale_inv=sw_inv, bias=None, x_fp8_dtype=E4, out_dtype=torch.bfloat16, use_fast_accum=False,
+                save_xt=True)
+    args.update(over)
+    return lambda: ops.linear_fwd(**args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("over,pattern", [
+    ({"x": torch.randn(2, 32, 48)}, r"linear_fwd: x must be 2-D \[M, K\], found 3 dims"),
+    ({"w8": torch.zeros(16, 40, dtype=E4)}, r"linear_fwd: x \[32, 48\] and w8 \[16, 40\] must share the inner dim K"),
+    ({"w8": torch.zeros(16, 48)}, r"linear_fwd: w8 must be float8_e4m3fn or float8_e5m2, found float32"),
+    ({"x_fp8_dtype": E5, "w8": torch.zeros(16, 48, dtype=E5)}, r"x_fp8_dtype and w8 are both float8_e5m2"),
+    ({"x_amax": torch.zeros(2)}, r"linear_fwd: x_amax must hold exactly 1 element"),
+    ({"x": torch.randn(48, 32).t()}, r"linear_fwd: x must be contiguous"),
+    ({"bias": torch.zeros(5, dtype=torch.bfloat16)}, r"linear_fwd: bias must be 1-D \[N\] = \[16\]"),
+])
+def test_linear_fwd_errors(over, pattern, device):
+    over = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in over.items()}
+    amax = over.setdefault("x_amax", torch.zeros(1, device=device))
+    before = amax.clone()
+    with pytest.raises(RuntimeError, match=pattern):
+        _fwd_call(device, **over)()
+    assert torch.equal(amax, before)  # a rejected call records nothing
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_bwd_errors(device):
+    gy = torch.randn(32, 16, device=device)
+    s = torch.ones(1, device=device)
+    w8t = torch.zeros(48, 16, dtype=E4, device=device)
+    x8t = torch.zeros(48, 32, dtype=E4, device=device)
+    bad_x8t = torch.zeros(40, 32, dtype=E4, device=device)
+    with pytest.raises(RuntimeError, match=r"linear_bwd: x8t must be \[K, M\] with K = w8t.shape\[0\]"):
+        ops.linear_bwd(gy, w8t, bad_x8t, s, torch.zeros(1, device=device), s, s, s)
+    with pytest.raises(RuntimeError, match=r"linear_bwd: w8t must be \[K, N\] for gy \[32, 16\]"):
+        ops.linear_bwd(gy, x8t, x8t, s, torch.zeros(1, device=device), s, s, s)
+    with pytest.raises(RuntimeError, match=r"linear_bwd: g_fp8_dtype and w8t are both float8_e5m2"):
+        ops.linear_bwd(gy, w8t.to(E5) if device == "cpu" else w8t.cpu().to(E5).to(device), x8t, s,
+                       torch.zeros(1, device=device), s, s, s, E5)
+    # an operand that is not needed is not checked
+    dx, dw = ops.linear_bwd(gy, w8t, bad_x8t, s, torch.zeros(1, device=device), s, s, s, E5, need_dw=False)
+    assert dx.shape == (32, 48) and dw.numel() == 0
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_fused_opcheck_and_compile(device):
+    x, w8, sx, sx_inv, sw_inv = _fwd_inputs(32, 48, 16, device)
+    bias = torch.randn(16, device=device, dtype=torch.bfloat16)
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")  # see test_gemm
+    slot = torch.zeros(1, device=device)
+    torch.library.opcheck(torch.ops.fp8ops.linear_fwd.default,
+                          (x, w8, sx, slot, sx_inv, sw_inv, bias, E4, torch.bfloat16, False, True), test_utils=utils)
+    gy = torch.randn(32, 16, device=device, dtype=torch.bfloat16)
+    w8t, x8t = w8.t().contiguous(), ops.cast(x, sx, E4, True)[1]
+    torch.library.opcheck(torch.ops.fp8ops.linear_bwd.default,
+                          (gy, w8t, x8t, sx, slot, sx_inv, sw_inv, sx_inv, E5, torch.bfloat16, torch.float32, True, True),
+                          test_utils=utils)
+    torch.library.opcheck(torch.ops.fp8ops.cast_accumulate.default, (x, sx, slot, E4, True), test_utils=utils)
+
+    def f(x, slot):
+        y, x8t = ops.linear_fwd(x, w8, sx, slot, sx_inv, sw_inv, bias, E4, torch.float32, False, True)
+        return y * 2, x8t
+
+    torch._dynamo.reset()
+    h1, s1 = _slot(0.0, device)
+    h2, s2 = _slot(0.0, device)
+    (y1, t1), (y2, t2) = torch.compile(f, fullgraph=True)(x, s1), f(x, s2)
+    assert torch.equal(y1, y2) and torch.equal(t1.view(torch.uint8), t2.view(torch.uint8))
+    assert torch.equal(h1, h2) and h1[0, 1].item() > 0  # the slot's mutation survives compile
