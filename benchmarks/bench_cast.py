@@ -31,7 +31,6 @@ Timing: CUDA events around each rep, median over reps; before every rep a 256 MB
 would leave ~50 MB of dirty lines whose write-back would be billed to the timed kernel.
 """
 import argparse
-import os
 import statistics
 import sys
 import time

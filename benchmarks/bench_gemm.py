@@ -27,7 +27,6 @@ Validation (once, before timing): both outputs vs an fp32 matmul of the dequanti
 fp8ops' error must be <= 2x _scaled_mm's (+1e-6 relative) and its SQNR >= 30 dB.
 """
 import argparse
-import os
 import statistics
 import sys
 

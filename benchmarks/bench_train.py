@@ -37,7 +37,6 @@ of BF16 eager's and its last warm-up loss within 3 %; all losses finite.
 import argparse
 import gc
 import math
-import os
 import statistics
 import sys
 from pathlib import Path

@@ -360,21 +360,13 @@ def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_
 # internal fast path for Fp8Linear: the ops without the Python autograd layer
 #
 # Fp8Linear does its own autograd (an autograd.Function), so inside it the ops'
-# registered autograd formulas are never needed; going through them still costs
-# a Python round trip per call (~10 us each, about a dozen calls per layer and
-# step), which is what made small layers CPU-bound. In eager mode these call
-# the kernels directly below the autograd dispatch keys; under torch.compile
-# they are the plain ops, which the compiler traces.
+# registered autograd formulas are never needed; going through them costs a
+# Python round trip per call (~10 us). _amax_raw calls amax below the autograd
+# dispatch keys in eager mode; the fused ops have no Python autograd formula,
+# so their wrappers call them directly (eager and compiled alike).
 
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _empty_bias: dict = {}
-
-
-def _cast_raw(x, scale, out_dtype, transpose):
-    if torch.compiler.is_compiling():
-        return torch.ops.fp8ops.cast.default(x, scale, out_dtype, transpose)
-    with _below_autograd():
-        return torch.ops.fp8ops.cast.default(x, scale, out_dtype, transpose)
 
 
 def _amax_raw(x):
@@ -406,21 +398,6 @@ def _linear_fwd_raw(*args):
 
 def _linear_bwd_raw(*args):
     return torch.ops.fp8ops.linear_bwd.default(*args)
-
-
-def _gemm_raw(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_fast_accum):
-    if bias is None:
-        if torch.compiler.is_compiling():
-            bias = a.new_empty((0,), dtype=_bias_dtype(out_dtype))
-        else:
-            key = (a.device, out_dtype)
-            bias = _empty_bias.get(key)
-            if bias is None:
-                bias = _empty_bias[key] = a.new_empty((0,), dtype=_bias_dtype(out_dtype))
-    if torch.compiler.is_compiling():
-        return torch.ops.fp8ops.gemm.default(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_fast_accum)
-    with _below_autograd():
-        return torch.ops.fp8ops.gemm.default(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_fast_accum)
 
 
 # ----------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 current scales and amaxes of every FP8 layer."""
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
 from .conversion import DECISIONS_ATTR

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import ops
-from .linear import G, W, X, Fp8Linear
+from .linear import Fp8Linear
 
 # Every live Fp8Linear (weak: dead models are not kept alive). The optimizer
 # hook matches layers by the identity of their *current* weight Parameter, so

@@ -4,7 +4,6 @@ CPU tests run the FP8 path through the C reference kernels (fp8_on_cpu), so
 the whole forward/backward logic is checked everywhere; GPU tests check SQNR
 against BF16 and the real speed path on the device."""
 import copy
-import warnings
 
 import pytest
 import torch

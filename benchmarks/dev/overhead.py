@@ -49,18 +49,27 @@ a8 = torch.randn(16, 16, device=dev).to(e4)
 xl = torch.randn(16384, 3072, device=dev, dtype=torch.bfloat16)
 al = torch.randn(16384, 3072, device=dev).to(e4)
 bl = torch.randn(768, 3072, device=dev).to(e4)
+slot = torch.zeros(4, 3, device=dev)[0, 1]
+gl = torch.randn(16384, 768, device=dev, dtype=torch.bfloat16)
+wl8t = torch.randn(3072, 768, device=dev).to(e4)
+xl8t = torch.randn(3072, 16384, device=dev).to(e4)
 rows = [
     ("torch.add tiny", lambda: torch.add(xs, xs), None),
-    ("ops.cast tiny (autograd layer)", lambda: ops.cast(xs, s, e4, True), None),
-    ("_cast_raw tiny", lambda: ops._cast_raw(xs, s, e4, True), lambda: ops._cast_raw(xl, s, e5, True)),
-    ("_cast_raw tiny no-T", lambda: ops._cast_raw(xs, s, e4, False), lambda: ops._cast_raw(xl, s, e5, False)),
-    ("_amax_raw tiny", lambda: ops._amax_raw(xs), lambda: ops._amax_raw(xl)),
-    ("_gemm_raw tiny", lambda: ops._gemm_raw(a8, a8, s, s, None, torch.bfloat16, False),
-     lambda: ops._gemm_raw(al, bl, s, s, None, torch.bfloat16, False)),
-    ("_gemm_raw tiny, offset scale", lambda: ops._gemm_raw(a8, a8, sv, sv, None, torch.bfloat16, False),
-     lambda: ops._gemm_raw(al, bl, sv, sv, None, torch.bfloat16, False)),
+    ("ops.cast tiny (autograd layer)", lambda: ops.cast(xs, s, e4, True), lambda: ops.cast(xl, s, e5, True)),
+    ("ops.amax tiny", lambda: ops.amax(xs), lambda: ops.amax(xl)),
+    ("ops.gemm tiny", lambda: ops.gemm(a8, a8, s, s, None, torch.bfloat16, False),
+     lambda: ops.gemm(al, bl, s, s, None, torch.bfloat16, False)),
+    ("ops.gemm tiny, offset scale", lambda: ops.gemm(a8, a8, sv, sv, None, torch.bfloat16, False),
+     lambda: ops.gemm(al, bl, sv, sv, None, torch.bfloat16, False)),
     ("torch._scaled_mm tiny", lambda: torch._scaled_mm(a8, a8.t(), s, s, out_dtype=torch.bfloat16),
      lambda: torch._scaled_mm(al, bl.t(), s, s, out_dtype=torch.bfloat16)),
+    ("cast_accumulate tiny", lambda: ops._cast_accumulate_raw(xs, s, slot, e4, True),
+     lambda: ops._cast_accumulate_raw(xl, s, slot, e4, True)),
+    ("linear_fwd tiny (cast+GEMM)", lambda: ops.linear_fwd(xs, a8, s, slot, s, s),
+     lambda: ops.linear_fwd(xl, bl, s, slot, s, s)),
+    ("linear_bwd tiny (cast+2 GEMMs)",
+     lambda: ops.linear_bwd(xs, a8, a8, s, slot, s, s, s),
+     lambda: ops.linear_bwd(gl, wl8t, xl8t, s, slot, s, s, s)),
     ("amax_update 1x3", lambda: ops.amax_update(torch.zeros(4, 3, device=dev), torch.ones(3, device=dev),
                                                 torch.ones(3, device=dev), torch.full((3,), 448.0, device=dev)), None),
 ]

@@ -2,14 +2,27 @@
 synccheck): every fp8ops op on awkward and aligned shapes, and one Fp8Linear
 fwd+bwd. Prints OK at the end; run as
     compute-sanitizer --tool memcheck python3 benchmarks/dev/sanitize_ops.py
+With the argument "scaled_mm" it runs no fp8ops code at all: torch._scaled_mm
+(torch's own cuBLASLt FP8 GEMM) followed by GELU, the control for initcheck's
+report on GELU reading an FP8 GEMM's output.
 """
-import torch
+import sys
 
-import fp8ops
-from fp8ops import ops
+import torch
 
 dev = "cuda"
 torch.manual_seed(0)
+if sys.argv[1:] == ["scaled_mm"]:
+    a = torch.randn(64, 256, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(512, 256, device=dev).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=dev)
+    y = torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)
+    torch.nn.functional.gelu(y).float().sum().item()
+    print("OK")
+    sys.exit(0)
+
+import fp8ops  # noqa: E402
+from fp8ops import ops  # noqa: E402
 for shape in [(1, 16), (5, 160), (217, 256), (3, 7), (64, 48), (256, 4096)]:
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         x = (torch.randn(shape, device=dev) * 10).to(dt)
@@ -31,6 +44,17 @@ if torch.cuda.get_device_capability() >= (8, 9):
         bias = torch.randn(64, device=dev).to(ops._bias_dtype(out))
         ops.gemm(a, b, one, one, bias, out, True)
         ops.gemm(a, b, one, one, None, out, False)
+    # the fused calls, with operands at 16-byte-misaligned offsets too (copied in C)
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    x = torch.randn(128, 256, device=dev, dtype=torch.bfloat16)
+    slot = torch.zeros(4, 3, device=dev)[0, 1]
+    w8, w8t = ops.cast_accumulate(torch.randn(64, 256, device=dev), one, slot, e4, True)
+    y, x8t = ops.linear_fwd(x, w8, one, slot, one, one, torch.randn(64, device=dev, dtype=torch.bfloat16))
+    gy = torch.randn(128, 64, device=dev, dtype=torch.bfloat16)
+    ops.linear_bwd(gy, w8t, x8t, one, slot, one, one, one, e5, torch.bfloat16, torch.float32, True, True)
+    odd = torch.empty(1 + 64 * 256, device=dev, dtype=torch.uint8).view(e4)[1:].view(64, 256)
+    odd.copy_(w8)
+    ops.linear_fwd(x, odd, one, slot, one, one)
     lin = fp8ops.convert(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to(dev),
                          config=fp8ops.Fp8Config(policy="always"))
     x = torch.randn(64, 256, device=dev, requires_grad=True)
