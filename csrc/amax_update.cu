@@ -46,8 +46,8 @@
 __global__ void __launch_bounds__(AU_THREADS)
     amax_update_kernel(float* __restrict__ hist, float* __restrict__ scale,
                        float* __restrict__ scale_inv, const float* __restrict__ fp8_max,
-                       int64_t* __restrict__ overflow_count, int64_t n, int64_t H,
-                       float pow2_margin, int most_recent) {
+                       int64_t* __restrict__ overflow_count, int64_t scale_inv_stride,
+                       int64_t n, int64_t H, float pow2_margin, int most_recent) {
   __shared__ uint32_t red[AU_THREADS];
   const int cx = blockDim.x, cy = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
   const int64_t col = (int64_t)blockIdx.x * cx + tx;
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(AU_THREADS)
       else if (t > 0.0f && isfinite(1.0f / t)) s = t;  // scale_inv must stay finite too
     }
     scale[col] = s;
-    scale_inv[col] = 1.0f / s;
+    scale_inv[col * scale_inv_stride] = 1.0f / s;
     if (overflow_count && !isfinite(h0)) overflow_count[col] += 1;  // one thread per column
   }
 }
@@ -107,8 +107,9 @@ __global__ void __launch_bounds__(AU_THREADS)
 extern "C" int fp8ops_amax_update_cuda(float* amax_history, float* scale, float* scale_inv,
                                        const float* fp8_max, int64_t n, int64_t H, float margin,
                                        fp8ops_amax_algo algo, int64_t* overflow_count,
-                                       void* stream) {
-  FP8OPS_TRY(fp8ops_amax_update_check(amax_history, scale, scale_inv, fp8_max, n, H, algo));
+                                       int64_t scale_inv_stride, void* stream) {
+  FP8OPS_TRY(fp8ops_amax_update_check(amax_history, scale, scale_inv, fp8_max, n, H, algo,
+                                      scale_inv_stride));
   FP8OPS_REQUIRE(n == 0 || H <= INT64_MAX / n, "amax_update: history [%lld, %lld] too large",
                  (long long)H, (long long)n);
   if (n == 0) return FP8OPS_OK;
@@ -120,7 +121,7 @@ extern "C" int fp8ops_amax_update_cuda(float* amax_history, float* scale, float*
   // evaluated here, by the same libm call as amax_update_cpu.c
   const float pow2_margin = exp2f(margin);
   amax_update_kernel<<<(unsigned)blocks, block, 0, (cudaStream_t)stream>>>(
-      amax_history, scale, scale_inv, fp8_max, overflow_count, n, H, pow2_margin,
+      amax_history, scale, scale_inv, fp8_max, overflow_count, scale_inv_stride, n, H, pow2_margin,
       algo == FP8OPS_AMAX_MOST_RECENT ? 1 : 0);
   FP8OPS_CHECK_CUDA(cudaGetLastError());
   return FP8OPS_OK;

@@ -11,8 +11,10 @@
 
 int fp8ops_amax_update_cpu(float* amax_history, float* scale, float* scale_inv,
                            const float* fp8_max, int64_t n, int64_t H, float margin,
-                           fp8ops_amax_algo algo, int64_t* overflow_count) {
-  FP8OPS_TRY(fp8ops_amax_update_check(amax_history, scale, scale_inv, fp8_max, n, H, algo));
+                           fp8ops_amax_algo algo, int64_t* overflow_count,
+                           int64_t scale_inv_stride) {
+  FP8OPS_TRY(fp8ops_amax_update_check(amax_history, scale, scale_inv, fp8_max, n, H, algo,
+                                      scale_inv_stride));
   for (int64_t i = 0; i < n; ++i) {
     /* reduce: NaN-propagating max through the ordered |bits| (see cast_cpu.c) */
     uint32_t m = 0;
@@ -41,7 +43,7 @@ int fp8ops_amax_update_cpu(float* amax_history, float* scale, float* scale_inv,
       else if (t > 0.0f && isfinite(1.0f / t)) s = t; /* scale_inv must stay finite too */
     }
     scale[i] = s;
-    scale_inv[i] = 1.0f / s;
+    scale_inv[i * scale_inv_stride] = 1.0f / s;
   }
   return FP8OPS_OK;
 }

@@ -47,9 +47,10 @@ int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* a
 }
 int fp8ops_amax_update_cuda(float* amax_history, float* scale, float* scale_inv,
                             const float* fp8_max, int64_t n, int64_t H, float margin,
-                            fp8ops_amax_algo algo, int64_t* overflow_count, void* stream) {
+                            fp8ops_amax_algo algo, int64_t* overflow_count,
+                            int64_t scale_inv_stride, void* stream) {
   (void)amax_history; (void)scale; (void)scale_inv; (void)fp8_max; (void)n; (void)H;
-  (void)margin; (void)algo; (void)overflow_count; (void)stream;
+  (void)margin; (void)algo; (void)overflow_count; (void)scale_inv_stride; (void)stream;
   return NO_CUDA("amax_update");
 }
 int fp8ops_gemm_cuda(const uint8_t* a, fp8ops_fp8_format a_fmt, const uint8_t* b,

@@ -35,13 +35,16 @@
 /* Argument checks shared by amax_update's CPU and CUDA implementations. */
 static inline int fp8ops_amax_update_check(const float* amax_history, const float* scale,
                                            const float* scale_inv, const float* fp8_max, int64_t n,
-                                           int64_t H, fp8ops_amax_algo algo) {
+                                           int64_t H, fp8ops_amax_algo algo,
+                                           int64_t scale_inv_stride) {
   FP8OPS_REQUIRE(n >= 0 && H >= 1, "amax_update: bad sizes n=%lld H=%lld", (long long)n,
                  (long long)H);
   FP8OPS_REQUIRE(algo == FP8OPS_AMAX_MAX || algo == FP8OPS_AMAX_MOST_RECENT,
                  "amax_update: unknown amax_compute_algo code %d", (int)algo);
   FP8OPS_REQUIRE(n == 0 || (amax_history && scale && scale_inv && fp8_max),
                  "amax_update: null pointer");
+  FP8OPS_REQUIRE(scale_inv_stride >= 1, "amax_update: scale_inv stride must be >= 1, found %lld",
+                 (long long)scale_inv_stride);
   return FP8OPS_OK;
 }
 

@@ -103,7 +103,9 @@ int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* a
  *
  * \param[in,out] amax_history [H, n] fp32, contiguous; row 0 holds this step's amax
  * \param[in,out] scale        [n] fp32
- * \param[out]    scale_inv    [n] fp32, 1 / new scale
+ * \param[out]    scale_inv    [n] fp32, 1 / new scale, element i at scale_inv[i * scale_inv_stride]
+ *                             (a stride of 4 keeps every entry 16-byte aligned, as cuBLASLt
+ *                             wants its scale pointers; Fp8Linear's buffers are laid out so)
  * \param[in]     fp8_max      [n] fp32, the format max of each tensor (448 or 57344)
  * \param[in,out] overflow_count [n] int64 or NULL: overflow_count[i] += 1 when
  *                             history[0, i] (this step's amax) is NaN or +-inf
@@ -112,15 +114,17 @@ int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* a
  *   if a is finite and a > 0: scale[i] = (fp8_max[i] / a) / 2^margin, an infinite
  *   result clamped to FLT_MAX, one so small that 1/scale overflows ignored; otherwise
  *   scale[i] keeps its value. So a finite positive scale stays finite and positive.
- *   scale_inv[i] = 1 / scale[i]
+ *   scale_inv[i * scale_inv_stride] = 1 / scale[i]
  *   history[:, i] = roll(history[:, i], -1); history[0, i] = 0
  */
 int fp8ops_amax_update_cpu(float* amax_history, float* scale, float* scale_inv,
                            const float* fp8_max, int64_t n, int64_t H, float margin,
-                           fp8ops_amax_algo algo, int64_t* overflow_count);
+                           fp8ops_amax_algo algo, int64_t* overflow_count,
+                           int64_t scale_inv_stride);
 int fp8ops_amax_update_cuda(float* amax_history, float* scale, float* scale_inv,
                             const float* fp8_max, int64_t n, int64_t H, float margin,
-                            fp8ops_amax_algo algo, int64_t* overflow_count, void* stream);
+                            fp8ops_amax_algo algo, int64_t* overflow_count,
+                            int64_t scale_inv_stride, void* stream);
 
 /* ------------------------------------------------------------------------- */
 /* gemm: out[M, N] = (a[M, K] . b[N, K]^T) * a_scale_inv * b_scale_inv (+ bias[N])

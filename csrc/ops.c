@@ -346,7 +346,7 @@ static void boxed_amax(StableIValue* stack, uint64_t nargs, uint64_t nret) {
 // amax_update(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) scale_inv,
 //             Tensor fp8_max, float margin, int algo, Tensor(d!) overflow_count) -> ()
 // overflow_count: [n] int64 counters (+1 where this step's amax is NaN/inf),
-// or empty for none.
+// or empty for none. scale_inv may be a 1-D view with a stride (padding).
 
 static int run_amax_update(AtenTensorHandle hh, AtenTensorHandle hs, AtenTensorHandle hsi,
                            AtenTensorHandle hm, double margin, int64_t algo,
@@ -364,7 +364,17 @@ static int run_amax_update(AtenTensorHandle hh, AtenTensorHandle hs, AtenTensorH
   FP8OPS_TRY(require_dtype(op, "fp8_max", &m, f32));
   FP8OPS_TRY(require_contiguous(op, "amax_history", &h));
   FP8OPS_TRY(require_contiguous(op, "scale", &s));
-  FP8OPS_TRY(require_contiguous(op, "scale_inv", &si));
+  /* scale_inv: contiguous, or a 1-D strided view (Fp8Linear pads it so that
+   * every entry is 16-byte aligned for the GEMMs' scale pointers) */
+  int64_t si_stride = 1;
+  if (!si.contiguous) {
+    int64_t* st = NULL;
+    SHIM(aoti_torch_get_strides(hsi, &st));
+    FP8OPS_REQUIRE(si.ndim == 1 && st[0] >= 1, "%s: scale_inv must be contiguous or a 1-D view "
+                   "with a positive stride, found a strided %lld-D view; call .contiguous() on "
+                   "it first", op, (long long)si.ndim);
+    si_stride = st[0];
+  }
   FP8OPS_TRY(require_contiguous(op, "fp8_max", &m));
   FP8OPS_TRY(require_same_device(op, "scale", &s, "amax_history", &h));
   FP8OPS_TRY(require_same_device(op, "scale_inv", &si, "amax_history", &h));
@@ -397,11 +407,11 @@ static int run_amax_update(AtenTensorHandle hh, AtenTensorHandle hs, AtenTensorH
   if (n == 0) return FP8OPS_OK;
   if (!is_cuda(&h))
     return fp8ops_amax_update_cpu(h.data, s.data, si.data, m.data, n, H, (float)margin,
-                                  (fp8ops_amax_algo)algo, counts);
+                                  (fp8ops_amax_algo)algo, counts, si_stride);
   cuda_ctx c;
   FP8OPS_TRY(cuda_enter(op, &h, &c, 0));
   int rc = fp8ops_amax_update_cuda(h.data, s.data, si.data, m.data, n, H, (float)margin,
-                                   (fp8ops_amax_algo)algo, counts, c.stream);
+                                   (fp8ops_amax_algo)algo, counts, si_stride, c.stream);
   cuda_exit(&c);
   return rc;
 }

@@ -11,7 +11,7 @@ Data flow (hybrid format; DESIGN.md):
 
 Scaling state lives in non-persistent buffers (never in state_dict):
     fp8_amax_history [H, 3]   columns: 0 input, 1 weight, 2 grad_output; row 0 = this step
-    fp8_scale [3], fp8_scale_inv [3], fp8_max [3], fp8_overflow_count [3] (int64)
+    fp8_scale [3], fp8_scale_inv [3] (padded: stride 4), fp8_max [3], fp8_overflow_count [3] (int64)
 Delayed scaling updates them after optimizer steps (see scaling.py); current
 scaling recomputes each tensor's scale from its own amax before each cast.
 """
@@ -33,6 +33,19 @@ X, W, G = 0, 1, 2
 V_S, V_SI, V_H = 0, 3, 6   # scale[i:i+1], scale_inv[i:i+1], history[0, i]: per-tensor views
 V_OVERFLOW = 9             # fp8_overflow_count
 V_BUFFERS = 10             # fp8_amax_history, fp8_scale, fp8_scale_inv, fp8_max (whole)
+
+
+def _padded(scale_inv: torch.Tensor) -> torch.Tensor:
+    """scale_inv [3] as a view with stride 4 into fresh storage: every entry
+    16-byte aligned, which cuBLASLt wants of the GEMMs' scale pointers (an
+    unaligned one costs the GEMM a copy into its workspace: two extra
+    memcpys per call). amax_update writes through the stride."""
+    out = torch.empty(scale_inv.shape[0], 4, device=scale_inv.device, dtype=scale_inv.dtype)[:, 0]
+    return out.copy_(scale_inv)
+
+
+def _is_padded(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0
 
 
 def _distributed() -> bool:
@@ -142,7 +155,7 @@ class Fp8Linear(nn.Linear):
         H = config.amax_history_len if config.recipe == "delayed" else 1
         self.register_buffer("fp8_amax_history", torch.zeros(H, 3, device=dev), persistent=False)
         self.register_buffer("fp8_scale", torch.ones(3, device=dev), persistent=False)
-        self.register_buffer("fp8_scale_inv", torch.ones(3, device=dev), persistent=False)
+        self.register_buffer("fp8_scale_inv", _padded(torch.ones(3, device=dev)), persistent=False)
         self.register_buffer("fp8_max", torch.tensor([FP8_MAX[x_dt], FP8_MAX[w_dt], FP8_MAX[g_dt]], device=dev),
                              persistent=False)
         # per tensor (input, weight, grad_output): amaxes that were NaN/inf (the scale was kept)
@@ -236,6 +249,9 @@ class Fp8Linear(nn.Linear):
             if c is not None and c[V_BUFFERS] is h and c[V_BUFFERS + 1] is s and c[V_BUFFERS + 2] is si \
                     and c[V_BUFFERS + 3] is m and c[V_OVERFLOW] is o:
                 return c
+            if not _is_padded(si):
+                # .to() / .cuda() / a load made the buffer contiguous again
+                si = bufs["fp8_scale_inv"] = _padded(si)
         c = (s[0:1], s[1:2], s[2:3], si[0:1], si[1:2], si[2:3], h[0, 0], h[0, 1], h[0, 2], o, h, s, si, m)
         if not compiling:
             self.__dict__["_fp8_view_cache"] = c

@@ -164,8 +164,12 @@ def _amax_update_fake(amax_history, scale, scale_inv, fp8_max, margin, algo, ove
     h = amax_history
     for name, t in (("amax_history", h), ("scale", scale), ("scale_inv", scale_inv), ("fp8_max", fp8_max)):
         _chk(t.dtype == torch.float32, f"{op}: {name} must be float32, found {_dname(t.dtype)}")
-    for name, t in (("amax_history", h), ("scale", scale), ("scale_inv", scale_inv), ("fp8_max", fp8_max)):
+    for name, t in (("amax_history", h), ("scale", scale)):
         _chk_contig(op, name, t)
+    _chk(scale_inv.is_contiguous() or (scale_inv.dim() == 1 and scale_inv.stride(0) >= 1),
+         f"{op}: scale_inv must be contiguous or a 1-D view with a positive stride, found a strided "
+         f"{scale_inv.dim()}-D view; call .contiguous() on it first")
+    _chk_contig(op, "fp8_max", fp8_max)
     for name, t in (("scale", scale), ("scale_inv", scale_inv), ("fp8_max", fp8_max)):
         _chk_device(op, name, t, "amax_history", h)
     _chk(h.dim() in (1, 2), f"{op}: amax_history must be [H] (one tensor) or [H, n] (n tensors), found {h.dim()} dims")

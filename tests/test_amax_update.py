@@ -144,3 +144,20 @@ def test_overflow_count_bad_arguments(device):
     with pytest.raises(RuntimeError, match="overflow_count must have 3 elements"):
         ops.amax_update(h, s, si, m, overflow_count=torch.zeros(2, dtype=torch.int64, device=device))
     assert torch.equal(h, torch.ones(2, 3, device=device))  # rejected calls change nothing
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padded_scale_inv(device):
+    """scale_inv as a 1-D view with stride 4 (Fp8Linear's layout: every entry
+    16-byte aligned for cuBLASLt): the same values, the padding untouched."""
+    gen = torch.Generator().manual_seed(3)
+    hist, scale, _, fmax = _state(8, 3, device, gen)
+    ref_h, ref_s, ref_si = amax_update_ref(hist, scale, torch.empty(3, device=device), fmax, 1.0, "max")
+    storage = torch.full((3, 4), -7.0, device=device)
+    sinv = storage[:, 0]
+    assert sinv.stride() == (4,) and not sinv.is_contiguous()
+    ops.amax_update(hist, scale, sinv, fmax, 1.0, "max")
+    torch.testing.assert_close(sinv.cpu(), ref_si.cpu(), rtol=1e-6, atol=0)
+    assert (storage[:, 1:] == -7.0).all()
+    with pytest.raises(RuntimeError, match=r"scale_inv must be contiguous or a 1-D view with a positive stride"):
+        ops.amax_update(hist, scale, torch.ones(3, 2, device=device)[:, 0:1], fmax)

@@ -598,7 +598,9 @@ def amax_update_bad(t, margin, algo) -> set[str]:
     bad = set()
     h = t["amax_history"]
     for name, x in t.items():
-        if x.dtype != F32 or not x.is_contiguous():
+        # scale_inv may also be a 1-D strided view (Fp8Linear pads it for GEMM alignment)
+        layout_ok = x.is_contiguous() or (name == "scale_inv" and x.dim() == 1 and x.stride(0) >= 1)
+        if x.dtype != F32 or not layout_ok:
             bad.add(name)
         if x.device != h.device:
             bad |= {name, "amax_history"}

@@ -357,3 +357,20 @@ def test_fp8_linear_compiled_fwd_bwd_matches_eager_cpu(recipe):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     for (h1, sc1), (h2, sc2) in zip(s1, s2):
         assert torch.equal(h1, h2) and torch.equal(sc1, sc2)
+
+
+def test_scale_inv_entries_stay_16_byte_aligned():
+    """The GEMMs read scale_inv entries through pointers cuBLASLt wants 16-byte
+    aligned: the buffer is padded (stride 4), and re-padded when something
+    (.to(), a load) makes it contiguous again, values kept."""
+    lin = Fp8Linear(32, 16)
+    lin.fp8_on_cpu = True
+    lin(torch.randn(16, 32)).sum().backward()
+    assert lin.fp8_scale_inv.stride() == (4,)
+    before = lin.fp8_scale_inv.clone()
+    lin.fp8_scale_inv = lin.fp8_scale_inv.contiguous()      # what .cuda() does to a strided buffer
+    with torch.no_grad():
+        lin(torch.randn(16, 32))
+    si = lin.fp8_scale_inv
+    assert si.stride() == (4,) and torch.equal(si, before)
+    assert all(si[i:i + 1].data_ptr() % 16 == 0 for i in range(3))

@@ -458,7 +458,7 @@ static void test_amax_update() {
         CK(cudaMemcpy(ds, scale.data(), n * 4, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(dsi, scale_inv.data(), n * 4, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(dm, fmax.data(), n * 4, cudaMemcpyHostToDevice));
-        FP8(fp8ops_amax_update_cuda(dh, ds, dsi, dm, n, H, margin, (fp8ops_amax_algo)algo, nullptr, nullptr));
+        FP8(fp8ops_amax_update_cuda(dh, ds, dsi, dm, n, H, margin, (fp8ops_amax_algo)algo, nullptr, 1, nullptr));
         std::vector<float> gh(n * H), gs(n), gsi(n);
         CK(cudaMemcpy(gh.data(), dh, n * H * 4, cudaMemcpyDeviceToHost));
         CK(cudaMemcpy(gs.data(), ds, n * 4, cudaMemcpyDeviceToHost));
@@ -527,7 +527,7 @@ static void test_graph_and_errors() {
   const int s0 = fp8ops_cast_cuda(dx, FP8OPS_BF16, R, C, dscale, FP8OPS_E5M2, dflat, nullptr, damax2, st);
   const int s3 = fp8ops_amax_cuda(dx, FP8OPS_BF16, n, damax3, st);
   const int s1 = fp8ops_cast_cuda(dx, FP8OPS_BF16, R, C, dscale, FP8OPS_E4M3, dout, dout_t, damax, st);
-  const int s2 = fp8ops_amax_update_cuda(dh, ds, dsi, dm, 4, 16, 0.0f, FP8OPS_AMAX_MAX, nullptr, st);
+  const int s2 = fp8ops_amax_update_cuda(dh, ds, dsi, dm, 4, 16, 0.0f, FP8OPS_AMAX_MAX, nullptr, 1, st);
   CK(cudaStreamEndCapture(st, &g));
   check(s0 == FP8OPS_OK && s1 == FP8OPS_OK && s2 == FP8OPS_OK && s3 == FP8OPS_OK,
         "graph capture: cast (flat and +T), amax and amax_update return OK while capturing");
@@ -568,10 +568,10 @@ static void test_graph_and_errors() {
       {fp8ops_cast_cuda((char*)dx + 1, FP8OPS_BF16, 4, 16, dscale, FP8OPS_E4M3, dout, nullptr, damax, nullptr), "odd bf16 pointer"},
       {fp8ops_amax_cuda(dx, FP8OPS_F32, -5, damax, nullptr), "amax negative n"},
       {fp8ops_amax_cuda(nullptr, FP8OPS_F32, 5, damax, nullptr), "amax null x"},
-      {fp8ops_amax_update_cuda(dh, ds, dsi, dm, 4, 0, 0.0f, FP8OPS_AMAX_MAX, nullptr, nullptr), "amax_update H=0"},
-      {fp8ops_amax_update_cuda(dh, ds, dsi, dm, -1, 4, 0.0f, FP8OPS_AMAX_MAX, nullptr, nullptr), "amax_update n<0"},
-      {fp8ops_amax_update_cuda(dh, ds, dsi, dm, 4, 4, 0.0f, (fp8ops_amax_algo)5, nullptr, nullptr), "amax_update bad algo"},
-      {fp8ops_amax_update_cuda(nullptr, ds, dsi, dm, 4, 4, 0.0f, FP8OPS_AMAX_MAX, nullptr, nullptr), "amax_update null history"},
+      {fp8ops_amax_update_cuda(dh, ds, dsi, dm, 4, 0, 0.0f, FP8OPS_AMAX_MAX, nullptr, 1, nullptr), "amax_update H=0"},
+      {fp8ops_amax_update_cuda(dh, ds, dsi, dm, -1, 4, 0.0f, FP8OPS_AMAX_MAX, nullptr, 1, nullptr), "amax_update n<0"},
+      {fp8ops_amax_update_cuda(dh, ds, dsi, dm, 4, 4, 0.0f, (fp8ops_amax_algo)5, nullptr, 1, nullptr), "amax_update bad algo"},
+      {fp8ops_amax_update_cuda(nullptr, ds, dsi, dm, 4, 4, 0.0f, FP8OPS_AMAX_MAX, nullptr, 1, nullptr), "amax_update null history"},
   };
   for (auto& e : errs) {
     char what[200];
@@ -680,9 +680,9 @@ static void bench() {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    for (int i = 0; i < 3; ++i) FP8(fp8ops_amax_update_cuda(dh, ds, dsi, dm, n, H, 0.0f, FP8OPS_AMAX_MAX, nullptr, nullptr));
+    for (int i = 0; i < 3; ++i) FP8(fp8ops_amax_update_cuda(dh, ds, dsi, dm, n, H, 0.0f, FP8OPS_AMAX_MAX, nullptr, 1, nullptr));
     CK(cudaEventRecord(e0));
-    for (int i = 0; i < 20; ++i) FP8(fp8ops_amax_update_cuda(dh, ds, dsi, dm, n, H, 0.0f, FP8OPS_AMAX_MAX, nullptr, nullptr));
+    for (int i = 0; i < 20; ++i) FP8(fp8ops_amax_update_cuda(dh, ds, dsi, dm, n, H, 0.0f, FP8OPS_AMAX_MAX, nullptr, 1, nullptr));
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     float ms;

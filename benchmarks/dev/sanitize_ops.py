@@ -16,8 +16,13 @@ if sys.argv[1:] == ["scaled_mm"]:
     a = torch.randn(64, 256, device=dev).to(torch.float8_e4m3fn)
     b = torch.randn(512, 256, device=dev).to(torch.float8_e4m3fn)
     one = torch.ones((), device=dev)
-    y = torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)
-    torch.nn.functional.gelu(y).float().sum().item()
+    bias = torch.randn(512, device=dev, dtype=torch.bfloat16)
+    for with_bias in (False, True):
+        for fast in (False, True):
+            print(f"--- torch._scaled_mm bias={with_bias} fast_accum={fast}", flush=True)
+            y = torch._scaled_mm(a, b.t(), one, one, bias=bias if with_bias else None, out_dtype=torch.bfloat16,
+                                 use_fast_accum=fast)
+            torch.nn.functional.gelu(y).float().sum().item()
     print("OK")
     sys.exit(0)
 
@@ -42,8 +47,11 @@ if torch.cuda.get_device_capability() >= (8, 9):
     one = torch.ones(1, device=dev)
     for out in (torch.bfloat16, torch.float16, torch.float32):
         bias = torch.randn(64, device=dev).to(ops._bias_dtype(out))
-        ops.gemm(a, b, one, one, bias, out, True)
-        ops.gemm(a, b, one, one, None, out, False)
+        for fast in (False, True):
+            for bb in (bias, None):
+                # initcheck control: a torch op reading the GEMM's output
+                print(f"--- fp8ops gemm out={out} bias={bb is not None} fast_accum={fast}", flush=True)
+                torch.nn.functional.gelu(ops.gemm(a, b, one, one, bb, out, fast)).sum().item()
     # the fused calls, with operands at 16-byte-misaligned offsets too (copied in C)
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
     x = torch.randn(128, 256, device=dev, dtype=torch.bfloat16)
@@ -55,6 +63,7 @@ if torch.cuda.get_device_capability() >= (8, 9):
     odd = torch.empty(1 + 64 * 256, device=dev, dtype=torch.uint8).view(e4)[1:].view(64, 256)
     odd.copy_(w8)
     ops.linear_fwd(x, odd, one, slot, one, one)
+    print("--- Fp8Linear", flush=True)
     lin = fp8ops.convert(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to(dev),
                          config=fp8ops.Fp8Config(policy="always"))
     x = torch.randn(64, 256, device=dev, requires_grad=True)
