@@ -152,3 +152,31 @@ def test_gemm_cuda_stream_graph_and_leak():
         ops.gemm(a, b, sa, sb, None, torch.bfloat16)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == base
+
+
+@requires_fp8
+@pytest.mark.gpu
+@pytest.mark.fp8
+@pytest.mark.parametrize("M,K,N,out_dtype", [(128, 256, 64, torch.float32), (64, 256, 512, torch.bfloat16),
+                                             (128, 256, 64, torch.bfloat16), (256, 768, 3072, torch.float32)])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("fast_accum", [True, False])
+def test_gemm_writes_every_output_element(M, K, N, out_dtype, with_bias, fast_accum):
+    """compute-sanitizer initcheck reports reads of some cuBLASLt FP8 GEMM outputs
+    (with a bias epilogue) as uninitialised. Check directly that every element is
+    written: the output's memory block is first filled with NaN (the caching
+    allocator hands the same block back for the same size), then the GEMM must
+    overwrite all of it with the values of a run into fresh memory."""
+    torch.manual_seed(0)
+    a = (torch.randn(M, K, device="cuda") * 4).to(E4)
+    b = (torch.randn(N, K, device="cuda") * 4).to(E4)
+    one = torch.ones(1, device="cuda")
+    bias = torch.randn(N, device="cuda").to(ops._bias_dtype(out_dtype)) if with_bias else None
+    ref = gemm_ref(a.cpu(), b.cpu(), one.cpu(), one.cpu(), None if bias is None else bias.cpu(), torch.float64)
+    poison = torch.full((M, N), float("nan"), device="cuda", dtype=out_dtype)
+    ptr = poison.data_ptr()
+    del poison
+    out = ops.gemm(a, b, one, one, bias, out_dtype, fast_accum)
+    assert out.data_ptr() == ptr, "the allocator did not reuse the poisoned block; the check proves nothing"
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} of {out.numel()} outputs never written"
+    assert sqnr(ref, out.cpu().double()) >= 25

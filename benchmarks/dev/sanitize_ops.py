@@ -13,16 +13,17 @@ import torch
 dev = "cuda"
 torch.manual_seed(0)
 if sys.argv[1:] == ["scaled_mm"]:
-    a = torch.randn(64, 256, device=dev).to(torch.float8_e4m3fn)
-    b = torch.randn(512, 256, device=dev).to(torch.float8_e4m3fn)
     one = torch.ones((), device=dev)
-    bias = torch.randn(512, device=dev, dtype=torch.bfloat16)
-    for with_bias in (False, True):
-        for fast in (False, True):
-            print(f"--- torch._scaled_mm bias={with_bias} fast_accum={fast}", flush=True)
-            y = torch._scaled_mm(a, b.t(), one, one, bias=bias if with_bias else None, out_dtype=torch.bfloat16,
-                                 use_fast_accum=fast)
-            torch.nn.functional.gelu(y).float().sum().item()
+    for (M, N, out) in ((64, 512, torch.bfloat16), (128, 64, torch.float32)):  # the shapes flagged in fp8ops
+        a = torch.randn(M, 256, device=dev).to(torch.float8_e4m3fn)
+        b = torch.randn(N, 256, device=dev).to(torch.float8_e4m3fn)
+        bias = torch.randn(N, device=dev, dtype=torch.bfloat16)
+        for with_bias in (False, True):
+            for fast in (False, True):
+                print(f"--- torch._scaled_mm {M}x256x{N} out={out} bias={with_bias} fast_accum={fast}", flush=True)
+                y = torch._scaled_mm(a, b.t(), one, one, bias=bias if with_bias else None, out_dtype=out,
+                                     use_fast_accum=fast)
+                torch.nn.functional.gelu(y).float().sum().item()
     print("OK")
     sys.exit(0)
 
