@@ -598,68 +598,103 @@ static void boxed_gemm(StableIValue* stack, uint64_t nargs, uint64_t nret) {
 }
 
 // ----------------------------------------------------------------------------
-// linear_fwd(Tensor x, Tensor w8, Tensor x_scale, Tensor(a!) x_amax, Tensor x_scale_inv,
-//            Tensor w_scale_inv, Tensor bias, ScalarType x_fp8_dtype, ScalarType out_dtype,
-//            bool use_fast_accum, bool save_xt) -> (Tensor y, Tensor x8t)
+// linear_fwd(Tensor x, Tensor w, Tensor x_scale, Tensor(a!) x_amax, Tensor x_scale_inv,
+//            Tensor w_scale, Tensor(b!) w_amax, Tensor w_scale_inv, Tensor bias,
+//            ScalarType x_fp8_dtype, ScalarType w_fp8_dtype, ScalarType out_dtype,
+//            bool use_fast_accum, bool save_xt, bool save_wt)
+//     -> (Tensor y, Tensor x8t, Tensor w8, Tensor w8t)
 //
 // Fp8Linear's forward in one call: x8 (, x8t) = cast(x * x_scale) with x's
 // amax folded into x_amax; y = gemm(x8, w8) * x_scale_inv * w_scale_inv + bias.
-// x8 is a temporary; x8t (the transpose, for the weight gradient) is returned
-// when save_xt, else empty. One dispatcher call instead of three: small layers
-// are bound by the host's per-op cost, not by the GPU.
+// w [N, K] is either already FP8 (used as is; w8 and w8t come back empty) or in
+// high precision: then it is cast here first, w8 (, w8t when save_wt) =
+// cast(w * w_scale) with its amax folded into w_amax, and returned for reuse
+// until the next optimizer step. x8 is a temporary; x8t (the transpose, for
+// the weight gradient) is returned when save_xt, else empty. One dispatcher
+// call instead of up to five: small layers are bound by the host's per-op
+// cost, not by the GPU.
 
-static int run_linear_fwd(AtenTensorHandle in[7], int32_t x_fp8, int32_t out_dtype,
-                          bool fast_accum, bool save_xt, AtenTensorHandle outs[2],
-                          AtenTensorHandle* x8, gemm_scratch* scratch) {
+#define LFWD_NIN 9
+static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t w_fp8,
+                          int32_t out_dtype, bool fast_accum, bool save_xt, bool save_wt,
+                          AtenTensorHandle outs[4], AtenTensorHandle* x8, gemm_scratch* scratch) {
   const char* op = "fp8ops::linear_fwd";
-  tinfo x, w, xs, xa, xsi, wsi, bias;
-  fp8ops_hp_dtype xd = FP8OPS_F32, od = FP8OPS_BF16;
+  tinfo x, w, xs, xa, xsi, ws, wa, wsi, bias;
+  fp8ops_hp_dtype xd = FP8OPS_F32, od = FP8OPS_BF16, wd = FP8OPS_F32;
   fp8ops_fp8_format xf = FP8OPS_E4M3, wf = FP8OPS_E4M3;
   char sh1[96], sh2[96];
   FP8OPS_TRY(describe(op, "x", in[0], &x));
-  FP8OPS_TRY(describe(op, "w8", in[1], &w));
+  FP8OPS_TRY(describe(op, "w", in[1], &w));
   FP8OPS_TRY(describe(op, "x_scale", in[2], &xs));
   FP8OPS_TRY(describe(op, "x_amax", in[3], &xa));
   FP8OPS_TRY(describe(op, "x_scale_inv", in[4], &xsi));
-  FP8OPS_TRY(describe(op, "w_scale_inv", in[5], &wsi));
-  FP8OPS_TRY(describe(op, "bias", in[6], &bias));
+  FP8OPS_TRY(describe(op, "w_scale", in[5], &ws));
+  FP8OPS_TRY(describe(op, "w_amax", in[6], &wa));
+  FP8OPS_TRY(describe(op, "w_scale_inv", in[7], &wsi));
+  FP8OPS_TRY(describe(op, "bias", in[8], &bias));
   FP8OPS_TRY(hp_code(op, "x", x.dtype, &xd));
-  FP8OPS_TRY(fp8_code(op, "w8", w.dtype, &wf));
+  const bool cast_w = w.dtype != aoti_torch_dtype_float8_e4m3fn() &&
+                      w.dtype != aoti_torch_dtype_float8_e5m2();
+  if (cast_w) {
+    FP8OPS_REQUIRE(hp_code(op, "w", w.dtype, &wd) == FP8OPS_OK, "%s: w must be float8_e4m3fn or "
+                   "float8_e5m2 (already cast), or float32, bfloat16 or float16 (cast here), "
+                   "found %s", op, dtype_name(w.dtype));
+    FP8OPS_TRY(fp8_code(op, "w_fp8_dtype", w_fp8, &wf));
+  } else {
+    FP8OPS_TRY(fp8_code(op, "w", w.dtype, &wf));
+  }
   FP8OPS_TRY(fp8_code(op, "x_fp8_dtype", x_fp8, &xf));
   FP8OPS_TRY(hp_code(op, "out_dtype", out_dtype, &od));
-  FP8OPS_REQUIRE(!(xf == FP8OPS_E5M2 && wf == FP8OPS_E5M2), "%s: x_fp8_dtype and w8 are both "
+  FP8OPS_REQUIRE(!(xf == FP8OPS_E5M2 && wf == FP8OPS_E5M2), "%s: x and w would both be "
                  "float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand", op);
   FP8OPS_REQUIRE(x.ndim == 2, "%s: x must be 2-D [M, K], found %lld dims; reshape it to "
                  "(-1, in_features)", op, (long long)x.ndim);
-  FP8OPS_REQUIRE(w.ndim == 2, "%s: w8 must be 2-D [N, K], found %lld dims", op, (long long)w.ndim);
+  FP8OPS_REQUIRE(w.ndim == 2, "%s: w must be 2-D [N, K], found %lld dims", op, (long long)w.ndim);
   shape_str(&x, sh1, sizeof sh1);
   shape_str(&w, sh2, sizeof sh2);
-  FP8OPS_REQUIRE(x.sizes[1] == w.sizes[1], "%s: x %s and w8 %s must share the inner dim K "
-                 "(x is [M, K], w8 is [N, K]: y = x @ w8.T)", op, sh1, sh2);
+  FP8OPS_REQUIRE(x.sizes[1] == w.sizes[1], "%s: x %s and w %s must share the inner dim K "
+                 "(x is [M, K], w is [N, K]: y = x @ w.T)", op, sh1, sh2);
   FP8OPS_TRY(require_contiguous(op, "x", &x));
-  FP8OPS_TRY(require_contiguous(op, "w8", &w));
-  FP8OPS_TRY(require_same_device(op, "w8", &w, "x", &x));
+  FP8OPS_TRY(require_contiguous(op, "w", &w));
+  FP8OPS_TRY(require_same_device(op, "w", &w, "x", &x));
   FP8OPS_TRY(require_scalar_f32(op, "x_scale", &xs, &x, "x"));
   FP8OPS_TRY(require_scalar_f32(op, "x_amax", &xa, &x, "x"));
   FP8OPS_TRY(require_scalar_f32(op, "x_scale_inv", &xsi, &x, "x"));
+  if (cast_w) {
+    FP8OPS_TRY(require_scalar_f32(op, "w_scale", &ws, &x, "x"));
+    FP8OPS_TRY(require_scalar_f32(op, "w_amax", &wa, &x, "x"));
+  }
   FP8OPS_TRY(require_scalar_f32(op, "w_scale_inv", &wsi, &x, "x"));
   const int64_t M = x.sizes[0], K = x.sizes[1], N = w.sizes[0];
   const void* bias_ptr = NULL;
   FP8OPS_TRY(check_bias(op, &bias, N, out_dtype, od, &x, "x", &bias_ptr));
   if (is_cuda(&x)) FP8OPS_TRY(require_gemm_dims(op, M, N, K));
-  const int64_t tsz[2] = {K, M}, zero[1] = {0};
+  const int64_t xtsz[2] = {K, M}, wtsz[2] = {K, N}, zero[1] = {0};
+  const int32_t w8_dtype = cast_w ? w_fp8 : w.dtype;
   FP8OPS_TRY(new_tensor(op, 2, x.sizes, x_fp8, &x, x8));
-  FP8OPS_TRY(new_tensor(op, save_xt ? 2 : 1, save_xt ? tsz : zero, x_fp8, &x, &outs[1]));
+  FP8OPS_TRY(new_tensor(op, save_xt ? 2 : 1, save_xt ? xtsz : zero, x_fp8, &x, &outs[1]));
+  FP8OPS_TRY(new_tensor(op, cast_w ? 2 : 1, cast_w ? w.sizes : zero, w8_dtype, &x, &outs[2]));
+  FP8OPS_TRY(new_tensor(op, cast_w && save_wt ? 2 : 1, cast_w && save_wt ? wtsz : zero, w8_dtype,
+                        &x, &outs[3]));
   uint8_t* p8 = (uint8_t*)data_of(*x8);
   uint8_t* p8t = save_xt ? (uint8_t*)data_of(outs[1]) : NULL;
-  const gemm_operand a = {*x8, p8, xf}, b = {in[1], w.data, wf};
+  uint8_t* pw8 = cast_w ? (uint8_t*)data_of(outs[2]) : (uint8_t*)w.data;
+  uint8_t* pw8t = cast_w && save_wt ? (uint8_t*)data_of(outs[3]) : NULL;
+  const gemm_operand a = {*x8, p8, xf}, b = {cast_w ? outs[2] : in[1], pw8, wf};
   int rc;
   CUDA_BODY(op, &x, 1, rc, {
-    rc = is_cuda(&x) ? fp8ops_cast_accumulate_cuda(x.data, xd, M, K, xs.data, xf, p8, p8t,
-                                                    xa.data, stream)
-                     : fp8ops_cast_accumulate_cpu(x.data, xd, M, K, xs.data, xf, p8, p8t, xa.data);
+    if (cast_w)
+      rc = is_cuda(&x) ? fp8ops_cast_accumulate_cuda(w.data, wd, N, K, ws.data, wf, pw8, pw8t,
+                                                      wa.data, stream)
+                       : fp8ops_cast_accumulate_cpu(w.data, wd, N, K, ws.data, wf, pw8, pw8t,
+                                                     wa.data);
     if (rc == FP8OPS_OK)
-      rc = gemm_into(op, a, b, M, N, K, xsi.data, wsi.data, in[6], bias_ptr, out_dtype, od,
+      rc = is_cuda(&x) ? fp8ops_cast_accumulate_cuda(x.data, xd, M, K, xs.data, xf, p8, p8t,
+                                                      xa.data, stream)
+                       : fp8ops_cast_accumulate_cpu(x.data, xd, M, K, xs.data, xf, p8, p8t,
+                                                     xa.data);
+    if (rc == FP8OPS_OK)
+      rc = gemm_into(op, a, b, M, N, K, xsi.data, wsi.data, in[8], bias_ptr, out_dtype, od,
                      fast_accum, &x, stream, scratch, &outs[0]);
   });
   return rc;
@@ -667,22 +702,22 @@ static int run_linear_fwd(AtenTensorHandle in[7], int32_t x_fp8, int32_t out_dty
 
 static void boxed_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret) {
   (void)nargs; (void)nret;
-  AtenTensorHandle in[7];
-  for (int i = 0; i < 7; ++i) in[i] = sv_tensor(stack[i]);
-  AtenTensorHandle outs[2] = {NULL, NULL}, x8 = NULL;
+  AtenTensorHandle in[LFWD_NIN];
+  for (int i = 0; i < LFWD_NIN; ++i) in[i] = sv_tensor(stack[i]);
+  AtenTensorHandle outs[4] = {NULL, NULL, NULL, NULL}, x8 = NULL;
   gemm_scratch scratch = {0};
-  int rc = run_linear_fwd(in, sv_i32(stack[7]), sv_i32(stack[8]), sv_bool(stack[9]),
-                          sv_bool(stack[10]), outs, &x8, &scratch);
-  release(in, 7);
+  int rc = run_linear_fwd(in, sv_i32(stack[9]), sv_i32(stack[10]), sv_i32(stack[11]),
+                          sv_bool(stack[12]), sv_bool(stack[13]), sv_bool(stack[14]), outs, &x8,
+                          &scratch);
+  release(in, LFWD_NIN);
   release(&x8, 1); /* stream-ordered, after the GEMM that reads it */
   scratch_release(&scratch);
   if (rc != FP8OPS_OK) {
-    release(outs, 2);
+    release(outs, 4);
     raise_last_error(__func__);
     return;
   }
-  stack[0] = sv_from_tensor(outs[0]);
-  stack[1] = sv_from_tensor(outs[1]);
+  for (int i = 0; i < 4; ++i) stack[i] = sv_from_tensor(outs[i]);
 }
 
 // ----------------------------------------------------------------------------
@@ -818,10 +853,11 @@ static const op_row k_ops[] = {
     {"cast_accumulate", "cast_accumulate(Tensor x, Tensor scale, Tensor(a!) amax, "
                         "ScalarType out_dtype, bool transpose) -> (Tensor out, Tensor out_t)",
      boxed_cast_accumulate},
-    {"linear_fwd", "linear_fwd(Tensor x, Tensor w8, Tensor x_scale, Tensor(a!) x_amax, "
-                   "Tensor x_scale_inv, Tensor w_scale_inv, Tensor bias, ScalarType x_fp8_dtype, "
-                   "ScalarType out_dtype, bool use_fast_accum, bool save_xt) -> "
-                   "(Tensor y, Tensor x8t)", boxed_linear_fwd},
+    {"linear_fwd", "linear_fwd(Tensor x, Tensor w, Tensor x_scale, Tensor(a!) x_amax, "
+                   "Tensor x_scale_inv, Tensor w_scale, Tensor(b!) w_amax, Tensor w_scale_inv, "
+                   "Tensor bias, ScalarType x_fp8_dtype, ScalarType w_fp8_dtype, "
+                   "ScalarType out_dtype, bool use_fast_accum, bool save_xt, bool save_wt) -> "
+                   "(Tensor y, Tensor x8t, Tensor w8, Tensor w8t)", boxed_linear_fwd},
     {"linear_bwd", "linear_bwd(Tensor gy, Tensor w8t, Tensor x8t, Tensor g_scale, "
                    "Tensor(a!) g_amax, Tensor g_scale_inv, Tensor w_scale_inv, "
                    "Tensor x_scale_inv, ScalarType g_fp8_dtype, ScalarType dx_dtype, "

@@ -93,18 +93,26 @@ def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float,
 
 class _Fp8LinearFn(torch.autograd.Function):
     """views: the layer's _fp8_views() tuple (scaling buffers and their
-    per-tensor slices); static: the call's constant settings (see forward)."""
+    per-tensor slices); static: the call's constant settings (see forward).
+    w_in is the weight's FP8 cast from this step's cache (w8t its transpose),
+    or, when w8t is None, the weight itself: linear_fwd then casts it in the
+    same C call and store(w8, w8t) keeps the cast for the step's later calls."""
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, w8, w8t, b_lp, views, static):
-        x_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = static
+    def forward(ctx, x2, weight, bias, w_in, w8t, b_lp, views, static, store):
+        x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = static
         if current:
             _current_scale(x2, views, X, margin, overflow=views[V_OVERFLOW])
         if b_lp is None:
             b_lp = ops._empty_bias_for(x2, out_dtype)
-        # one C call: cast x (its amax folded into history row 0), GEMM with the FP8 weight
-        y, x8t = ops._linear_fwd_raw(x2, w8, views[V_S + X], views[V_H + X], views[V_SI + X], views[V_SI + W],
-                                     b_lp, x_dtype, out_dtype, fast_accum, need_wgrad)
+        # one C call: [cast the weight,] cast x (amaxes folded into history row 0), GEMM
+        y, x8t, w8_new, w8t_new = ops._linear_fwd_raw(
+            x2, w_in, views[V_S + X], views[V_H + X], views[V_SI + X], views[V_S + W], views[V_H + W],
+            views[V_SI + W], b_lp, x_dtype, w_dtype, out_dtype, fast_accum, need_wgrad, need_dgrad)
+        if w8t is None:
+            w8t = w8t_new
+            if store is not None:
+                store(w8_new, w8t_new)
         sx_inv = views[V_SI + X]
         if current:
             # another micro-batch's forward may rescale x before this backward runs
@@ -120,7 +128,7 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x8t, w8t, sx_inv = ctx.saved_tensors
-        x_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = ctx.static
+        x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = ctx.static
         views = ctx.views
         g2 = gy.contiguous()
         if current or prime_g:
@@ -136,7 +144,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         db = None
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(ctx.b_dtype)
-        return (dx if need_dx else None), (dw if need_dw else None), db, None, None, None, None, None
+        return (dx if need_dx else None), (dw if need_dw else None), db, None, None, None, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -207,10 +215,13 @@ class Fp8Linear(nn.Linear):
         _current_scale(w2.detach(), views, W, cfg.margin)
 
     def _weight_fp8(self, compute_dtype: torch.dtype, need_t: bool, views: tuple, compiling: bool):
-        """Cast the weight once per optimizer step (reused by micro-batches), and
-        the bias to the GEMM's bias dtype with it; returns (w8, w8t, bias_lp).
-        The cache is keyed on the version counters, which the optimizer's
-        in-place update bumps, and on the scale update count.
+        """The weight for this forward: (w_in, w8t, bias_lp, store). The weight
+        is cast once per optimizer step (reused by micro-batches): on a cache
+        hit w_in is the FP8 weight and w8t its transpose; on a miss w_in is the
+        weight itself and w8t None, linear_fwd casts it in the same C call, and
+        store(w8, w8t) caches the result. The bias is cast to the GEMM's bias
+        dtype with it. The cache is keyed on the version counters, which the
+        optimizer's in-place update bumps, and on the scale update count.
 
         FSDP2: forward sees the unsharded weight, a plain contiguous Parameter
         that FSDP2 refills by all-gather before each forward (and before the
@@ -226,16 +237,21 @@ class Fp8Linear(nn.Linear):
                                       self.fp8_step, compute_dtype, need_t)
         cache = self._w_cache
         if key is not None and cache is not None and cache[0] == key:
-            return cache[1:]
+            return cache[1], cache[2], cache[3], None
         cfg = self.fp8_config
+        w_hp = w.detach()
+        if w_hp.dtype not in ops.HP_DTYPES:
+            w_hp = w_hp.float()
         if cfg.recipe == "current":
-            _current_scale(w.detach(), views, W, cfg.margin, overflow=views[V_OVERFLOW])
-        # the weight's amax is folded into history row 0 by the cast itself
-        w8, w8t = ops._cast_accumulate_raw(w.detach(), views[V_S + W], views[V_H + W], self.fp8_dtypes[1], need_t)
+            _current_scale(w_hp, views, W, cfg.margin, overflow=views[V_OVERFLOW])
         b_lp = None if b is None else b.detach().to(ops._bias_dtype(compute_dtype))
+        store = None
         if key is not None:
-            self.__dict__["_w_cache"] = (key, w8, w8t, b_lp)  # not Module.__setattr__: hot path
-        return w8, w8t, b_lp
+            d = self.__dict__
+
+            def store(w8, w8t):
+                d["_w_cache"] = (key, w8, w8t, b_lp)  # not Module.__setattr__: hot path
+        return w_hp, None, b_lp, store
 
     def _fp8_views(self, compiling: bool) -> tuple:
         """The scaling buffers and their per-tensor views as one flat tuple
@@ -332,12 +348,12 @@ class Fp8Linear(nn.Linear):
         need_wgrad = grad and weight.requires_grad
         need_dgrad = grad and x.requires_grad
         views = self._fp8_views(compiling)
-        w8, w8t, b_lp = self._weight_fp8(cdtype, need_dgrad, views, compiling)
-        x_dt, _, g_dt = d["fp8_dtypes"]
+        w_in, w8t, b_lp, store = self._weight_fp8(cdtype, need_dgrad, views, compiling)
+        x_dt, w_dt, g_dt = d["fp8_dtypes"]
         prime_g = cfg.recipe == "delayed" and grad and not d["_fp8_g_primed"]
         if prime_g:
             d["_fp8_g_primed"] = True
-        static = (x_dt, g_dt, cdtype, cfg.fast_accum, cfg.recipe == "current", float(cfg.margin),
+        static = (x_dt, w_dt, g_dt, cdtype, cfg.fast_accum, cfg.recipe == "current", float(cfg.margin),
                   need_wgrad, need_dgrad, prime_g)
-        y = _Fp8LinearFn.apply(x2, weight, self._parameters.get("bias"), w8, w8t, b_lp, views, static)
+        y = _Fp8LinearFn.apply(x2, weight, self._parameters.get("bias"), w_in, w8t, b_lp, views, static, store)
         return y.reshape(*x.shape[:-1], self.out_features)

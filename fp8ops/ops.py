@@ -244,8 +244,9 @@ def _gemm_backward(ctx, g):
 
 
 # ----------------------------------------------------------------------------
-# Fp8Linear's fused calls: one dispatcher call per forward, one per backward,
-# one per weight cast (the host's per-op cost is what bounds small layers).
+# Fp8Linear's fused calls: one dispatcher call per forward (the weight's cast
+# included, once per optimizer step), one per backward (the host's per-op cost
+# is what bounds small layers). cast_accumulate is the cast alone.
 # No autograd formulas: Fp8Linear's autograd.Function calls them.
 
 def cast_accumulate(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
@@ -263,44 +264,61 @@ def _cast_accumulate_fake(x, scale, amax, out_dtype, transpose):
     return out, out_t
 
 
-def linear_fwd(x, w8, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
+def linear_fwd(x, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
                x_fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, use_fast_accum=False,
-               save_xt=True):
+               save_xt=True, w_scale=None, w_amax=None, w_fp8_dtype=torch.float8_e4m3fn, save_wt=False):
     """Fp8Linear's forward: x8 = cast(x * x_scale) (x's amax folded into
-    x_amax), y = (x8 @ w8.T) * x_scale_inv * w_scale_inv + bias. x [M, K] hp,
-    w8 [N, K] fp8. Returns (y [M, N], x8t [K, M] if save_xt else empty)."""
+    x_amax), y = (x8 @ w8.T) * x_scale_inv * w_scale_inv + bias. x [M, K] hp.
+    w [N, K] is FP8 (used as is) or high precision: then w8 = cast(w * w_scale)
+    in the same call (its amax folded into w_amax). Returns (y [M, N], x8t
+    [K, M] if save_xt, w8 [N, K] and w8t [K, N] if save_wt when w was cast
+    here); what was not made comes back empty."""
     _require()
     if bias is None:
         bias = x.new_empty((0,), dtype=_bias_dtype(out_dtype))
-    return torch.ops.fp8ops.linear_fwd.default(x, w8, x_scale, x_amax, x_scale_inv, w_scale_inv, bias,
-                                               x_fp8_dtype, out_dtype, use_fast_accum, save_xt)
+    if w_scale is None:
+        w_scale = w_scale_inv
+    if w_amax is None:
+        w_amax = x.new_zeros((1,), dtype=torch.float32)
+    return torch.ops.fp8ops.linear_fwd.default(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv,
+                                               bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_xt,
+                                               save_wt)
 
 
-def _linear_fwd_fake(x, w8, x_scale, x_amax, x_scale_inv, w_scale_inv, bias, x_fp8_dtype, out_dtype,
-                     use_fast_accum, save_xt):
+def _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv, bias, x_fp8_dtype,
+                     w_fp8_dtype, out_dtype, use_fast_accum, save_xt, save_wt):
     op = "fp8ops::linear_fwd"
     _chk(x.dtype in HP_DTYPES, f"{op}: x must be float32, bfloat16 or float16, found {_dname(x.dtype)}")
-    _chk(w8.dtype in FP8_DTYPES, f"{op}: w8 must be float8_e4m3fn or float8_e5m2, found {_dname(w8.dtype)}")
+    cast_w = w.dtype not in FP8_DTYPES
+    if cast_w:
+        _chk(w.dtype in HP_DTYPES, f"{op}: w must be float8_e4m3fn or float8_e5m2 (already cast), or float32, "
+                                   f"bfloat16 or float16 (cast here), found {_dname(w.dtype)}")
+        _chk(w_fp8_dtype in FP8_DTYPES,
+             f"{op}: w_fp8_dtype must be float8_e4m3fn or float8_e5m2, found {_dname(w_fp8_dtype)}")
+    w8_dtype = w_fp8_dtype if cast_w else w.dtype
     _chk(x_fp8_dtype in FP8_DTYPES,
          f"{op}: x_fp8_dtype must be float8_e4m3fn or float8_e5m2, found {_dname(x_fp8_dtype)}")
     _chk(out_dtype in HP_DTYPES, f"{op}: out_dtype must be float32, bfloat16 or float16, found {_dname(out_dtype)}")
-    _chk(not (x_fp8_dtype == torch.float8_e5m2 and w8.dtype == torch.float8_e5m2),
-         f"{op}: x_fp8_dtype and w8 are both float8_e5m2; FP8 tensor cores need at least one "
-         f"float8_e4m3fn operand")
+    _chk(not (x_fp8_dtype == torch.float8_e5m2 and w8_dtype == torch.float8_e5m2),
+         f"{op}: x and w would both be float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand")
     _chk(x.dim() == 2, f"{op}: x must be 2-D [M, K], found {x.dim()} dims; reshape it to (-1, in_features)")
-    _chk(w8.dim() == 2, f"{op}: w8 must be 2-D [N, K], found {w8.dim()} dims")
-    _chk(x.shape[1] == w8.shape[1], f"{op}: x {list(x.shape)} and w8 {list(w8.shape)} must share the inner "
-                                    f"dim K (x is [M, K], w8 is [N, K]: y = x @ w8.T)")
+    _chk(w.dim() == 2, f"{op}: w must be 2-D [N, K], found {w.dim()} dims")
+    _chk(x.shape[1] == w.shape[1], f"{op}: x {list(x.shape)} and w {list(w.shape)} must share the inner "
+                                   f"dim K (x is [M, K], w is [N, K]: y = x @ w.T)")
     _chk_contig(op, "x", x)
-    _chk_contig(op, "w8", w8)
-    _chk_device(op, "w8", w8, "x", x)
-    for name, t in (("x_scale", x_scale), ("x_amax", x_amax), ("x_scale_inv", x_scale_inv),
-                    ("w_scale_inv", w_scale_inv)):
+    _chk_contig(op, "w", w)
+    _chk_device(op, "w", w, "x", x)
+    scalars = [("x_scale", x_scale), ("x_amax", x_amax), ("x_scale_inv", x_scale_inv)]
+    if cast_w:
+        scalars += [("w_scale", w_scale), ("w_amax", w_amax)]
+    for name, t in scalars + [("w_scale_inv", w_scale_inv)]:
         _chk_scalar_f32(op, name, t, "x", x)
-    M, K, N = x.shape[0], x.shape[1], w8.shape[0]
+    M, K, N = x.shape[0], x.shape[1], w.shape[0]
     _chk_bias(op, bias, N, out_dtype, x, "x")
     x8t = x.new_empty((K, M) if save_xt else (0,), dtype=x_fp8_dtype)
-    return x.new_empty((M, N), dtype=out_dtype), x8t
+    w8 = x.new_empty((N, K) if cast_w else (0,), dtype=w8_dtype)
+    w8t = x.new_empty((K, N) if cast_w and save_wt else (0,), dtype=w8_dtype)
+    return x.new_empty((M, N), dtype=out_dtype), x8t, w8, w8t
 
 
 def linear_bwd(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv,

@@ -79,13 +79,39 @@ def test_linear_fwd_is_cast_then_gemm(x_dtype, out_dtype, with_bias, save_xt, de
     x8, x8t_ref, amax = ops.cast(x, sx, E4, True)
     y_ref = ops.gemm(x8, w8, sx_inv, sw_inv, bias, out_dtype, True)
     h, slot = _slot(0.5, device)
-    y, x8t = ops.linear_fwd(x, w8, sx, slot, sx_inv, sw_inv, bias, E4, out_dtype, True, save_xt)
+    y, x8t, w8_out, w8t_out = ops.linear_fwd(x, w8, sx, slot, sx_inv, sw_inv, bias, E4, out_dtype, True, save_xt)
+    assert w8_out.numel() == 0 and w8t_out.numel() == 0     # w came in FP8: nothing cast
     assert_bitwise(y, y_ref, "y")
     if save_xt:
         assert_bitwise(x8t, x8t_ref, "x8t")
     else:
         assert x8t.numel() == 0
     assert h[0, 1].item() == max(0.5, amax.item())
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("save_wt", [True, False])
+def test_linear_fwd_casts_a_high_precision_weight(w_dtype, save_wt, device):
+    """w in high precision: linear_fwd = cast_accumulate(w) + cast(x) + GEMM in one call."""
+    M, K, N = 64, 48, 32
+    x, _, sx, sx_inv, _ = _fwd_inputs(M, K, N, device)
+    w = (torch.randn(N, K) * 0.02).to(w_dtype).to(device)
+    sw = torch.tensor([8192.0], device=device)
+    sw_inv = 1 / sw
+    h_ref, slot_ref = _slot(1e-4, device)
+    w8_ref, w8t_ref = ops.cast_accumulate(w, sw, slot_ref, E4, True)
+    y_ref = ops.linear_fwd(x, w8_ref, sx, torch.zeros(1, device=device), sx_inv, sw_inv)[0]
+    h, slot = _slot(1e-4, device)
+    y, x8t, w8, w8t = ops.linear_fwd(x, w, sx, torch.zeros(1, device=device), sx_inv, sw_inv, w_scale=sw,
+                                     w_amax=slot, save_wt=save_wt)
+    assert_bitwise(y, y_ref, "y")
+    assert_bitwise(w8, w8_ref, "w8")
+    if save_wt:
+        assert_bitwise(w8t, w8t_ref, "w8t")
+    else:
+        assert w8t.numel() == 0
+    assert torch.equal(h, h_ref)                             # the weight's amax folded in alike
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
@@ -117,7 +143,7 @@ def test_linear_bwd_is_cast_then_two_gemms(g_fmt, need_dx, need_dw, w_out, devic
 
 def _fwd_call(device, **over):
     x, w8, sx, sx_inv, sw_inv = _fwd_inputs(32, 48, 16, device)
-    args = dict(x=x, w8=w8, x_scale=sx, x_amax=torch.zeros(1, device=device), x_scale_inv=sx_inv,
+    args = dict(x=x, w=w8, x_scale=sx, x_amax=torch.zeros(1, device=device), x_scale_inv=sx_inv,
                 w_scale_inv=sw_inv, bias=None, x_fp8_dtype=E4, out_dtype=torch.bfloat16, use_fast_accum=False,
                 save_xt=True)
     args.update(over)
@@ -127,9 +153,10 @@ def _fwd_call(device, **over):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("over,pattern", [
     ({"x": torch.randn(2, 32, 48)}, r"linear_fwd: x must be 2-D \[M, K\], found 3 dims"),
-    ({"w8": torch.zeros(16, 40, dtype=E4)}, r"linear_fwd: x \[32, 48\] and w8 \[16, 40\] must share the inner dim K"),
-    ({"w8": torch.zeros(16, 48)}, r"linear_fwd: w8 must be float8_e4m3fn or float8_e5m2, found float32"),
-    ({"x_fp8_dtype": E5, "w8": torch.zeros(16, 48, dtype=E5)}, r"x_fp8_dtype and w8 are both float8_e5m2"),
+    ({"w": torch.zeros(16, 40, dtype=E4)}, r"linear_fwd: x \[32, 48\] and w \[16, 40\] must share the inner dim K"),
+    ({"w": torch.zeros(16, 48, dtype=torch.int32)}, r"linear_fwd: w must be float8_e4m3fn or float8_e5m2 \(already cast\), or"),
+    ({"x_fp8_dtype": E5, "w": torch.zeros(16, 48, dtype=E5)}, r"x and w would both be float8_e5m2"),
+    ({"w": torch.zeros(16, 48), "w_amax": torch.zeros(2)}, r"linear_fwd: w_amax must hold exactly 1 element"),
     ({"x_amax": torch.zeros(2)}, r"linear_fwd: x_amax must hold exactly 1 element"),
     ({"x": torch.randn(48, 32).t()}, r"linear_fwd: x must be contiguous"),
     ({"bias": torch.zeros(5, dtype=torch.bfloat16)}, r"linear_fwd: bias must be 1-D \[N\] = \[16\]"),
@@ -168,8 +195,10 @@ def test_fused_opcheck_and_compile(device):
     bias = torch.randn(16, device=device, dtype=torch.bfloat16)
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")  # see test_gemm
     slot = torch.zeros(1, device=device)
-    torch.library.opcheck(torch.ops.fp8ops.linear_fwd.default,
-                          (x, w8, sx, slot, sx_inv, sw_inv, bias, E4, torch.bfloat16, False, True), test_utils=utils)
+    for w in (w8, torch.randn(16, 48, device=device)):  # already FP8 / cast in the call
+        torch.library.opcheck(torch.ops.fp8ops.linear_fwd.default,
+                              (x, w, sx, slot, sx_inv, sx, slot.clone(), sw_inv, bias, E4, E4, torch.bfloat16, False,
+                               True, True), test_utils=utils)
     gy = torch.randn(32, 16, device=device, dtype=torch.bfloat16)
     w8t, x8t = w8.t().contiguous(), ops.cast(x, sx, E4, True)[1]
     torch.library.opcheck(torch.ops.fp8ops.linear_bwd.default,
@@ -178,7 +207,7 @@ def test_fused_opcheck_and_compile(device):
     torch.library.opcheck(torch.ops.fp8ops.cast_accumulate.default, (x, sx, slot, E4, True), test_utils=utils)
 
     def f(x, slot):
-        y, x8t = ops.linear_fwd(x, w8, sx, slot, sx_inv, sw_inv, bias, E4, torch.float32, False, True)
+        y, x8t, _, _ = ops.linear_fwd(x, w8, sx, slot, sx_inv, sw_inv, bias, E4, torch.float32, False, True)
         return y * 2, x8t
 
     torch._dynamo.reset()

@@ -67,6 +67,8 @@ rows = [
      lambda: ops._cast_accumulate_raw(xl, s, slot, e4, True)),
     ("linear_fwd tiny (cast+GEMM)", lambda: ops.linear_fwd(xs, a8, s, slot, s, s),
      lambda: ops.linear_fwd(xl, bl, s, slot, s, s)),
+    ("linear_fwd tiny (+ weight cast)", lambda: ops.linear_fwd(xs, xs, s, slot, s, s, w_scale=s, w_amax=slot),
+     lambda: ops.linear_fwd(xl, bl.to(torch.bfloat16), s, slot, s, s, w_scale=s, w_amax=slot)),
     ("linear_bwd tiny (cast+2 GEMMs)",
      lambda: ops.linear_bwd(xs, a8, a8, s, slot, s, s, s),
      lambda: ops.linear_bwd(gl, wl8t, xl8t, s, slot, s, s, s)),
