@@ -19,6 +19,7 @@
 #include <float.h>         // defines: FLT_MAX
 #include <math.h>          // defines: exp2f (host)
 #include <stdint.h>
+#include <string.h>  // defines: memset
 
 #include "common.h"       // defines: FP8OPS_REQUIRE, FP8OPS_CHECK_CUDA, FP8OPS_CEIL_DIV
 #include "fp8_convert.h"  // defines: fp8ops_f32_bits, fp8ops_bits_f32
@@ -43,14 +44,16 @@
 // after the next one; row 0 is read by every thread before the first
 // barrier. Finally the per-thread maxima are tree-reduced over ty in shared
 // memory and thread ty == 0 computes scale and scale_inv of its column.
-__global__ void __launch_bounds__(AU_THREADS)
-    amax_update_kernel(float* __restrict__ hist, float* __restrict__ scale,
-                       float* __restrict__ scale_inv, const float* __restrict__ fp8_max,
-                       int64_t* __restrict__ overflow_count, int64_t scale_inv_stride,
-                       int64_t n, int64_t H, float pow2_margin, int most_recent) {
-  __shared__ uint32_t red[AU_THREADS];
+// One block's work: columns block_col0 .. block_col0 + cx - 1 of one history.
+__device__ __forceinline__ void amax_update_block(float* __restrict__ hist, float* __restrict__ scale,
+                                                  float* __restrict__ scale_inv,
+                                                  const float* __restrict__ fp8_max,
+                                                  int64_t* __restrict__ overflow_count,
+                                                  int64_t scale_inv_stride, int64_t n, int64_t H,
+                                                  float pow2_margin, int most_recent,
+                                                  int64_t block_col0, uint32_t* red) {
   const int cx = blockDim.x, cy = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
-  const int64_t col = (int64_t)blockIdx.x * cx + tx;
+  const int64_t col = block_col0 + tx;
   const bool active = col < n;
   float* hc = hist + (active ? col : 0);  // element (r, col) is hc[r * n]
 
@@ -101,6 +104,44 @@ __global__ void __launch_bounds__(AU_THREADS)
   }
 }
 
+__global__ void __launch_bounds__(AU_THREADS)
+    amax_update_kernel(float* __restrict__ hist, float* __restrict__ scale,
+                       float* __restrict__ scale_inv, const float* __restrict__ fp8_max,
+                       int64_t* __restrict__ overflow_count, int64_t scale_inv_stride,
+                       int64_t n, int64_t H, float pow2_margin, int most_recent) {
+  __shared__ uint32_t red[AU_THREADS];
+  amax_update_block(hist, scale, scale_inv, fp8_max, overflow_count, scale_inv_stride, n, H,
+                    pow2_margin, most_recent, (int64_t)blockIdx.x * blockDim.x, red);
+}
+
+// Many histories in one launch (e.g. every layer of a model after an optimizer
+// step): the jobs travel by value in the kernel's parameters (no host-to-device
+// copy, graph-capturable). Block (x, y) does column chunk x of job y; blocks
+// past a job's last column exit at once (whole blocks: no barrier is split).
+#define AU_MANY 32  // jobs per launch: 32 * sizeof(job) stays far below the 4 KiB parameter limit
+struct au_job {
+  float* hist;
+  float* scale;
+  float* scale_inv;
+  const float* fp8_max;
+  int64_t* overflow_count;
+  int64_t scale_inv_stride, n, H;
+  float pow2_margin;
+  int most_recent;
+};
+struct au_jobs {
+  au_job job[AU_MANY];
+};
+
+__global__ void __launch_bounds__(AU_THREADS) amax_update_many_kernel(const au_jobs jobs) {
+  __shared__ uint32_t red[AU_THREADS];
+  const au_job& j = jobs.job[blockIdx.y];
+  const int64_t col0 = (int64_t)blockIdx.x * blockDim.x;
+  if (col0 >= j.n) return;
+  amax_update_block(j.hist, j.scale, j.scale_inv, j.fp8_max, j.overflow_count, j.scale_inv_stride,
+                    j.n, j.H, j.pow2_margin, j.most_recent, col0, red);
+}
+
 // ----------------------------------------------------------------------------
 // kernel launchers
 
@@ -124,5 +165,47 @@ extern "C" int fp8ops_amax_update_cuda(float* amax_history, float* scale, float*
       amax_history, scale, scale_inv, fp8_max, overflow_count, scale_inv_stride, n, H, pow2_margin,
       algo == FP8OPS_AMAX_MOST_RECENT ? 1 : 0);
   FP8OPS_CHECK_CUDA(cudaGetLastError());
+  return FP8OPS_OK;
+}
+
+extern "C" int fp8ops_amax_update_many_cuda(const fp8ops_amax_update_job* jobs, int64_t count,
+                                            void* stream) {
+  FP8OPS_REQUIRE(count >= 0 && (count == 0 || jobs), "amax_update_many: bad job list");
+  for (int64_t first = 0; first < count; first += AU_MANY) {
+    au_jobs batch;
+    memset(&batch, 0, sizeof batch);
+    const int64_t k = count - first < AU_MANY ? count - first : AU_MANY;
+    int64_t max_blocks = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      const fp8ops_amax_update_job* in = &jobs[first + i];
+      FP8OPS_TRY(fp8ops_amax_update_check(in->amax_history, in->scale, in->scale_inv, in->fp8_max,
+                                          in->n, in->H, (fp8ops_amax_algo)in->algo,
+                                          in->scale_inv_stride));
+      FP8OPS_REQUIRE(in->n == 0 || in->H <= INT64_MAX / in->n,
+                     "amax_update_many: history [%lld, %lld] too large", (long long)in->H,
+                     (long long)in->n);
+      FP8OPS_REQUIRE(in->margin == in->margin && in->margin > -1e6f && in->margin < 1e6f,
+                     "amax_update_many: margin must be a finite number, found %g",
+                     (double)in->margin);
+      au_job* o = &batch.job[i];
+      o->hist = in->amax_history;
+      o->scale = in->scale;
+      o->scale_inv = in->scale_inv;
+      o->fp8_max = in->fp8_max;
+      o->overflow_count = in->overflow_count;
+      o->scale_inv_stride = in->scale_inv_stride;
+      o->n = in->n;
+      o->H = in->H;
+      o->pow2_margin = exp2f(in->margin);  // the same libm call as the single-job launcher
+      o->most_recent = in->algo == FP8OPS_AMAX_MOST_RECENT ? 1 : 0;
+      const int64_t blocks = FP8OPS_CEIL_DIV(in->n, (int64_t)32);
+      if (blocks > max_blocks) max_blocks = blocks;
+    }
+    FP8OPS_REQUIRE(max_blocks <= INT32_MAX, "amax_update_many: too many tensors in one job");
+    if (max_blocks == 0) continue;
+    const dim3 grid((unsigned)max_blocks, (unsigned)k), block(32, AU_THREADS / 32);
+    amax_update_many_kernel<<<grid, block, 0, (cudaStream_t)stream>>>(batch);
+    FP8OPS_CHECK_CUDA(cudaGetLastError());
+  }
   return FP8OPS_OK;
 }

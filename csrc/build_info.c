@@ -53,6 +53,10 @@ int fp8ops_amax_update_cuda(float* amax_history, float* scale, float* scale_inv,
   (void)margin; (void)algo; (void)overflow_count; (void)scale_inv_stride; (void)stream;
   return NO_CUDA("amax_update");
 }
+int fp8ops_amax_update_many_cuda(const fp8ops_amax_update_job* jobs, int64_t count, void* stream) {
+  (void)jobs; (void)count; (void)stream;
+  return NO_CUDA("amax_update_many");
+}
 int fp8ops_gemm_cuda(const uint8_t* a, fp8ops_fp8_format a_fmt, const uint8_t* b,
                      fp8ops_fp8_format b_fmt, int64_t M, int64_t N, int64_t K,
                      const float* a_scale_inv, const float* b_scale_inv, const void* bias,

@@ -126,6 +126,21 @@ int fp8ops_amax_update_cuda(float* amax_history, float* scale, float* scale_inv,
                             fp8ops_amax_algo algo, int64_t* overflow_count,
                             int64_t scale_inv_stride, void* stream);
 
+/* amax_update of many independent histories (e.g. every FP8 layer of a model
+ * after an optimizer step) in as few launches as possible (32 per launch): the
+ * same rules per job as above. CUDA only; every pointer on the current device. */
+typedef struct {
+  float* amax_history; /* [H, n] */
+  float* scale;        /* [n] */
+  float* scale_inv;    /* [n], element i at scale_inv[i * scale_inv_stride] */
+  const float* fp8_max;
+  int64_t* overflow_count; /* [n] or NULL */
+  int64_t n, H, scale_inv_stride;
+  float margin;
+  int32_t algo; /* fp8ops_amax_algo */
+} fp8ops_amax_update_job;
+int fp8ops_amax_update_many_cuda(const fp8ops_amax_update_job* jobs, int64_t count, void* stream);
+
 /* ------------------------------------------------------------------------- */
 /* gemm: out[M, N] = (a[M, K] . b[N, K]^T) * a_scale_inv * b_scale_inv (+ bias[N])
  * a, b fp8 bytes, row-major ("TN": both K-major, as cuBLASLt FP8 requires);

@@ -8,6 +8,8 @@
 #include <Python.h>
 
 #include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
 
 #include "fp8ops.h"
 #include "ops.h"
@@ -47,7 +49,55 @@ static PyObject* py_cublaslt_status(PyObject* self, PyObject* noargs) {
   return PyUnicode_FromString(fp8ops_last_error());
 }
 
+/* _C.amax_update_many(device, jobs): delayed-scaling update of many histories
+ * in few launches, without the dispatcher: the optimizer-step hook's fast path
+ * (scaling.py builds the jobs from Fp8Linear buffers it has checked). Each job
+ * is a tuple (history, scale, scale_inv, fp8_max, overflow_count or 0 -- data
+ * pointers as ints --, n, H, scale_inv_stride, margin, algo). */
+static PyObject* py_amax_update_many(PyObject* self, PyObject* args) {
+  (void)self;
+  int device = 0;
+  PyObject* list = NULL;
+  if (!PyArg_ParseTuple(args, "iO!", &device, &PyList_Type, &list)) return NULL;
+  const Py_ssize_t count = PyList_Size(list);
+  if (count < 0) return NULL;
+  fp8ops_amax_update_job* jobs = (fp8ops_amax_update_job*)calloc(count ? (size_t)count : 1,
+                                                                  sizeof *jobs);
+  if (!jobs) return PyErr_NoMemory();
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    unsigned long long h, s, si, m, o;
+    long long n, H, stride;
+    double margin;
+    int algo;
+    if (!PyArg_ParseTuple(PyList_GetItem(list, i), "KKKKKLLLdi;amax_update_many: a job is (history, "
+                          "scale, scale_inv, fp8_max, overflow_count, n, H, scale_inv_stride, "
+                          "margin, algo)", &h, &s, &si, &m, &o, &n, &H, &stride, &margin, &algo)) {
+      free(jobs);
+      return NULL;
+    }
+    jobs[i].amax_history = (float*)(uintptr_t)h;
+    jobs[i].scale = (float*)(uintptr_t)s;
+    jobs[i].scale_inv = (float*)(uintptr_t)si;
+    jobs[i].fp8_max = (const float*)(uintptr_t)m;
+    jobs[i].overflow_count = (int64_t*)(uintptr_t)o;
+    jobs[i].n = n;
+    jobs[i].H = H;
+    jobs[i].scale_inv_stride = stride;
+    jobs[i].margin = (float)margin;
+    jobs[i].algo = algo;
+  }
+  const int rc = fp8ops_amax_update_many(device, jobs, count);
+  free(jobs);
+  if (rc != FP8OPS_OK) {
+    PyErr_SetString(PyExc_RuntimeError, fp8ops_last_error());
+    return NULL;
+  }
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef k_methods[] = {
+    {"amax_update_many", py_amax_update_many, METH_VARARGS,
+     "Delayed-scaling update of many histories on one CUDA device, in few launches."},
     {"build_info", py_build_info, METH_NOARGS, "Build and registration facts."},
     {"device_capability", py_device_capability, METH_O, "Compute capability as major*10+minor."},
     {"cublaslt_status", py_cublaslt_status, METH_NOARGS, "None, or why cuBLASLt is unusable."},

@@ -832,6 +832,22 @@ static void boxed_linear_bwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
 }
 
 // ----------------------------------------------------------------------------
+// amax_update of many histories, outside the dispatcher (module.c)
+
+int fp8ops_amax_update_many(int device, const fp8ops_amax_update_job* jobs, int64_t count) {
+  const char* op = "fp8ops amax_update_many";
+  tinfo t;
+  memset(&t, 0, sizeof t);
+  t.dev_type = aoti_torch_device_type_cuda();
+  t.dev_index = device;
+  cuda_ctx c;
+  FP8OPS_TRY(cuda_enter(op, &t, &c, 0));
+  const int rc = fp8ops_amax_update_many_cuda(jobs, count, c.stream);
+  cuda_exit(&c);
+  return rc;
+}
+
+// ----------------------------------------------------------------------------
 // the op table
 
 typedef struct {

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import ops
+from . import _loader, ops
 from .linear import Fp8Linear
 
 # Every live Fp8Linear (weak: dead models are not kept alive). The optimizer
@@ -92,6 +92,34 @@ def exclude_from_ddp_broadcast(model: torch.nn.Module) -> list[str]:
     return names
 
 
+def _fast_job(layer: Fp8Linear):
+    """(device index, job) for _C.amax_update_many -- the step's update of all
+    CUDA layers in a few launches, without a dispatcher call per layer -- or
+    None when this layer must take the checked op (CPU, or buffers that are not
+    the float32 CUDA tensors Fp8Linear made: a user replaced them). The layout
+    checks run again whenever a buffer is a new object; the data pointers are
+    read every time."""
+    bufs = layer._buffers
+    h, s, si, m, o = (bufs["fp8_amax_history"], bufs["fp8_scale"], bufs["fp8_scale_inv"], bufs["fp8_max"],
+                      bufs["fp8_overflow_count"])
+    d = layer.__dict__
+    seen = d.get("_fp8_job_checked")
+    if seen is None or not (seen[0] is h and seen[1] is s and seen[2] is si and seen[3] is m and seen[4] is o):
+        dev = h.device
+        n = h.shape[1] if h.dim() == 2 else -1
+        ok = (h.is_cuda and h.dim() == 2 and h.is_contiguous()
+              and all(t.dtype == torch.float32 for t in (h, s, si, m)) and o.dtype == torch.int64
+              and all(t.device == dev for t in (s, si, m, o))
+              and all(t.dim() == 1 and t.numel() == n for t in (s, si, m, o))
+              and s.is_contiguous() and m.is_contiguous() and o.is_contiguous() and si.stride(0) >= 1)
+        seen = d["_fp8_job_checked"] = (h, s, si, m, o, dev.index if ok else None)
+    if seen[5] is None:
+        return None
+    cfg = d["fp8_config"]
+    return seen[5], (h.data_ptr(), s.data_ptr(), si.data_ptr(), m.data_ptr(), o.data_ptr(), h.shape[1], h.shape[0],
+                     si.stride(0), float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo])
+
+
 def update_scales(layers: list[Fp8Linear], group=None) -> None:
     """One optimizer step has happened for these layers."""
     # a layer that cast nothing since the last update (policy "auto" chose BF16
@@ -102,16 +130,26 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
         _reduce_amax(due, group)
     for layer in layers:
         layer.__dict__["fp8_step"] = layer.fp8_step + 1  # not Module.__setattr__: per layer per step
+    # each layer: the scales of its 3 tensors, the history roll, and the count of
+    # this step's NaN/inf amaxes (the scale was kept for those). CUDA layers: all
+    # of a device's layers in one launch (32 per launch) through _C; others (CPU)
+    # one checked dispatcher op each.
+    fast = {}
+    core = _loader._C  # None when the C core did not load (no layer then runs FP8 on CUDA)
     update = torch.ops.fp8ops.amax_update.default
     for layer in due:
         d = layer.__dict__
         d["_fp8_cast_since_update"] = False
+        job = _fast_job(layer) if core is not None else None
+        if job is not None:
+            fast.setdefault(job[0], []).append(job[1])
+            continue
         cfg = d["fp8_config"]
         bufs = layer._buffers
-        # one launch per layer: scales of its 3 tensors, history roll, and the
-        # count of this step's NaN/inf amaxes (the scale was kept for those)
         update(bufs["fp8_amax_history"], bufs["fp8_scale"], bufs["fp8_scale_inv"], bufs["fp8_max"],
                float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo], bufs["fp8_overflow_count"])
+    for device, jobs in fast.items():
+        core.amax_update_many(device, jobs)
 
 
 def step(model: torch.nn.Module) -> None:

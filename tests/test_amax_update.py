@@ -161,3 +161,54 @@ def test_padded_scale_inv(device):
     assert (storage[:, 1:] == -7.0).all()
     with pytest.raises(RuntimeError, match=r"scale_inv must be contiguous or a 1-D view with a positive stride"):
         ops.amax_update(hist, scale, torch.ones(3, 2, device=device)[:, 0:1], fmax)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_amax_update_many_matches_the_op():
+    """_C.amax_update_many (the optimizer hook's path: all layers in few launches)
+    gives bit for bit what amax_update gives layer by layer, over more than one
+    launch (> 32 jobs), mixed H / n / margin / algo, padded scale_inv, NaN rows."""
+    from fp8ops import _loader
+    gen = torch.Generator().manual_seed(7)
+    jobs, refs, states = [], [], []
+    for i in range(70):
+        H, n = (1, 16, 3, 1024)[i % 4], (3, 1, 40, 3)[i % 4]
+        margin, algo = (0.0, 1.0, 2.5)[i % 3], ("max", "most_recent")[i % 2]
+        hist = torch.rand(H, n, generator=gen) * 100
+        if i % 5 == 0:
+            hist[0, 0] = float("nan")
+        scale = torch.rand(n, generator=gen) + 0.5
+        fmax = torch.full((n,), 448.0)
+        counts = torch.arange(n, dtype=torch.int64)
+        ref = [t.clone().cuda() for t in (hist, scale, torch.ones(n), fmax, counts)]
+        ops.amax_update(ref[0], ref[1], ref[2], ref[3], margin, algo, overflow_count=ref[4])
+        refs.append(ref)
+        st = [t.clone().cuda() for t in (hist, scale)] + [torch.ones(n, 4, device="cuda")[:, 0],
+                                                            fmax.cuda(), counts.cuda()]
+        states.append(st)
+        jobs.append((st[0].data_ptr(), st[1].data_ptr(), st[2].data_ptr(), st[3].data_ptr(), st[4].data_ptr(),
+                     n, H, 4, margin, ops.AMAX_ALGOS[algo]))
+    _loader._C.amax_update_many(torch.cuda.current_device(), jobs)
+    for i, (st, ref) in enumerate(zip(states, refs)):
+        for name, got, want in zip(("history", "scale", "scale_inv", "fp8_max", "counts"), st, ref):
+            assert torch.equal(got.view(torch.int32) if got.is_floating_point() else got,
+                               want.view(torch.int32) if want.is_floating_point() else want), f"job {i}: {name}"
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_amax_update_many_rejects_bad_jobs():
+    from fp8ops import _loader
+    dev = torch.cuda.current_device()
+    h = torch.zeros(4, 3, device="cuda")
+    p = h.data_ptr()
+    with pytest.raises(RuntimeError, match="bad sizes"):
+        _loader._C.amax_update_many(dev, [(p, p, p, p, 0, 3, 0, 1, 0.0, 0)])
+    with pytest.raises(RuntimeError, match="null pointer"):
+        _loader._C.amax_update_many(dev, [(0, p, p, p, 0, 3, 4, 1, 0.0, 0)])
+    with pytest.raises(RuntimeError, match="margin must be a finite number"):
+        _loader._C.amax_update_many(dev, [(p, p, p, p, 0, 3, 4, 1, float("nan"), 0)])
+    with pytest.raises(TypeError, match="a job is"):
+        _loader._C.amax_update_many(dev, [(p, p)])
+    assert torch.equal(h, torch.zeros(4, 3, device="cuda"))
