@@ -90,6 +90,9 @@ def parse_args(argv=None):
     r.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="autocast dtype around the model; auto: bf16 on CUDA, fp32 on CPU")
     r.add_argument("--compile", action="store_true", help="torch.compile the model")
+    r.add_argument("--deterministic", action="store_true",
+                   help="repeatable runs: deterministic torch algorithms, cuBLAS workspace config, "
+                        "and the math attention kernel (slower; for comparing runs step by step)")
     r.add_argument("--out_dir", default="runs/train_fp8",
                    help="checkpoints, TensorBoard logs and metrics.json go here")
     r.add_argument("--resume", metavar="PATH|auto",
@@ -239,6 +242,23 @@ class StopOnInterrupt:
 
 # ------------------------------------------------------------------------------------------------
 
+def set_deterministic() -> None:
+    """Make two runs of the same command give the same losses (on one GPU, bit for
+    bit): the flash / memory-efficient attention backward kernels accumulate with
+    atomics, so attention takes the math path; torch's ops use their
+    deterministic variants (a warning where one has none); cuBLAS gets a fixed
+    workspace. fp8ops' own kernels are deterministic (amax is a max)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    for kernel in ("flash", "mem_efficient", "cudnn"):
+        fn = getattr(torch.backends.cuda, f"enable_{kernel}_sdp", None)
+        if fn is not None:
+            fn(False)
+    print("deterministic: on (math attention, deterministic algorithms)")
+
+
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.time()
@@ -260,6 +280,8 @@ def main(argv=None):
             return torch.autocast(device.type, dtype=torch.bfloat16)
     else:
         amp = contextlib.nullcontext
+    if args.deterministic:
+        set_deterministic()
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
         where = f"cuda ({torch.cuda.get_device_name(device)})"
