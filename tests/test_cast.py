@@ -179,6 +179,29 @@ def test_cast_cuda_large_matches_cpu(shape, dtype):
 
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FP8, ids=["e4m3", "e5m2"])
+def test_cast_cuda_16384x14336_with_edge_values_matches_cpu(fp8):
+    """The largest target shape, bf16, with every edge value (inf, NaN, +-0,
+    subnormals, fp8_max +- 1 ulp, huge) planted at random positions among
+    values spread over many octaves: the CUDA cast + transpose + amax is bit
+    for bit the CPU reference."""
+    gen = torch.Generator().manual_seed(14336)
+    shape = (16384, 14336)
+    x = (torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-20, 12, shape, generator=gen).float()))
+    edges = torch.cat([_edge_values(torch.float32, fp8), torch.tensor([float("nan"), -float("nan")])])
+    pos = torch.randint(0, x.numel(), (4096,), generator=gen)
+    x.view(-1)[pos] = edges[torch.arange(4096) % edges.numel()]
+    x = x.to(torch.bfloat16)
+    s = torch.tensor([0.75])
+    c = ops.cast(x.cuda(), s.cuda(), fp8, True)
+    r = cast_ref(x, s, fp8, True)
+    assert_bitwise(c[0], r[0], "out")
+    assert_bitwise(c[1], r[1], "out_t")
+    assert torch.equal(c[2].cpu(), r[2].cpu()) or (c[2].isnan().item() and r[2].isnan().item())
+
+
+@requires_cuda
+@pytest.mark.gpu
 def test_cast_cuda_unaligned_view():
     base = torch.randn(1 + 64 * 48, device="cuda", dtype=torch.bfloat16)
     x = base[1:].view(64, 48)  # storage offset of 2 bytes: not 16-byte aligned
