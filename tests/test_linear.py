@@ -376,3 +376,20 @@ def test_scale_inv_entries_stay_16_byte_aligned():
     si = lin.fp8_scale_inv
     assert si.stride() == (4,) and torch.equal(si, before)
     assert all(si[i:i + 1].data_ptr() % 16 == 0 for i in range(3))
+
+
+def test_bf16_verdict_fast_path_only_for_the_same_input_kind():
+    """After policy "auto" sends a call to BF16 it records the input's (shape,
+    dtype, device, autocast); a repeat of exactly that call takes the plain
+    F.linear path at once, anything else goes through the full checks."""
+    torch.manual_seed(0)
+    lin = Fp8Linear(32, 16, bias=True)
+    lin.fp8_on_cpu = True
+    x = torch.randn(48, 32)
+    lin._fp8_bf16_key = (x.shape, x.dtype, x.device, None)   # what the policy branch stores
+    y = lin(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, lin.weight, lin.bias))
+    assert lin.fp8_fallback_calls == 1 and lin.fp8_step == 0 and not lin._fp8_primed
+    y2 = lin(torch.randn(32, 32))                                # another shape: the FP8 path
+    assert lin.fp8_fallback_calls == 1 and lin._fp8_primed
+    assert y2.shape == (32, 16)
