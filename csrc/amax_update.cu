@@ -171,6 +171,21 @@ extern "C" int fp8ops_amax_update_cuda(float* amax_history, float* scale, float*
 extern "C" int fp8ops_amax_update_many_cuda(const fp8ops_amax_update_job* jobs, int64_t count,
                                             void* stream) {
   FP8OPS_REQUIRE(count >= 0 && (count == 0 || jobs), "amax_update_many: bad job list");
+  // every job is checked before the first launch: a bad job changes no history
+  for (int64_t i = 0; i < count; ++i) {
+    const fp8ops_amax_update_job* in = &jobs[i];
+    FP8OPS_TRY(fp8ops_amax_update_check(in->amax_history, in->scale, in->scale_inv, in->fp8_max,
+                                        in->n, in->H, (fp8ops_amax_algo)in->algo,
+                                        in->scale_inv_stride));
+    FP8OPS_REQUIRE(in->n == 0 || in->H <= INT64_MAX / in->n,
+                   "amax_update_many: history [%lld, %lld] too large", (long long)in->H,
+                   (long long)in->n);
+    FP8OPS_REQUIRE(in->n <= (int64_t)INT32_MAX * 32, "amax_update_many: too many tensors in one "
+                   "job (n=%lld)", (long long)in->n);
+    FP8OPS_REQUIRE(in->margin == in->margin && in->margin > -1e6f && in->margin < 1e6f,
+                   "amax_update_many: margin must be a finite number, found %g",
+                   (double)in->margin);
+  }
   for (int64_t first = 0; first < count; first += AU_MANY) {
     au_jobs batch;
     memset(&batch, 0, sizeof batch);
@@ -178,15 +193,6 @@ extern "C" int fp8ops_amax_update_many_cuda(const fp8ops_amax_update_job* jobs, 
     int64_t max_blocks = 0;
     for (int64_t i = 0; i < k; ++i) {
       const fp8ops_amax_update_job* in = &jobs[first + i];
-      FP8OPS_TRY(fp8ops_amax_update_check(in->amax_history, in->scale, in->scale_inv, in->fp8_max,
-                                          in->n, in->H, (fp8ops_amax_algo)in->algo,
-                                          in->scale_inv_stride));
-      FP8OPS_REQUIRE(in->n == 0 || in->H <= INT64_MAX / in->n,
-                     "amax_update_many: history [%lld, %lld] too large", (long long)in->H,
-                     (long long)in->n);
-      FP8OPS_REQUIRE(in->margin == in->margin && in->margin > -1e6f && in->margin < 1e6f,
-                     "amax_update_many: margin must be a finite number, found %g",
-                     (double)in->margin);
       au_job* o = &batch.job[i];
       o->hist = in->amax_history;
       o->scale = in->scale;
@@ -201,7 +207,6 @@ extern "C" int fp8ops_amax_update_many_cuda(const fp8ops_amax_update_job* jobs, 
       const int64_t blocks = FP8OPS_CEIL_DIV(in->n, (int64_t)32);
       if (blocks > max_blocks) max_blocks = blocks;
     }
-    FP8OPS_REQUIRE(max_blocks <= INT32_MAX, "amax_update_many: too many tensors in one job");
     if (max_blocks == 0) continue;
     const dim3 grid((unsigned)max_blocks, (unsigned)k), block(32, AU_THREADS / 32);
     amax_update_many_kernel<<<grid, block, 0, (cudaStream_t)stream>>>(batch);

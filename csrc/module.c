@@ -59,20 +59,34 @@ static PyObject* py_amax_update_many(PyObject* self, PyObject* args) {
   int device = 0;
   PyObject* list = NULL;
   if (!PyArg_ParseTuple(args, "iO!", &device, &PyList_Type, &list)) return NULL;
-  const Py_ssize_t count = PyList_Size(list);
-  if (count < 0) return NULL;
+  /* a snapshot: parsing a job can run Python code (__index__, __float__) that
+   * could change the list under us */
+  PyObject* snap = PySequence_Tuple(list);
+  if (!snap) return NULL;
+  const Py_ssize_t count = PyTuple_Size(snap);
   fp8ops_amax_update_job* jobs = (fp8ops_amax_update_job*)calloc(count ? (size_t)count : 1,
                                                                   sizeof *jobs);
-  if (!jobs) return PyErr_NoMemory();
+  if (!jobs) {
+    Py_DECREF(snap);
+    return PyErr_NoMemory();
+  }
   for (Py_ssize_t i = 0; i < count; ++i) {
     unsigned long long h, s, si, m, o;
     long long n, H, stride;
     double margin;
     int algo;
-    if (!PyArg_ParseTuple(PyList_GetItem(list, i), "KKKKKLLLdi;amax_update_many: a job is (history, "
+    PyObject* job = PyTuple_GetItem(snap, i); /* borrowed; snap keeps it alive */
+    if (!job || !PyTuple_Check(job)) {
+      if (job) PyErr_SetString(PyExc_TypeError, "amax_update_many: each job must be a tuple");
+      free(jobs);
+      Py_DECREF(snap);
+      return NULL;
+    }
+    if (!PyArg_ParseTuple(job, "KKKKKLLLdi;amax_update_many: a job is (history, "
                           "scale, scale_inv, fp8_max, overflow_count, n, H, scale_inv_stride, "
                           "margin, algo)", &h, &s, &si, &m, &o, &n, &H, &stride, &margin, &algo)) {
       free(jobs);
+      Py_DECREF(snap);
       return NULL;
     }
     jobs[i].amax_history = (float*)(uintptr_t)h;
@@ -88,6 +102,7 @@ static PyObject* py_amax_update_many(PyObject* self, PyObject* args) {
   }
   const int rc = fp8ops_amax_update_many(device, jobs, count);
   free(jobs);
+  Py_DECREF(snap);
   if (rc != FP8OPS_OK) {
     PyErr_SetString(PyExc_RuntimeError, fp8ops_last_error());
     return NULL;

@@ -60,6 +60,14 @@ def _chk_scalar_f32(op, name, t, ref_name, ref):
     _chk_device(op, name, t, ref_name, ref)
 
 
+def _chk_gemm_dims(op, t, M, N, K):
+    # the C kernels' CUDA-only rule (cuBLASLt FP8), so compiled code fails where eager does
+    if t.device.type == "cuda":
+        _chk(M % 16 == 0 and N % 16 == 0 and K % 16 == 0 and M > 0 and N > 0 and K > 0,
+             f"{op}: FP8 GEMM on CUDA needs M, N and K to be positive multiples of 16 (got M={M}, N={N}, "
+             f"K={K}); pad the tensors or exclude this layer via module_filter_fn")
+
+
 def _chk_bias(op, bias, N, out_dtype, ref, ref_name):
     if bias.numel() == 0:
         return
@@ -83,8 +91,7 @@ def cast(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.fl
     return torch.ops.fp8ops.cast.default(x, scale, out_dtype, transpose)
 
 
-def _cast_fake(x, scale, out_dtype, transpose):
-    op = "fp8ops::cast"
+def _cast_fake(x, scale, out_dtype, transpose, op="fp8ops::cast"):
     _chk(x.dtype in HP_DTYPES, f"{op}: x must be float32, bfloat16 or float16, found {_dname(x.dtype)}")
     _chk(out_dtype in FP8_DTYPES, f"{op}: out_dtype must be float8_e4m3fn or float8_e5m2, found {_dname(out_dtype)}")
     _chk_contig(op, "x", x)
@@ -221,6 +228,7 @@ def _gemm_fake(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_fast_accum):
     _chk_scalar_f32(op, "a_scale_inv", a_scale_inv, "a", a)
     _chk_scalar_f32(op, "b_scale_inv", b_scale_inv, "a", a)
     _chk_bias(op, bias, b.shape[0], out_dtype, a, "a")
+    _chk_gemm_dims(op, a, a.shape[0], b.shape[0], a.shape[1])
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
@@ -259,8 +267,9 @@ def cast_accumulate(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
 
 
 def _cast_accumulate_fake(x, scale, amax, out_dtype, transpose):
-    out, out_t, _ = _cast_fake(x, scale, out_dtype, transpose)
-    _chk_scalar_f32("fp8ops::cast_accumulate", "amax", amax, "x", x)
+    op = "fp8ops::cast_accumulate"
+    out, out_t, _ = _cast_fake(x, scale, out_dtype, transpose, op)
+    _chk_scalar_f32(op, "amax", amax, "x", x)
     return out, out_t
 
 
@@ -315,6 +324,7 @@ def _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scal
         _chk_scalar_f32(op, name, t, "x", x)
     M, K, N = x.shape[0], x.shape[1], w.shape[0]
     _chk_bias(op, bias, N, out_dtype, x, "x")
+    _chk_gemm_dims(op, x, M, N, K)
     x8t = x.new_empty((K, M) if save_xt else (0,), dtype=x_fp8_dtype)
     w8 = x.new_empty((N, K) if cast_w else (0,), dtype=w8_dtype)
     w8t = x.new_empty((K, N) if cast_w and save_wt else (0,), dtype=w8_dtype)
@@ -373,6 +383,8 @@ def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_
         _chk_device(op, "x8t", x8t, "gy", gy)
         _chk_scalar_f32(op, "x_scale_inv", x_scale_inv, "gy", gy)
         K = x8t.shape[0]
+    if need_dx or need_dw:
+        _chk_gemm_dims(op, gy, M, N, K)
     dx = gy.new_empty((M, K) if need_dx else (0,), dtype=dx_dtype)
     dw = gy.new_empty((N, K) if need_dw else (0,), dtype=dw_dtype)
     return dx, dw

@@ -212,3 +212,15 @@ def test_amax_update_many_rejects_bad_jobs():
     with pytest.raises(TypeError, match="a job is"):
         _loader._C.amax_update_many(dev, [(p, p)])
     assert torch.equal(h, torch.zeros(4, 3, device="cuda"))
+
+
+def test_amax_update_many_rejects_malformed_job_lists():
+    """The C entry point parses its arguments before touching any device."""
+    from fp8ops import _loader
+    many = _loader._C.amax_update_many
+    with pytest.raises(TypeError):
+        many(0, ((1, 2, 3),))                      # not a list
+    with pytest.raises(TypeError, match="each job must be a tuple"):
+        many(0, [[1, 2, 3, 4, 5, 3, 4, 1, 0.0, 0]])
+    with pytest.raises(TypeError, match="a job is"):
+        many(0, [(1, 2)])
