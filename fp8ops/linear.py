@@ -169,7 +169,7 @@ class Fp8Linear(nn.Linear):
         # per tensor (input, weight, grad_output): amaxes that were NaN/inf (the scale was kept)
         self.register_buffer("fp8_overflow_count", torch.zeros(3, dtype=torch.int64, device=dev), persistent=False)
         self.fp8_step = 0               # optimizer steps seen
-        self.fp8_fallback_calls = 0     # forwards that ran BF16 (input on CPU, M % 16 != 0)
+        self.fp8_fallback_calls = 0     # forwards that ran BF16 (input on CPU, M % 16 != 0, policy auto)
         self._fp8_primed = False        # delayed: first forward primes x/w scales from current amaxes
         self._fp8_g_primed = False      # ... and the first backward the grad scale
         self._w_cache = None            # (key, w8, w8t, bias in the GEMM's bias dtype)
@@ -232,7 +232,9 @@ class Fp8Linear(nn.Linear):
         optimizer hook (scaling.py) bumps it, matching the layer through the
         sharded DTensor that is registered on the module again after backward.
         A state_dict load drops the cache explicitly (_load_from_state_dict)."""
-        w = self._parameters["weight"]
+        w = self._parameters.get("weight")
+        if w is None:
+            w = self.weight  # a parametrized weight (torch.nn.utils.parametrize)
         b = self._parameters.get("bias")
         key = None if compiling else (w._version, w.data_ptr(), None if b is None else b._version,
                                       self.fp8_step, compute_dtype, need_t)
@@ -256,23 +258,46 @@ class Fp8Linear(nn.Linear):
 
     def _fp8_views(self, compiling: bool) -> tuple:
         """The scaling buffers and their per-tensor views as one flat tuple
-        (indices V_*). Cached while the buffers are the same objects (.to() /
-        .cuda() replace them); sliced afresh under compile."""
+        (indices V_*). Cached while the buffers are the same objects over the
+        same memory (.to() / .cuda() replace them; FSDP2 moves them by
+        assigning .data); sliced afresh under compile."""
         bufs = self._buffers
         h, s, si, m, o = (bufs["fp8_amax_history"], bufs["fp8_scale"], bufs["fp8_scale_inv"], bufs["fp8_max"],
                           bufs["fp8_overflow_count"])
         if not compiling:
-            c = self.__dict__.get("_fp8_view_cache")
-            if c is not None and c[V_BUFFERS] is h and c[V_BUFFERS + 1] is s and c[V_BUFFERS + 2] is si \
-                    and c[V_BUFFERS + 3] is m and c[V_OVERFLOW] is o:
-                return c
+            ptrs = (h.data_ptr(), s.data_ptr(), si.data_ptr(), m.data_ptr(), o.data_ptr())
+            cached = self.__dict__.get("_fp8_views_flat")
+            if cached is not None:
+                c, cptrs = cached
+                if c[V_BUFFERS] is h and c[V_BUFFERS + 1] is s and c[V_BUFFERS + 2] is si \
+                        and c[V_BUFFERS + 3] is m and c[V_OVERFLOW] is o and cptrs == ptrs:
+                    return c
             if not _is_padded(si):
                 # .to() / .cuda() / a load made the buffer contiguous again
                 si = bufs["fp8_scale_inv"] = _padded(si)
+                ptrs = ptrs[:2] + (si.data_ptr(),) + ptrs[3:]
         c = (s[0:1], s[1:2], s[2:3], si[0:1], si[1:2], si[2:3], h[0, 0], h[0, 1], h[0, 2], o, h, s, si, m)
         if not compiling:
-            self.__dict__["_fp8_view_cache"] = c
+            self.__dict__["_fp8_views_flat"] = (c, ptrs)
         return c
+
+    def _apply(self, fn, recurse=True):
+        """.to() / .cuda() / .half() of the module: the scaling state keeps its
+        fp32 values (a cast to fp16 would turn large scales into inf), and the
+        cached weight cast, views and policy shortcut are dropped (they belong
+        to the old device and dtype)."""
+        keep = {n: self._buffers[n] for n in ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_max")
+                if self._buffers.get(n) is not None}
+        ret = super()._apply(fn, recurse)
+        for n, old in keep.items():
+            new = self._buffers[n]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[n] = old.to(new.device)
+        d = self.__dict__
+        d["_w_cache"] = None
+        d["_fp8_bf16_key"] = None
+        d.pop("_fp8_views_flat", None)
+        return ret
 
     def _fp8_pays(self, M: int, cdtype: torch.dtype, compiling: bool = False) -> bool:
         """policy="auto": is FP8 faster than BF16 for this shape on this GPU?
@@ -309,7 +334,7 @@ class Fp8Linear(nn.Linear):
         # instead of Module.__getattr__, is_compiling() asked once.
         d = self.__dict__
         compiling = torch.compiler.is_compiling()
-        bf16_key = d["_fp8_bf16_key"]
+        bf16_key = d.get("_fp8_bf16_key")
         if bf16_key is not None and not compiling:
             # policy "auto" chose BF16 for the input the last call had: a layer
             # left in BF16 should cost what an nn.Linear costs, so the repeat of
@@ -317,11 +342,13 @@ class Fp8Linear(nn.Linear):
             ac = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
             if bf16_key == (x.shape, x.dtype, x.device, ac):
                 d["fp8_fallback_calls"] += 1
-                return F.linear(x, self._parameters["weight"], self._parameters.get("bias"))
+                return F.linear(x, self.weight, self.bias)
         if (not x.is_cuda and not d["fp8_on_cpu"]) or x.numel() == 0:
             d["fp8_fallback_calls"] += 1
             return super().forward(x)
-        weight = self._parameters["weight"]
+        weight = self._parameters.get("weight")
+        if weight is None:
+            weight = self.weight  # a parametrized weight (torch.nn.utils.parametrize)
         if not compiling and _is_dtensor(weight):
             raise RuntimeError(
                 "Fp8Linear: the weight is a DTensor (a sharded FSDP2 or tensor-parallel parameter). Under "

@@ -286,7 +286,10 @@ def linear_fwd(x, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
     if bias is None:
         bias = x.new_empty((0,), dtype=_bias_dtype(out_dtype))
     if w_scale is None:
-        w_scale = w_scale_inv
+        if w.dtype in HP_DTYPES:
+            raise ValueError("linear_fwd: w is in high precision and is cast here, so w_scale (the scale "
+                             "to cast it with) is required; pass w_scale=..., or an FP8 w")
+        w_scale = w_scale_inv  # unused for an FP8 w (and checked nowhere for a bad dtype)
     if w_amax is None:
         w_amax = x.new_zeros((1,), dtype=torch.float32)
     return torch.ops.fp8ops.linear_fwd.default(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv,

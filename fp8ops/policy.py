@@ -1,5 +1,5 @@
 """policy="auto": run a layer in FP8 only where FP8 is faster than BF16 on this
-GPU. Each distinct (M, K, N, dtype) is measured once -- fwd+bwd of a throwaway
+GPU (by at least MIN_SPEEDUP). Each distinct (M, K, N, dtype) is measured once -- fwd+bwd of a throwaway
 FP8 layer vs the same under BF16 autocast -- and the verdict is cached for the
 process and on disk (FP8OPS_POLICY_CACHE, default ~/.cache/fp8ops/policy.json,
 keyed by GPU name and torch version), so later runs do not measure again.
@@ -78,7 +78,7 @@ def _time(fn, reps: int = 20) -> float:
 def measure(layer, M: int, cdtype: torch.dtype) -> tuple[bool, float]:
     """fwd+bwd time of BF16 over FP8 for this layer's shape at M rows."""
     from .linear import Fp8Linear  # noqa: PLC0415
-    from .scaling import update_scales  # noqa: PLC0415
+    from . import ops  # noqa: PLC0415
 
     dev = layer.weight.device
     k = key(dev, M, layer.in_features, layer.out_features, cdtype, layer.bias is not None)
@@ -91,6 +91,10 @@ def measure(layer, M: int, cdtype: torch.dtype) -> tuple[bool, float]:
         fp8 = Fp8Linear(K, N, bias=layer.bias is not None, device=dev, dtype=layer.weight.dtype,
                         config=layer.fp8_config)
         fp8.fp8_policy_measuring = True
+        # rank-local: no priming collective (ranks may measure different shapes,
+        # or read different caches), scales start at 1 and follow the history
+        fp8._fp8_primed = fp8._fp8_g_primed = True
+        cfg = fp8.fp8_config
         x = torch.randn(M, K, device=dev, dtype=cdtype, requires_grad=True)
         g = torch.randn(M, N, device=dev, dtype=cdtype)
 
@@ -100,9 +104,12 @@ def measure(layer, M: int, cdtype: torch.dtype) -> tuple[bool, float]:
                     y = mod(x) if mod is fp8 else F.linear(x, mod.weight, mod.bias)
                 y.backward(g)
                 if mod is fp8:
-                    # what an optimizer step costs FP8: the scale update, and the
+                    # what an optimizer step costs FP8: the scale update (one
+                    # launch, no all-reduce: this layer is rank-local), and the
                     # weight cast again in the next forward (no reuse)
-                    update_scales([fp8])
+                    ops.amax_update(fp8.fp8_amax_history, fp8.fp8_scale, fp8.fp8_scale_inv, fp8.fp8_max,
+                                    cfg.margin, cfg.amax_compute_algo, fp8.fp8_overflow_count)
+                    fp8.fp8_step += 1
             return step
 
         with torch.enable_grad():  # the first forward may come under no_grad (eval)

@@ -1,8 +1,8 @@
 """Delayed-scaling bookkeeping: after each optimizer step, update every
-Fp8Linear's scales from its amax history (one amax_update launch per layer,
-all three tensors at once, counting NaN/inf amaxes), after reducing this step's amaxes across the
-data-parallel ranks in ONE all-reduce for all layers, so every rank casts with
-the same scales.
+Fp8Linear's scales from its amax history (on CUDA one launch per 32 layers,
+each layer's three tensors at once, counting NaN/inf amaxes), after reducing
+this step's amaxes across the data-parallel ranks in ONE all-reduce for all
+layers, so every rank casts with the same scales.
 
 Hooked on torch.optim's global step post-hook, so a training loop needs no
 extra call; `fp8ops.step(model)` does the same by hand (custom optimizers).
@@ -187,6 +187,7 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
             m.fp8_scale_inv.copy_(s["scale_inv"])
         m.fp8_step = int(s["step"])
         m._fp8_primed = m._fp8_g_primed = bool(s.get("primed", True))
+        m._w_cache = None  # the cached weight cast was made with the old weight scale
     if strict and skipped:
         raise KeyError(f"load_scaling_state_dict: no compatible state for {skipped}")
     return skipped

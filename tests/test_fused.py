@@ -156,7 +156,8 @@ def _fwd_call(device, **over):
     ({"w": torch.zeros(16, 40, dtype=E4)}, r"linear_fwd: x \[32, 48\] and w \[16, 40\] must share the inner dim K"),
     ({"w": torch.zeros(16, 48, dtype=torch.int32)}, r"linear_fwd: w must be float8_e4m3fn or float8_e5m2 \(already cast\), or"),
     ({"x_fp8_dtype": E5, "w": torch.zeros(16, 48, dtype=E5)}, r"x and w would both be float8_e5m2"),
-    ({"w": torch.zeros(16, 48), "w_amax": torch.zeros(2)}, r"linear_fwd: w_amax must hold exactly 1 element"),
+    ({"w": torch.zeros(16, 48), "w_scale": torch.ones(1), "w_amax": torch.zeros(2)},
+     r"linear_fwd: w_amax must hold exactly 1 element"),
     ({"x_amax": torch.zeros(2)}, r"linear_fwd: x_amax must hold exactly 1 element"),
     ({"x": torch.randn(48, 32).t()}, r"linear_fwd: x must be contiguous"),
     ({"bias": torch.zeros(5, dtype=torch.bfloat16)}, r"linear_fwd: bias must be 1-D \[N\] = \[16\]"),
@@ -216,3 +217,10 @@ def test_fused_opcheck_and_compile(device):
     (y1, t1), (y2, t2) = torch.compile(f, fullgraph=True)(x, s1), f(x, s2)
     assert torch.equal(y1, y2) and torch.equal(t1.view(torch.uint8), t2.view(torch.uint8))
     assert torch.equal(h1, h2) and h1[0, 1].item() > 0  # the slot's mutation survives compile
+
+
+def test_linear_fwd_high_precision_weight_needs_its_scale():
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    s = torch.ones(1)
+    with pytest.raises(ValueError, match=r"w_scale \(the scale to cast it with\) is required"):
+        ops.linear_fwd(x, torch.randn(16, 32), s, torch.zeros(1), s, s)

@@ -393,3 +393,52 @@ def test_bf16_verdict_fast_path_only_for_the_same_input_kind():
     y2 = lin(torch.randn(32, 32))                                # another shape: the FP8 path
     assert lin.fp8_fallback_calls == 1 and lin._fp8_primed
     assert y2.shape == (32, 16)
+
+
+def test_module_moves_keep_fp32_scaling_state_and_drop_caches():
+    """.half() / .to(bf16) must not cast the scaling state (a large scale would
+    become inf in fp16); any .to() drops the cached weight cast; a state load
+    drops it too (it was made with the old weight scale)."""
+    lin = Fp8Linear(32, 16)
+    lin.fp8_on_cpu = True
+    lin(torch.randn(16, 32)).sum().backward()
+    with torch.no_grad():
+        lin.fp8_scale.fill_(1e6)                          # > fp16 max
+        lin.fp8_scale_inv.fill_(1e-6)
+    before = lin.fp8_scale.clone()
+    lin.half()
+    assert lin.weight.dtype == torch.float16
+    for name in ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_max"):
+        assert getattr(lin, name).dtype == torch.float32, name
+    assert torch.equal(lin.fp8_scale, before) and lin._w_cache is None
+    lin.float()
+    lin(torch.randn(16, 32))                              # caches the weight cast again
+    assert lin._w_cache is not None
+    state = fp8ops.scaling_state_dict(torch.nn.Sequential(lin))
+    fp8ops.load_scaling_state_dict(torch.nn.Sequential(lin), state)
+    assert lin._w_cache is None
+
+
+def test_views_follow_a_buffer_whose_data_is_swapped():
+    """FSDP2 moves buffers by assigning .data: the amaxes must land in the new memory."""
+    lin = Fp8Linear(32, 16)
+    lin.fp8_on_cpu = True
+    lin(torch.randn(16, 32))
+    lin.fp8_amax_history.data = lin.fp8_amax_history.data.clone().zero_()
+    x = torch.full((16, 32), 3.0)
+    lin(x)
+    assert lin.fp8_amax_history[0, 0].item() == 3.0
+
+
+def test_parametrized_weight():
+    import torch.nn.utils.parametrize as P
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return w * 2
+
+    lin = Fp8Linear(32, 16, config=Fp8Config(policy="always"))
+    lin.fp8_on_cpu = True
+    P.register_parametrization(lin, "weight", Scale())
+    y = lin(torch.randn(16, 32))
+    assert y.shape == (16, 16) and torch.isfinite(y).all()
