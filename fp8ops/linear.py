@@ -232,10 +232,7 @@ class Fp8Linear(nn.Linear):
         optimizer hook (scaling.py) bumps it, matching the layer through the
         sharded DTensor that is registered on the module again after backward.
         A state_dict load drops the cache explicitly (_load_from_state_dict)."""
-        w = self._parameters.get("weight")
-        if w is None:
-            w = self.weight  # a parametrized weight (torch.nn.utils.parametrize)
-        b = self._parameters.get("bias")
+        w, b = self._param("weight"), self._param("bias")
         key = None if compiling else (w._version, w.data_ptr(), None if b is None else b._version,
                                       self.fp8_step, compute_dtype, need_t)
         cache = self._w_cache
@@ -299,6 +296,15 @@ class Fp8Linear(nn.Linear):
         d.pop("_fp8_views_flat", None)
         return ret
 
+    def _param(self, name: str):
+        """self.<name> without Module.__getattr__ on the hot path; a
+        parametrized weight or bias (torch.nn.utils.parametrize) is not in
+        _parameters and goes through the attribute."""
+        p = self._parameters.get(name)
+        if p is None and name not in self._parameters:
+            return getattr(self, name)
+        return p
+
     def _fp8_pays(self, M: int, cdtype: torch.dtype, compiling: bool = False) -> bool:
         """policy="auto": is FP8 faster than BF16 for this shape on this GPU?
         Measured once per shape (policy.py); under torch.compile or CUDA-graph
@@ -346,9 +352,7 @@ class Fp8Linear(nn.Linear):
         if (not x.is_cuda and not d["fp8_on_cpu"]) or x.numel() == 0:
             d["fp8_fallback_calls"] += 1
             return super().forward(x)
-        weight = self._parameters.get("weight")
-        if weight is None:
-            weight = self.weight  # a parametrized weight (torch.nn.utils.parametrize)
+        weight, bias = self._param("weight"), self._param("bias")
         if not compiling and _is_dtensor(weight):
             raise RuntimeError(
                 "Fp8Linear: the weight is a DTensor (a sharded FSDP2 or tensor-parallel parameter). Under "
@@ -364,7 +368,7 @@ class Fp8Linear(nn.Linear):
             # cuBLASLt FP8 needs M % 16 == 0; this call (e.g. an odd eval batch)
             # runs exactly as the nn.Linear would (under the caller's autocast)
             d["fp8_fallback_calls"] += 1
-            return F.linear(x, weight, self._parameters.get("bias"))
+            return F.linear(x, weight, bias)
         if (cfg.policy == "auto" and x.is_cuda and not d["fp8_policy_measuring"]
                 and not self._fp8_pays(x2.shape[0], cdtype, compiling)):
             # policy "auto" measured BF16 faster for this shape: the plain path,
@@ -373,7 +377,7 @@ class Fp8Linear(nn.Linear):
                 ac = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
                 d["_fp8_bf16_key"] = (x.shape, x.dtype, x.device, ac)
             d["fp8_fallback_calls"] += 1
-            return F.linear(x, weight, self._parameters.get("bias"))
+            return F.linear(x, weight, bias)
         if x2.dtype not in ops.HP_DTYPES:
             x2 = x2.to(cdtype)
         # an fp32 input (LayerNorm under autocast) is cast to fp8 directly: no
@@ -395,5 +399,5 @@ class Fp8Linear(nn.Linear):
             d["_fp8_g_primed"] = True
         static = (x_dt, w_dt, g_dt, cdtype, cfg.fast_accum, cfg.recipe == "current", float(cfg.margin),
                   need_wgrad, need_dgrad, prime_g)
-        y = _Fp8LinearFn.apply(x2, weight, self._parameters.get("bias"), w_in, w8t, b_lp, views, static, store)
+        y = _Fp8LinearFn.apply(x2, weight, bias, w_in, w8t, b_lp, views, static, store)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -437,8 +437,16 @@ def test_parametrized_weight():
         def forward(self, w):
             return w * 2
 
+    torch.manual_seed(0)
     lin = Fp8Linear(32, 16, config=Fp8Config(policy="always"))
     lin.fp8_on_cpu = True
+    with torch.no_grad():
+        lin.bias.fill_(5.0)
     P.register_parametrization(lin, "weight", Scale())
-    y = lin(torch.randn(16, 32))
-    assert y.shape == (16, 16) and torch.isfinite(y).all()
+    P.register_parametrization(lin, "bias", Scale())
+    x = torch.randn(16, 32)
+    y = lin(x)
+    ref = torch.nn.functional.linear(x, lin.weight, lin.bias)   # weight and bias doubled
+    assert sqnr(ref, y) >= 25
+    y.sum().backward()
+    assert lin.parametrizations.bias.original.grad is not None
