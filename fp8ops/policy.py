@@ -1,8 +1,9 @@
 """policy="auto": run a layer in FP8 only where FP8 is faster than BF16 on this
-GPU (by at least MIN_SPEEDUP). Each distinct (M, K, N, dtype) is measured once -- fwd+bwd of a throwaway
-FP8 layer vs the same under BF16 autocast -- and the verdict is cached for the
-process and on disk (FP8OPS_POLICY_CACHE, default ~/.cache/fp8ops/policy.json,
-keyed by GPU name and torch version), so later runs do not measure again.
+GPU (by at least MIN_SPEEDUP). Each distinct (M, K, N, dtype) is measured once
+-- fwd+bwd+scale update of a throwaway FP8 layer vs fwd+bwd under BF16
+autocast -- and the verdict is cached for the process and on disk
+(FP8OPS_POLICY_CACHE, default ~/.cache/fp8ops/policy.json, keyed by GPU name
+and torch version), so later runs do not measure again.
 """
 from __future__ import annotations
 
