@@ -412,3 +412,30 @@ def test_fp8_checkpoints_resume_both_ways(fp8_on_cpu, tmp_path, capsys):
     assert train_fp8.main(common + ["--steps", "5", "--resume", "auto"]) == 0  # FP8 -> BF16
     out = capsys.readouterr().out
     assert "FP8 scaling state is not used" in out and "training steps 4..5" in out
+
+
+def test_deterministic_flag_repeats_an_fp8_run_exactly(fp8_on_cpu, tmp_path):
+    """--deterministic: two identical runs (FP8 path, CPU kernels) log identical losses. The
+    flag sets process-wide torch switches, restored here so later tests are unaffected."""
+    import json
+
+    import train_fp8
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+             torch.backends.cuda.cudnn_sdp_enabled())
+    try:
+        losses = []
+        for run in ("a", "b"):
+            out = tmp_path / run
+            assert train_fp8.main(SMALL_RUN + ["--device", "cpu", "--out_dir", str(out), "--no-tensorboard",
+                                               "--steps", "4", "--eval_every", "4", "--use_fp8",
+                                               "--deterministic"]) == 0
+            losses.append(json.loads((out / "metrics.json").read_text())["train_loss"])
+        assert losses[0] == losses[1] and len(losses[0]) == 4
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+        torch.backends.cuda.enable_flash_sdp(saved[4])
+        torch.backends.cuda.enable_mem_efficient_sdp(saved[5])
+        torch.backends.cuda.enable_cudnn_sdp(saved[6])
