@@ -11,8 +11,9 @@
  *     gradients in the "hybrid" format.
  *   - amax_history is [H, n]: one column per scaled tensor, H steps deep
  *     (Transformer Engine's layout). Row 0 is the slot where the current step's
- *     amaxes are collected (the caller takes the max of each cast's amax output
- *     into it, across micro-batches). amax_update rolls every column up by one
+ *     amaxes are collected: the accumulate casts (fp8ops_cast_accumulate_*,
+ *     and the linear ops built on them) fold each cast's amax into it, across
+ *     micro-batches. amax_update rolls every column up by one
  *     (torch.roll(h, -1, dims=0)): the old row 0 moves to row H-1, and row 0 is
  *     zeroed for the next step.
  *   - Every function returns FP8OPS_OK (0) or an FP8OPS_ERR_* code; the message
