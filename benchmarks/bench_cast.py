@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from bench_common import start, table, write_json  # noqa: E402
+from bench_common import report_validation, start, table, write_json  # noqa: E402
 
 DEFAULT_SHAPES = "16384x4096,16384x14336,4096x4096,16384x768,16384x3072,1x16,5x160,217x256"
 TARGET_SHAPES = {(16384, 4096), (16384, 14336)}
@@ -184,13 +184,7 @@ def main() -> int:
         if float(a3) != float(ra):
             failures.append(f"amax {M}x{N}: {float(a3)} vs {float(ra)}")
             bad.add(("amax", M, N))
-    if failures:
-        print("VALIDATION FAILED (timing anyway; affected rows are marked '!'):")
-        for f in failures:
-            print("  " + f)
-    else:
-        print("All results match. Starting benchmarks.")
-    result["validation_failures"] = failures
+    report_validation(result, failures)
 
     compiled = {}
     if not args.no_compile:

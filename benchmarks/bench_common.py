@@ -76,6 +76,17 @@ def write_json(path: str | None, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def report_validation(result: dict, failures: list[str]) -> None:
+    """Print the validation outcome before timing; store it in the JSON result."""
+    if failures:
+        print("VALIDATION FAILED (timing anyway; affected rows are marked '!'):")
+        for f in failures:
+            print("  " + f)
+    else:
+        print("All results match. Starting benchmarks.")
+    result["validation_failures"] = failures
+
+
 def table(headers: list[str], rows: list[list], title: str = "") -> str:
     cells = [[str(c) for c in r] for r in rows]
     w = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]

@@ -32,7 +32,7 @@ import sys
 
 import torch
 
-from bench_common import start, table, write_json  # noqa: E402
+from bench_common import report_validation, start, table, write_json  # noqa: E402
 
 DEFAULT_SHAPES = "8192x8192x8192,16384x4096x14336,16384x14336x4096,16384x768x3072,4096x4096x4096"
 TARGET_SHAPES = {(8192, 8192, 8192), (16384, 4096, 14336), (16384, 14336, 4096)}
@@ -156,13 +156,7 @@ def main() -> int:
         del ref
         data.append((label, M, K, N, odt, accs, a_hp, b_hp, a8, b8, sa, sb, bias, valid))
     torch.cuda.empty_cache()
-    if failures:
-        print("VALIDATION FAILED (timing anyway; affected rows are marked '!'):")
-        for f in failures:
-            print("  " + f)
-    else:
-        print("All results match. Starting benchmarks.")
-    result["validation_failures"] = failures
+    report_validation(result, failures)
 
     # ---- timing
     mm_f32 = _mm_has_out_dtype()
