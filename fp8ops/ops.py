@@ -425,16 +425,14 @@ def _empty_bias_for(x, out_dtype):
     return bias
 
 
-def _cast_accumulate_raw(x, scale, amax, out_dtype, transpose):
-    return torch.ops.fp8ops.cast_accumulate.default(x, scale, amax, out_dtype, transpose)
-
-
+# Fp8Linear's two calls per layer: the OpOverloads themselves once the core is
+# loaded (_register binds them), no Python frame in between.
 def _linear_fwd_raw(*args):
-    return torch.ops.fp8ops.linear_fwd.default(*args)
+    _require()
 
 
 def _linear_bwd_raw(*args):
-    return torch.ops.fp8ops.linear_bwd.default(*args)
+    _require()
 
 
 # ----------------------------------------------------------------------------
@@ -450,6 +448,9 @@ def _register() -> None:
     torch.library.register_fake("fp8ops::cast_accumulate")(_cast_accumulate_fake)
     torch.library.register_fake("fp8ops::linear_fwd")(_linear_fwd_fake)
     torch.library.register_fake("fp8ops::linear_bwd")(_linear_bwd_fake)
+    global _linear_fwd_raw, _linear_bwd_raw
+    _linear_fwd_raw = torch.ops.fp8ops.linear_fwd.default
+    _linear_bwd_raw = torch.ops.fp8ops.linear_bwd.default
 
 
 if _loader.is_available():
