@@ -83,12 +83,12 @@ def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float,
         a = ops._amax_raw(t2d.detach())
         if across_ranks:
             a = _all_ranks_(a.reshape(1), dist.ReduceOp.MAX)
-        if overflow is not None:
-            # a NaN/inf amax keeps the previous scale (amax_update); count the event
-            overflow[col].add_(torch.isfinite(a).logical_not().reshape(()))
         h = history[:1, col:col + 1]
         h.copy_(a.reshape(1, 1))
-        ops.amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent")
+        # a NaN/inf amax keeps the previous scale; amax_update counts the event
+        # in the same launch
+        ops.amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent",
+                        overflow_count=None if overflow is None else overflow[col:col + 1])
 
 
 class _Fp8LinearFn(torch.autograd.Function):
