@@ -197,6 +197,21 @@ static int gemm(const dev_bufs* d, int a_fmt, int b_fmt, int64_t M, int64_t N, i
                           (void*)d->stream);
 }
 
+/* One GEMM, its output copied to hout (M*N elements of out_dtype). On failure
+ * the error is printed, the check counted as failed, and 0 returned. */
+static int gemm_to_host(const dev_bufs* d, int a_fmt, int b_fmt, int64_t M, int64_t N, int64_t K,
+                        int has_bias, int out_dtype, int fast, void* hout, const char* label) {
+  int rc = gemm(d, a_fmt, b_fmt, M, N, K, has_bias, out_dtype, fast);
+  if (rc != FP8OPS_OK) {
+    printf("  %s -> rc %d: %s\n", label, rc, fp8ops_last_error());
+    check(0, label);
+    return 0;
+  }
+  CK(cudaStreamSynchronize(d->stream));
+  CK(cudaMemcpy(hout, d->out, (size_t)(M * N) * hp_size(out_dtype), cudaMemcpyDeviceToHost));
+  return 1;
+}
+
 // ----------------------------------------------------------------------------
 // small shapes: full comparison over every combination
 
@@ -253,14 +268,7 @@ static void test_small(int device) {
                      (long long)M, (long long)N, (long long)K, fmt_name(af), fmt_name(bf),
                      hp_name(od), has_bias, fast);
             CK(cudaMemsetAsync(d.out, 0xFF, (size_t)(M * N) * hp_size(od), d.stream)); /* NaN */
-            int rc = gemm(&d, af, bf, M, N, K, has_bias, od, fast);
-            if (rc != FP8OPS_OK) {
-              printf("  %s -> rc %d: %s\n", label, rc, fp8ops_last_error());
-              check(0, label);
-              continue;
-            }
-            CK(cudaStreamSynchronize(d.stream));
-            CK(cudaMemcpy(hout, d.out, (size_t)(M * N) * hp_size(od), cudaMemcpyDeviceToHost));
+            if (!gemm_to_host(&d, af, bf, M, N, K, has_bias, od, fast, hout, label)) continue;
             err_acc e;
             memset(&e, 0, sizeof e);
             for (int64_t i = 0; i < M; ++i)
@@ -315,14 +323,7 @@ static void test_large(int device, int64_t M, int64_t N, int64_t K) {
       char label[128];
       snprintf(label, sizeof label, "M=%lld N=%lld K=%lld bias=%d fast=%d (sampled)",
                (long long)M, (long long)N, (long long)K, has_bias, fast);
-      int rc = gemm(&d, af, bf, M, N, K, has_bias, od, fast);
-      if (rc != FP8OPS_OK) {
-        printf("  %s -> rc %d: %s\n", label, rc, fp8ops_last_error());
-        check(0, label);
-        continue;
-      }
-      CK(cudaStreamSynchronize(d.stream));
-      CK(cudaMemcpy(hout, d.out, (size_t)(M * N) * hp_size(od), cudaMemcpyDeviceToHost));
+      if (!gemm_to_host(&d, af, bf, M, N, K, has_bias, od, fast, hout, label)) continue;
       err_acc e;
       memset(&e, 0, sizeof e);
       uint64_t r2 = 12345;
