@@ -20,9 +20,10 @@ class Fp8Config:
             write per cast) or "current" (per-tensor dynamic scaling from this
             tensor's amax; one extra read). Default "delayed".
         fp8_format: "hybrid" (E4M3 activations and weights, E5M2 output
-            gradients; default) or "e4m3" (all E4M3). "e5m2" (all E5M2) is
-            refused with the reason: FP8 tensor cores (cuBLASLt) cannot
-            multiply E5M2 by E5M2, which the gradient GEMMs would need.
+            gradients; default), "e4m3" (all E4M3) or "e5m2" (all E5M2: for
+            studying its numerics, not for speed -- no tensor core multiplies
+            E5M2 by E5M2, so its GEMMs run on the FP8 values widened to BF16,
+            exactly, and policy "auto" keeps it FP8; see emulated.py).
         margin: scale = fp8_max / amax / 2**margin. Default 0.
         interval: update scales every `interval` optimizer steps. Default 1.
         amax_history_len: steps of amax history (delayed). Default 1024.
@@ -51,10 +52,6 @@ class Fp8Config:
 
         need(self.recipe in RECIPES, f"recipe must be one of {RECIPES}, found {self.recipe!r}")
         need(self.fp8_format in FORMATS, f"fp8_format must be one of {FORMATS}, found {self.fp8_format!r}")
-        need(self.fp8_format != "e5m2",
-             "fp8_format='e5m2' (all E5M2) cannot run: FP8 tensor cores have no E5M2 x E5M2 "
-             "GEMM, which the weight-gradient GEMM would need (Transformer Engine refuses it too); "
-             "use 'hybrid' (E5M2 gradients) or 'e4m3'")
         need(self.amax_compute_algo in AMAX_ALGOS,
              f"amax_compute_algo must be one of {AMAX_ALGOS}, found {self.amax_compute_algo!r}")
         need(self.policy in POLICIES, f"policy must be one of {POLICIES}, found {self.policy!r}")
@@ -67,7 +64,12 @@ class Fp8Config:
     def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         """(input, weight, grad_output) FP8 dtypes."""
         e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
-        return {"hybrid": (e4, e4, e5), "e4m3": (e4, e4, e4)}[self.fp8_format]
+        return {"hybrid": (e4, e4, e5), "e4m3": (e4, e4, e4), "e5m2": (e5, e5, e5)}[self.fp8_format]
+
+    @property
+    def gemm_emulated(self) -> bool:
+        """True when no FP8 tensor core runs this format's GEMMs (all E5M2)."""
+        return self.fp8_format == "e5m2"
 
     def short_str(self) -> str:
         s = f"{self.recipe}/{self.fp8_format}"

@@ -178,6 +178,11 @@ class Fp8Linear(nn.Linear):
         self.fp8_policy_measuring = False  # policy.py's throwaway layers skip the policy
         self.fp8_policy = {}            # M -> (fp8 wins, speedup): policy="auto" verdicts for this layer
         self._fp8_bf16_key = None       # (shape, dtype, device, autocast) of the last call policy sent to BF16
+        if config.gemm_emulated:
+            from .emulated import Fp8LinearEmulatedFn  # noqa: PLC0415 -- emulated imports this module
+            self._fp8_fn = Fp8LinearEmulatedFn  # all-E5M2: GEMMs on the FP8 values widened to BF16
+        else:
+            self._fp8_fn = _Fp8LinearFn
         from .scaling import track  # noqa: PLC0415 -- scaling imports this module
         track(self)                     # scales update after each optimizer step
 
@@ -369,7 +374,7 @@ class Fp8Linear(nn.Linear):
             # runs exactly as the nn.Linear would (under the caller's autocast)
             d["fp8_fallback_calls"] += 1
             return F.linear(x, weight, bias)
-        if (cfg.policy == "auto" and x.is_cuda and not d["fp8_policy_measuring"]
+        if (cfg.policy == "auto" and x.is_cuda and not d["fp8_policy_measuring"] and not cfg.gemm_emulated
                 and not self._fp8_pays(x2.shape[0], cdtype, compiling)):
             # policy "auto" measured BF16 faster for this shape: the plain path,
             # with nothing else to pay (update_scales skips a layer that cast nothing)
@@ -399,5 +404,5 @@ class Fp8Linear(nn.Linear):
             d["_fp8_g_primed"] = True
         static = (x_dt, w_dt, g_dt, cdtype, cfg.fast_accum, cfg.recipe == "current", float(cfg.margin),
                   need_wgrad, need_dgrad, prime_g)
-        y = _Fp8LinearFn.apply(x2, weight, bias, w_in, w8t, b_lp, views, static, store)
+        y = d["_fp8_fn"].apply(x2, weight, bias, w_in, w8t, b_lp, views, static, store)
         return y.reshape(*x.shape[:-1], self.out_features)

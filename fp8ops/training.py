@@ -56,9 +56,10 @@ def add_fp8_args(parser):
                    help="delayed: scale from the amax history (Transformer Engine's recipe); "
                         "current: scale from this tensor's amax (default: %(default)s)")
     g.add_argument("--fp8_format", choices=FORMATS, default="hybrid",
-                   help="hybrid: E4M3 forward, E5M2 gradients; e4m3: E4M3 everywhere; e5m2 "
-                        "runs as hybrid (no FP8 tensor core multiplies E5M2 by E5M2) "
-                        "(default: %(default)s)")
+                   help="hybrid: E4M3 forward, E5M2 gradients; e4m3: E4M3 everywhere; e5m2: E5M2 "
+                        "everywhere, fp8ops only, for numerics studies: its GEMMs run in BF16 "
+                        "on the FP8 values (no tensor core multiplies E5M2 by E5M2), so it is "
+                        "slower than BF16 (default: %(default)s)")
     g.add_argument("--fp8_margin", type=int, default=0,
                    help="scale = fp8_max / amax / 2**margin (default: %(default)s)")
     g.add_argument("--fp8_interval", type=int, default=1,
@@ -138,10 +139,10 @@ def prepare_model(model, args, logger=print, module_filter_fn=None, precision="B
         return model, info
 
     info["requested"] = backend
-    if args.fp8_format == "e5m2":
-        # No FP8 tensor core multiplies E5M2 by E5M2 (the gradient GEMMs would need it); every
-        # backend refuses it. Keep the run going in the format that still uses E5M2 gradients.
-        logger("FP8: --fp8_format e5m2 cannot run (no E5M2 x E5M2 GEMM on FP8 tensor cores); "
+    if args.fp8_format == "e5m2" and backend != "fp8ops":
+        # torchao and Transformer Engine have no all-E5M2 recipe (no FP8 tensor core multiplies
+        # E5M2 by E5M2; fp8ops emulates those GEMMs). Keep the format closest to it.
+        logger(f"FP8: --fp8_format e5m2 is not available with --fp8_backend {backend}; "
                "using hybrid: E4M3 forward, E5M2 gradients")
         args = argparse.Namespace(**{**vars(args), "fp8_format": "hybrid"})
     if backend == "fp8ops":
@@ -203,6 +204,8 @@ def _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision):
     n_bf16 = max(len(before) - n_fp8, sum(bf16_reasons.values()))
     info["fp8_layers"] = n_fp8
     recipe = f"{config.recipe} scaling, {config.fp8_format}"
+    if config.gemm_emulated:
+        recipe += " (GEMMs emulated in BF16: FP8 numerics, not FP8 speed)"
 
     if n_fp8 == 0:
         reason = _why_no_fp8(fp8ops, bf16_reasons)
@@ -212,8 +215,10 @@ def _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision):
 
     info["backend"] = "fp8ops"
     # policy "auto" settles per shape at a layer's first CUDA forward, after this call.
-    later = (". Policy auto: a layer FP8 does not speed up on this GPU switches to BF16 at its "
-             "first forward (fp8ops.report shows which)") if config.policy == "auto" else ""
+    later = ""
+    if config.policy == "auto" and not config.gemm_emulated:
+        later = (". Policy auto: a layer FP8 does not speed up on this GPU switches to BF16 at its "
+                 "first forward (fp8ops.report shows which)")
     detail = "; ".join(f"{n} x {why}" for why, n in sorted(bf16_reasons.items(), key=lambda kv: -kv[1]))
     if n_bf16:
         info["reason"] = detail or "see fp8ops.report(model)"

@@ -143,12 +143,12 @@ def test_prepare_model_missing_backend_continues(backend, module):
     assert info["config"] is not None
 
 
-def test_prepare_model_e5m2_runs_as_hybrid():
+def test_prepare_model_e5m2_keeps_e5m2_with_fp8ops():
     lines = []
     _, info = prepare_model(tiny_gpt(), parse("--use_fp8", "--fp8_format", "e5m2"),
                             logger=lines.append, module_filter_fn=LM_HEAD_FILTER)
-    assert "e5m2 cannot run" in lines[0]
-    assert info["config"].fp8_format == "hybrid"
+    assert info["config"].fp8_format == "e5m2"
+    assert not any("hybrid" in line for line in lines)
 
 
 def test_prepare_model_counts_fp8_layers(monkeypatch):
