@@ -6,16 +6,20 @@
 # Usage, from the repo root on the 2-GPU machine:   bash benchmarks/dist_check.sh
 # Writes $OUT/dist_check/{gpu1,gpu2,gpu2_weak}/metrics.json, the logs and summary.json.
 #
-# Same data: each rank draws the same global micro-batch of batch_size x ranks sequences and
-# trains on its slice, so --batch_size 16 on 1 GPU and --batch_size 8 on each of 2 GPUs (same
-# --grad_accum) train on the same tokens, in the same order. --fp8_policy always keeps every
-# eligible layer in FP8 in both runs (policy auto could decide differently at M=16k and M=8k rows).
-# WEAK=1 (default) adds a run with the 1-GPU per-GPU batch on each of 2 GPUs (twice the global
-# batch): the weak-scaling efficiency, with the larger per-GPU work a real run would use.
+# Same data, same micro-batches: every rank draws the step's global batch (batch_size x ranks x
+# grad_accum sequences) and takes its blocks of it, so the 1-GPU run (--batch_size BS/2
+# --grad_accum 2*ACCUM) runs, one after the other, exactly the micro-batches the 2 GPUs
+# (--batch_size BS/2 --grad_accum ACCUM) run side by side. With ACCUM=1 the 2-GPU gradient,
+# g0/2 + g1/2 (DDP divides by the world size, then sums), is the 1-GPU one term for term, and
+# delayed scaling casts alike on both sides (its first step uses each micro-batch's own current
+# scale; later the all-reduced history is the 1-GPU history), so under DET=1 the two runs can
+# agree bit for bit. --fp8_policy always keeps every eligible layer in FP8 in both runs.
+# WEAK=1 (default) adds a 2-GPU run where each GPU does the 1-GPU run's work (twice the global
+# batch): the weak-scaling efficiency.
 # DET=1 runs every job with --deterministic (math attention, deterministic algorithms) and adds a
 # second 1-GPU run: without it, two identical 1-GPU runs already differ by ~2 % after 100 steps
-# (atomics in the attention backward), so a 1e-3 match needs deterministic runs; the repeat shows
-# the floor. Tokens/s of DET=1 runs are not the speed of a normal run.
+# (atomics in the attention backward); the repeat shows the floor. Tokens/s of DET=1 runs are not
+# the speed of a normal run.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 DIR="$OUT/dist_check"
@@ -25,8 +29,8 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 STEPS=${STEPS:-100}
-BS=${BS:-16}            # sequences per global micro-batch (1 GPU); each of 2 GPUs gets BS/2
-ACCUM=${ACCUM:-2}       # micro-batches per step: global batch = BS x ACCUM x 1024 tokens
+BS=${BS:-16}            # sequences per global micro-batch: BS/2 per micro-batch on each GPU
+ACCUM=${ACCUM:-1}       # 2-GPU micro-batches per step (1 GPU: 2x): global batch = BS x ACCUM x 1024 tokens
 MODE=${MODE:---ddp}     # --ddp or --fsdp
 WEAK=${WEAK:-1}
 DET=${DET:-0}
@@ -38,7 +42,7 @@ if [ "${INSTALL:-1}" = 1 ]; then
   python3 -m pip install -q --no-build-isolation --no-deps . > "$DIR/build.log" 2>&1 || { tail -50 "$DIR/build.log"; exit 1; }
 fi
 
-COMMON=(--model small --steps "$STEPS" --grad_accum "$ACCUM" --seed 1337
+COMMON=(--model small --steps "$STEPS" --batch_size $((BS / 2)) --seed 1337
         --use_fp8 --fp8_backend fp8ops --fp8_policy always
         --eval_every "$STEPS" --eval_iters 20 --log_every 10 --save_every 1000000 --no-tensorboard
         ${EXTRA_ARGS:-})   # e.g. EXTRA_ARGS="--model tiny --device cpu" for a smoke test without GPUs
@@ -52,15 +56,15 @@ run() {  # name, command...
   sed -n '/^summary/,/tokens\/s/p' "$DIR/$name.log"
   [ $rc = 0 ] || { echo "$name failed (rc=$rc), see $DIR/$name.log"; status=1; }
 }
-run gpu1 python3 examples/train_fp8.py "${COMMON[@]}" --batch_size "$BS"
+run gpu1 python3 examples/train_fp8.py "${COMMON[@]}" --grad_accum $((2 * ACCUM))
 if [ "$DET" = 1 ]; then
-  run gpu1_repeat python3 examples/train_fp8.py "${COMMON[@]}" --batch_size "$BS"
+  run gpu1_repeat python3 examples/train_fp8.py "${COMMON[@]}" --grad_accum $((2 * ACCUM))
 else
   rm -rf "${DIR:?}/gpu1_repeat"
 fi
-run gpu2 torchrun --standalone --nproc_per_node=2 examples/train_fp8.py "${COMMON[@]}" --batch_size $((BS / 2)) "$MODE"
+run gpu2 torchrun --standalone --nproc_per_node=2 examples/train_fp8.py "${COMMON[@]}" --grad_accum "$ACCUM" "$MODE"
 if [ "$WEAK" = 1 ]; then
-  run gpu2_weak torchrun --standalone --nproc_per_node=2 examples/train_fp8.py "${COMMON[@]}" --batch_size "$BS" "$MODE"
+  run gpu2_weak torchrun --standalone --nproc_per_node=2 examples/train_fp8.py "${COMMON[@]}" --grad_accum $((2 * ACCUM)) "$MODE"
 else
   rm -rf "${DIR:?}/gpu2_weak"
 fi
@@ -90,6 +94,10 @@ for key, a, b in (("last train loss", m2["train_loss"][-1], m1["train_loss"][-1]
     r = rel(a, b)
     out[key] = {"gpu1": b, "gpu2": a, "rel_diff": r}
     print(f"  {key:<28} 1 GPU {b:.5f}   2 GPUs {a:.5f}   rel diff {r:.2e}  {'OK' if r <= 1e-3 else 'ABOVE 1e-3'}")
+same = m1["train_loss"] == m2["train_loss"]
+out["train_loss_curves_identical"] = same
+print(f"  train loss at every logged step: {'IDENTICAL (bit for bit)' if same else 'differ'}"
+      f" ({len(m1['train_loss'])} points)")
 if mr is not None:
     r = rel(mr["train_loss"][-1], m1["train_loss"][-1])
     out["repeat_1gpu_last_train_loss_rel_diff"] = r

@@ -98,7 +98,8 @@ def parse_args(argv=None):
     r.add_argument("--resume", metavar="PATH|auto",
                    help="continue from a checkpoint; auto = <out_dir>/ckpt_latest.pt if present")
     r.add_argument("--eval_every", type=int, default=200, help="evaluate every N steps")
-    r.add_argument("--eval_iters", type=int, default=20, help="validation batches per evaluation")
+    r.add_argument("--eval_iters", type=int, default=20,
+                   help="validation batches (each a global batch of the step) per evaluation")
     r.add_argument("--save_every", type=int, default=1000,
                    help="write ckpt_step{N}.pt (and ckpt_latest.pt) every N steps")
     r.add_argument("--log_every", type=int, default=10,
@@ -333,14 +334,15 @@ def main(argv=None):
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed)
 
-    def rank_batch(data, generator):
-        # Every rank draws the same global micro-batch and keeps its own slice: the data depends
-        # on the global batch only, whatever the number of ranks.
-        x, y = get_batch(data, args.batch_size * dinfo.world, cfg.block_size, generator)
-        if dinfo.world == 1:
-            return x, y
-        part = slice(dinfo.rank * args.batch_size, (dinfo.rank + 1) * args.batch_size)
-        return x[part], y[part]
+    def rank_batches(data, generator, n_micro):
+        # Every rank draws the same global batch (batch_size x ranks x n_micro sequences) and
+        # takes its n_micro micro-batches from it: blocks micro x ranks + rank. The data depends
+        # on the global batch only, whatever the number of ranks, and one rank with
+        # --grad_accum N runs the micro-batches that N ranks with --grad_accum 1 run side by side.
+        x, y = get_batch(data, args.batch_size * dinfo.world * n_micro, cfg.block_size, generator)
+        blocks = [slice(i * args.batch_size, (i + 1) * args.batch_size)
+                  for i in range(dinfo.rank, dinfo.world * n_micro, dinfo.world)]
+        return [(x[b], y[b]) for b in blocks]
     start_step, best_val = 0, float("inf")
     metrics = {"steps": [], "train_loss": [], "val_steps": [], "val_loss": [],
                "tokens_per_s_steps": [], "tokens_per_s": []}
@@ -422,9 +424,11 @@ def main(argv=None):
         model.eval()
         total = torch.zeros((), device=device)
         for _ in range(args.eval_iters):
-            x, y = rank_batch(val_data, g)
-            with amp(), fp8_info["autocast"]():
-                total += train_model(x, y)[1]
+            # a step's worth of sequences (the global batch): the same tokens for any number of ranks
+            batches = rank_batches(val_data, g, args.grad_accum)
+            for x, y in batches:
+                with amp(), fp8_info["autocast"]():
+                    total += train_model(x, y)[1] / len(batches)
         model.train()
         return all_ranks_mean(total / args.eval_iters, dinfo).item()
 
@@ -457,8 +461,7 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_sum = torch.zeros((), device=device)
-            for micro in range(args.grad_accum):
-                x, y = rank_batch(train_data, gen)
+            for micro, (x, y) in enumerate(rank_batches(train_data, gen, args.grad_accum)):
                 with grad_sync(wrapped, dinfo, last=micro == args.grad_accum - 1):
                     with amp(), fp8_info["autocast"]():
                         _, loss = train_model(x, y)
@@ -650,10 +653,12 @@ def log_fp8_state(writer, model, fp8_info, step):
 #
 #     torchrun --nproc_per_node=2 examples/train_fp8.py --use_fp8 --ddp
 #
-# Every rank builds the same model (same seed) and draws the same global micro-batch of
-# batch_size x ranks sequences, training on its own batch_size of them: 1 GPU with --batch_size 16
-# and 2 GPUs with --batch_size 8 see the same tokens. fp8ops all-reduces the amaxes, so every rank
-# casts with the same scales. Rank 0 alone prints, writes TensorBoard, metrics.json and the
+# Every rank builds the same model (same seed) and draws the same global batch of
+# batch_size x ranks x grad_accum sequences per step, training on its own micro-batches of it:
+# 1 GPU with --batch_size 16 and 2 GPUs with --batch_size 8 see the same tokens, and so do 1 GPU
+# with --batch_size 8 --grad_accum 2 and 2 GPUs with --batch_size 8, micro-batch for micro-batch
+# (with --deterministic that pair trains bit for bit alike: see benchmarks/dist_check.sh). fp8ops
+# all-reduces the amaxes, so after the first step every rank casts with the same scales. Rank 0 alone prints, writes TensorBoard, metrics.json and the
 # checkpoints, which are those of a single-process run (the plain model's full state dict, the
 # optimizer state keyed by position): any run resumes from any other, with or without --ddp/--fsdp.
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .linear import G, V_H, V_OVERFLOW, V_S, V_SI, W, X, _current_scale
+from .linear import G, V_H, V_S, V_SI, W, X, _current_scale, _overflow
 
 
 def mm_dequant(a8: torch.Tensor, b8: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -39,9 +39,9 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, weight, bias, w_in, w8t, b_lp, views, static, store):
-        x_dtype, w_dtype, g_dtype, out_dtype, _fast, current, margin, need_wgrad, _need_dgrad, prime_g = static
+        x_dtype, w_dtype, g_dtype, out_dtype, _fast, current, margin, need_wgrad, _need_dgrad, delayed = static
         if current:
-            _current_scale(x2, views, X, margin, overflow=views[V_OVERFLOW])
+            _current_scale(x2, views, X, margin, overflow=_overflow(views, delayed), keep_history=delayed)
         if w_in.dtype == w_dtype:
             w8 = w_in
         else:
@@ -69,12 +69,11 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x8, w8, sx_inv = ctx.saved_tensors
-        x_dtype, w_dtype, g_dtype, out_dtype, _fast, current, margin, need_wgrad, need_dgrad, prime_g = ctx.static
+        x_dtype, w_dtype, g_dtype, out_dtype, _fast, current, margin, need_wgrad, need_dgrad, delayed = ctx.static
         views = ctx.views
         g2 = gy.contiguous()
-        if current or prime_g:
-            _current_scale(g2, views, G, margin, across_ranks=prime_g,
-                           overflow=views[V_OVERFLOW] if current else None)
+        if current:
+            _current_scale(g2, views, G, margin, overflow=_overflow(views, delayed), keep_history=delayed)
         g8, _ = ops.cast_accumulate(g2, views[V_S + G], views[V_H + G], g_dtype, False)
         sg_inv = views[V_SI + G]
         dx = dw = db = None

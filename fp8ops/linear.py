@@ -55,10 +55,9 @@ def _distributed() -> bool:
 def _all_ranks_(t: torch.Tensor, op) -> torch.Tensor:
     """All-reduce t in place over the default process group when running
     data-parallel (DDP / FSDP2 ranks); a no-op in a single process. Used where
-    a rank-local decision must be the same on every rank: the scales primed from
-    the first batch and the policy="auto" verdict. Every rank reaches these
-    points in the same order (the first forward / backward of each layer), as
-    DDP and FSDP2 already require."""
+    a rank-local decision must be the same on every rank: the policy="auto"
+    verdict. Every rank reaches it in the same order (the first forward of each
+    layer), as DDP and FSDP2 already require."""
     if _distributed():
         dist.all_reduce(t, op=op)
     return t
@@ -71,24 +70,32 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float,
-                   across_ranks: bool = False, overflow: torch.Tensor | None = None):
+                   overflow: torch.Tensor | None = None, keep_history: bool = False):
     """Current (dynamic) scaling of one tensor: its amax now -> scale. Reuses
-    amax_update on the tensor's own column with most_recent, so the rules
-    (zero / non-finite amax keeps the previous scale) are the same code.
-    across_ranks: take the max of the amax over the data-parallel ranks first
-    (delayed scaling's priming: each rank sees only its part of the batch, and
-    the ranks must start from one scale, the one a single process would get)."""
+    amax_update with most_recent, so the rules (zero / non-finite amax keeps the
+    previous scale) are the same code. keep_history: delayed scaling before its
+    first scale update, which casts each tensor with its own current scale
+    while row 0 of the history goes on collecting the step's maximum (the casts
+    fold each amax in): the amax_update here runs on a scratch copy instead."""
     history, scale, scale_inv, fp8_max = views[V_BUFFERS:V_BUFFERS + 4]
     with torch.no_grad():
         a = ops._amax_raw(t2d.detach())
-        if across_ranks:
-            a = _all_ranks_(a.reshape(1), dist.ReduceOp.MAX)
-        h = history[:1, col:col + 1]
-        h.copy_(a.reshape(1, 1))
+        if keep_history:
+            h = a.reshape(1, 1)
+        else:
+            h = history[:1, col:col + 1]
+            h.copy_(a.reshape(1, 1))
         # a NaN/inf amax keeps the previous scale; amax_update counts the event
         # in the same launch
         ops.amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent",
                         overflow_count=None if overflow is None else overflow[col:col + 1])
+
+
+def _overflow(views: tuple, delayed: bool):
+    """Where a current-scaled cast counts a NaN/inf amax: the layer's counts under
+    the current recipe; nowhere under delayed scaling's first step, whose scale
+    update counts it from the history (once)."""
+    return None if delayed else views[V_OVERFLOW]
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -100,9 +107,9 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, weight, bias, w_in, w8t, b_lp, views, static, store):
-        x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = static
+        x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed = static
         if current:
-            _current_scale(x2, views, X, margin, overflow=views[V_OVERFLOW])
+            _current_scale(x2, views, X, margin, overflow=_overflow(views, delayed), keep_history=delayed)
         if b_lp is None:
             b_lp = ops._empty_bias_for(x2, out_dtype)
         # one C call: [cast the weight,] cast x (amaxes folded into history row 0), GEMM
@@ -128,13 +135,11 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x8t, w8t, sx_inv = ctx.saved_tensors
-        x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, prime_g = ctx.static
+        x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed = ctx.static
         views = ctx.views
         g2 = gy.contiguous()
-        if current or prime_g:
-            # priming (delayed): the first gradient's amax, max over the ranks
-            _current_scale(g2, views, G, margin, across_ranks=prime_g,
-                           overflow=views[V_OVERFLOW] if current else None)
+        if current:
+            _current_scale(g2, views, G, margin, overflow=_overflow(views, delayed), keep_history=delayed)
         need_dx = need_dgrad and ctx.needs_input_grad[0]
         need_dw = need_wgrad and ctx.needs_input_grad[1]
         w_out = ctx.w_dtype if ctx.w_dtype in ops.HP_DTYPES else torch.float32
@@ -170,8 +175,9 @@ class Fp8Linear(nn.Linear):
         self.register_buffer("fp8_overflow_count", torch.zeros(3, dtype=torch.int64, device=dev), persistent=False)
         self.fp8_step = 0               # optimizer steps seen
         self.fp8_fallback_calls = 0     # forwards that ran BF16 (input on CPU, M % 16 != 0, policy auto)
-        self._fp8_primed = False        # delayed: first forward primes x/w scales from current amaxes
-        self._fp8_g_primed = False      # ... and the first backward the grad scale
+        # delayed: False until the first scale update; until then every cast uses its tensor's
+        # current scale (rank-local: no collective outside the step's one all-reduce)
+        self._fp8_delayed_ready = False
         self._w_cache = None            # (key, w8, w8t, bias in the GEMM's bias dtype)
         self._fp8_cast_since_update = False  # update_scales skips layers that cast nothing
         self.fp8_on_cpu = False         # tests: run the FP8 path on CPU with the C reference kernels
@@ -206,21 +212,8 @@ class Fp8Linear(nn.Linear):
 
     # ------------------------------------------------------------------ scales
 
-    def _prime_scales(self, x2: torch.Tensor) -> None:
-        """Delayed scaling has no history before the first step: start from the
-        current amaxes of input and weight (and of the first gradient, in
-        backward, via the 'current' path) instead of scale 1."""
-        cfg = self.fp8_config
-        views = self._fp8_views(torch.compiler.is_compiling())
-        # Data-parallel ranks each hold part of the batch: x's amax is reduced
-        # (max) over the ranks so they all start from the single-process scale.
-        # The weight needs no reduction: DDP replicates it, and FSDP2 runs
-        # forward on the all-gathered (full) weight.
-        _current_scale(x2, views, X, cfg.margin, across_ranks=True)
-        w2 = self.weight if self.weight.dtype in ops.HP_DTYPES else self.weight.float()
-        _current_scale(w2.detach(), views, W, cfg.margin)
-
-    def _weight_fp8(self, compute_dtype: torch.dtype, need_t: bool, views: tuple, compiling: bool):
+    def _weight_fp8(self, compute_dtype: torch.dtype, need_t: bool, views: tuple, compiling: bool,
+                    current: bool = False):
         """The weight for this forward: (w_in, w8t, bias_lp, store). The weight
         is cast once per optimizer step (reused by micro-batches): on a cache
         hit w_in is the FP8 weight and w8t its transpose; on a miss w_in is the
@@ -247,8 +240,9 @@ class Fp8Linear(nn.Linear):
         w_hp = w.detach()
         if w_hp.dtype not in ops.HP_DTYPES:
             w_hp = w_hp.float()
-        if cfg.recipe == "current":
-            _current_scale(w_hp, views, W, cfg.margin, overflow=views[V_OVERFLOW])
+        if current:
+            delayed = cfg.recipe == "delayed"
+            _current_scale(w_hp, views, W, cfg.margin, overflow=_overflow(views, delayed), keep_history=delayed)
         b_lp = None if b is None else b.detach().to(ops._bias_dtype(compute_dtype))
         store = None
         if key is not None:
@@ -325,7 +319,7 @@ class Fp8Linear(nn.Linear):
             # Ranks time on their own GPUs (and may read different disk
             # caches): FP8 only where every rank measured it faster, so all
             # ranks run the layer alike; a rank running it in FP8 alone
-            # would prime scales with a collective the others never join.
+            # would make the step's amax all-reduce disagree in size.
             wins = torch.tensor([float(hit[0])], device=self.weight.device)
             hit = (bool(_all_ranks_(wins, dist.ReduceOp.MIN).item()), hit[1])
         self.fp8_policy[(M, cdtype)] = hit
@@ -388,21 +382,18 @@ class Fp8Linear(nn.Linear):
         # an fp32 input (LayerNorm under autocast) is cast to fp8 directly: no
         # extra pass through bf16; its gradient comes back in fp32 as well
         x2 = x2.contiguous()
-        # priming also runs under torch.compile (the flag flip costs one recompile)
-        if cfg.recipe == "delayed" and not d["_fp8_primed"]:
-            self._prime_scales(x2)
-            d["_fp8_primed"] = True
+        # delayed scaling's first step casts with current scales (under torch.compile the
+        # flag's flip at the first update costs one recompile)
+        delayed = cfg.recipe == "delayed"
+        current = not delayed or not d["_fp8_delayed_ready"]
         d["_fp8_cast_since_update"] = True
         grad = torch.is_grad_enabled()
         need_wgrad = grad and weight.requires_grad
         need_dgrad = grad and x.requires_grad
         views = self._fp8_views(compiling)
-        w_in, w8t, b_lp, store = self._weight_fp8(cdtype, need_dgrad, views, compiling)
+        w_in, w8t, b_lp, store = self._weight_fp8(cdtype, need_dgrad, views, compiling, current)
         x_dt, w_dt, g_dt = d["fp8_dtypes"]
-        prime_g = cfg.recipe == "delayed" and grad and not d["_fp8_g_primed"]
-        if prime_g:
-            d["_fp8_g_primed"] = True
-        static = (x_dt, w_dt, g_dt, cdtype, cfg.fast_accum, cfg.recipe == "current", float(cfg.margin),
-                  need_wgrad, need_dgrad, prime_g)
+        static = (x_dt, w_dt, g_dt, cdtype, cfg.fast_accum, current, float(cfg.margin), need_wgrad, need_dgrad,
+                  delayed)
         y = d["_fp8_fn"].apply(x2, weight, bias, w_in, w8t, b_lp, views, static, store)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -135,6 +135,7 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     for layer in due:
         d = layer.__dict__
         d["_fp8_cast_since_update"] = False
+        d["_fp8_delayed_ready"] = True  # from now on the casts use the history's scales
         job = _fast_job(layer) if core is not None else None
         if job is not None:
             fast.setdefault(job[0], []).append(job[1])
@@ -164,7 +165,7 @@ def scaling_state_dict(model: torch.nn.Module) -> dict:
                 "scale": m.fp8_scale.detach().cpu().clone(),
                 "scale_inv": m.fp8_scale_inv.detach().cpu().clone(),
                 "step": m.fp8_step,
-                "primed": m._fp8_primed and m._fp8_g_primed,
+                "primed": m._fp8_delayed_ready,
             }
     return out
 
@@ -186,7 +187,7 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
             m.fp8_scale.copy_(s["scale"])
             m.fp8_scale_inv.copy_(s["scale_inv"])
         m.fp8_step = int(s["step"])
-        m._fp8_primed = m._fp8_g_primed = bool(s.get("primed", True))
+        m._fp8_delayed_ready = bool(s.get("primed", True))
         m._w_cache = None  # the cached weight cast was made with the old weight scale
     if strict and skipped:
         raise KeyError(f"load_scaling_state_dict: no compatible state for {skipped}")
