@@ -469,9 +469,7 @@ def main(argv=None):
                 loss_sum += loss.detach()
             grad_norm = None
             if args.grad_clip > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-                if hasattr(grad_norm, "full_tensor"):  # --fsdp: a DTensor; every rank takes part
-                    grad_norm = grad_norm.full_tensor()
+                grad_norm = clip_grad_norm(model, args.grad_clip, dinfo)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
@@ -782,6 +780,27 @@ def grad_sync(wrapped, dinfo, last):
     if dinfo.mode == "fsdp":
         wrapped.set_requires_gradient_sync(last)
     return contextlib.nullcontext()
+
+
+def clip_grad_norm(model, max_norm, dinfo):
+    """torch.nn.utils.clip_grad_norm_ (L2, the same clip factor), with the squares summed in
+    float64 so that the norm does not depend on how the gradients are split: under --fsdp each
+    rank sums its shards and one all-reduce adds the ranks' sums. In fp32 another summation order
+    moves the norm by an ulp, and one ulp of the clip factor is enough for a sharded run to drift
+    away from the single-process run it otherwise repeats exactly. Returns the norm (fp32)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    sq = torch.zeros((), dtype=torch.float64, device=local[0].device)
+    for g in local:
+        sq += torch.sum(g.square(), dtype=torch.float64)
+    if dinfo.mode == "fsdp" and dinfo.world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(sq)   # the shards partition every parameter: the sum of the ranks' sums
+    norm = sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).to(torch.float32)
+    torch._foreach_mul_(local, coef)
+    return norm.to(torch.float32)
 
 
 def all_ranks_mean(t, dinfo):
