@@ -308,7 +308,7 @@ def test_current_scaling_counts_overflow(inject):
 
 # ------------------------------------------------------------ scale rules
 
-def _primed_layer(config, x):
+def _layer_after_one_call(config, x):
     lin = Fp8Linear(32, 16, config=config)
     lin.fp8_on_cpu = True
     y = lin(x)
@@ -341,7 +341,7 @@ def test_history_with_nan_keeps_scale_until_it_rolls_out():
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_tiny_amax_scale_clamped_to_flt_max(recipe):
     x = torch.full((16, 32), 1e-40)                      # fp32 subnormal: 448 / 1e-40 overflows
-    lin, y = _primed_layer(Fp8Config(recipe=recipe, amax_history_len=H), x)
+    lin, y = _layer_after_one_call(Fp8Config(recipe=recipe, amax_history_len=H), x)
     assert lin.fp8_scale[X].item() == FLT_MAX
     assert lin.fp8_scale_inv[X].item() == (1.0 / torch.tensor(FLT_MAX)).item() > 0
     assert torch.isfinite(y).all()
@@ -355,7 +355,7 @@ def test_tiny_amax_scale_clamped_to_flt_max(recipe):
 
 
 def test_zero_input_keeps_scale():
-    lin, _ = _primed_layer(Fp8Config(amax_history_len=H), torch.randn(16, 32))
+    lin, _ = _layer_after_one_call(Fp8Config(amax_history_len=H), torch.randn(16, 32))
     before = lin.fp8_scale[X].item()
     opt = torch.optim.SGD(lin.parameters(), lr=0.0)
     for _ in range(H + 1):                               # only zeros in the whole history
@@ -370,7 +370,7 @@ def test_zero_input_keeps_scale():
 def test_margin_applied(margin, recipe):
     torch.manual_seed(0)
     x = torch.randn(16, 32) * 5
-    lin, _ = _primed_layer(Fp8Config(recipe=recipe, margin=margin, amax_history_len=H), x)
+    lin, _ = _layer_after_one_call(Fp8Config(recipe=recipe, margin=margin, amax_history_len=H), x)
     amax_x = x.abs().max()
     expect = (torch.tensor(448.0) / amax_x) / 2.0 ** margin
     assert lin.fp8_scale[X].item() == expect.item()
@@ -396,8 +396,8 @@ def test_amax_update_underflow_keeps_previous_scale(amax, margin):
 def test_huge_finite_amax_with_margin_keeps_scale_usable():
     x = torch.randn(16, 32)
     x[0, 0] = 3e38                                        # finite
-    lin, y = _primed_layer(Fp8Config(margin=10, amax_history_len=H), x)
-    assert_scales_ok(nn.Sequential(lin), "after priming")
+    lin, y = _layer_after_one_call(Fp8Config(margin=10, amax_history_len=H), x)
+    assert_scales_ok(nn.Sequential(lin), "after the first call")
     assert torch.isfinite(y).all()
 
 

@@ -77,6 +77,30 @@ def test_delayed_scaling_updates_after_optimizer_step():
     assert lin.fp8_scale[0].item() == pytest.approx(448.0 / amax_x)
 
 
+@pytest.mark.parametrize("interval", [1, 2])
+def test_delayed_scaling_casts_with_current_scales_until_its_first_update(interval):
+    """Before its first scale update a delayed layer has no history: each cast uses its own
+    tensor's current scale, while row 0 keeps collecting the maximum for that update."""
+    torch.manual_seed(0)
+    lin = Fp8Linear(32, 16, config=Fp8Config(amax_history_len=4, interval=interval))
+    lin.fp8_on_cpu = True
+    opt = torch.optim.SGD(lin.parameters(), lr=0.0)
+    x_small, x_big = torch.randn(16, 32), torch.randn(16, 32) * 5
+    a_small, a_big = x_small.abs().max().item(), x_big.abs().max().item()
+    for step in range(interval):
+        lin(x_small).sum().backward()
+        assert lin.fp8_scale[0].item() == pytest.approx(448.0 / a_small)      # its own scale
+        lin(x_big).sum().backward()
+        assert lin.fp8_scale[0].item() == pytest.approx(448.0 / a_big)
+        assert lin.fp8_amax_history[0, 0].item() == max(a_small, a_big)   # (interval 2: not rolled yet)
+        opt.step()
+    # the first update: the scale of the history's maximum, kept by the next casts
+    assert lin.fp8_scale[0].item() == pytest.approx(448.0 / a_big)
+    lin(x_small).sum().backward()
+    assert lin.fp8_scale[0].item() == pytest.approx(448.0 / a_big)
+    assert lin.fp8_overflow_count.sum() == 0
+
+
 def test_weight_cast_cached_across_microbatches():
     lin = Fp8Linear(32, 16)
     lin.fp8_on_cpu = True
@@ -261,7 +285,7 @@ def test_fp8_linear_cuda_graph_capture_fwd_bwd():
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(3):  # warm up: cuBLASLt handles and algorithms, priming, weight cast
+        for _ in range(3):  # warm up: cuBLASLt handles and algorithms, first-step scales, weight cast
             for p in params:
                 p.grad = None
             fwd_bwd()
