@@ -78,8 +78,8 @@ def flops_per_token(model, cfg) -> float:
     return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
 
-def build(variant: str, GPT, GPTConfig, lm_filter, mcfg: dict, args, fp8ops):
-    """(model to call, optimizer, note)."""
+def build(variant: str, GPT, GPTConfig, lm_filter, mcfg: dict, args, fp8ops, example):
+    """(model to call, optimizer, note). example: a (idx, targets) batch of the training shape."""
     torch.manual_seed(0)
     cfg = GPTConfig(**mcfg, vocab_size=VOCAB, dropout=0.0)
     model = GPT(cfg).to(DEVICE)  # fp32 master weights
@@ -92,6 +92,10 @@ def build(variant: str, GPT, GPTConfig, lm_filter, mcfg: dict, args, fp8ops):
         note = f"{n_fp8}/{n_lin} linears Fp8Linear (policy {args.fp8_policy})"
         if n_fp8 == 0:
             raise RuntimeError(f"fp8ops.convert converted no layer: {getattr(model, '_fp8ops_decisions', {})}")
+        if variant.endswith("compiled") and args.fp8_policy == "auto":
+            # compiled code cannot measure: settle each layer's verdict eagerly first
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                fp8ops.tune_policy(model, *example)
     elif variant.startswith("torchao"):
         from torchao.float8 import convert_to_float8_training
         convert_to_float8_training(model, module_filter_fn=lm_filter)
@@ -187,7 +191,7 @@ def main() -> int:
             try:
                 torch._dynamo.reset()
                 gb0 = graph_breaks()
-                model, call, opt, cfg, note = build(v, GPT, GPTConfig, lm_filter, mcfg, args, fp8ops)
+                model, call, opt, cfg, note = build(v, GPT, GPTConfig, lm_filter, mcfg, args, fp8ops, batches[0])
                 row["note"] = note
                 fpt = flops_per_token(model, cfg)
 

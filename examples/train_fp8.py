@@ -326,7 +326,6 @@ def main(argv=None):
     if ckpt is not None:
         load_optimizer_state(model, optimizer, ckpt["optimizer"], dinfo)
     load_scaling_state(model, ckpt, fp8_info)
-    train_model = torch.compile(wrapped) if args.compile else wrapped
 
     # --- data ---------------------------------------------------------------------------------------
     train_data, val_data, data_desc = load_data(args, device, cfg.block_size)
@@ -343,6 +342,18 @@ def main(argv=None):
         blocks = [slice(i * args.batch_size, (i + 1) * args.batch_size)
                   for i in range(dinfo.rank, dinfo.world * n_micro, dinfo.world)]
         return [(x[b], y[b]) for b in blocks]
+
+    train_model = wrapped
+    if args.compile:
+        if fp8_info.get("backend") == "fp8ops" and fp8_info["config"].policy == "auto":
+            # compiled code cannot time anything: settle each FP8 layer's policy verdict eagerly
+            # first, on a batch of the training shape (its own generator: the data stays the same)
+            g = torch.Generator(device=device)
+            g.manual_seed(args.seed + 2)
+            (x, y), = rank_batches(train_data, g, 1)
+            with amp(), fp8_info["autocast"]():
+                fp8ops.tune_policy(wrapped, x, y)
+        train_model = torch.compile(wrapped)
     start_step, best_val = 0, float("inf")
     metrics = {"steps": [], "train_loss": [], "val_steps": [], "val_loss": [],
                "tokens_per_s_steps": [], "tokens_per_s": []}

@@ -18,6 +18,7 @@ from . import ops  # noqa: E402
 from ._loader import build_info, is_available, why_unavailable  # noqa: E402
 from .config import Fp8Config  # noqa: E402
 from .conversion import convert, convert_to_fp8_training, fp8_supported_here  # noqa: E402
+from .policy import tune_policy  # noqa: E402
 from .report import report  # noqa: E402
 from .scaling import load_scaling_state_dict, scaling_state_dict, step  # noqa: E402
 from .training import add_fp8_args, config_from_args, prepare_model  # noqa: E402
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     # convert and inspect
-    "convert_to_fp8_training", "convert", "report", "Fp8Config",
+    "convert_to_fp8_training", "convert", "report", "Fp8Config", "tune_policy",
     # availability
     "is_available", "why_unavailable", "fp8_supported_here", "build_info",
     # scaling state

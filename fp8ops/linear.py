@@ -34,6 +34,10 @@ V_S, V_SI, V_H = 0, 3, 6   # scale[i:i+1], scale_inv[i:i+1], history[0, i]: per-
 V_OVERFLOW = 9             # fp8_overflow_count
 V_BUFFERS = 10             # fp8_amax_history, fp8_scale, fp8_scale_inv, fp8_max (whole)
 
+# Set by policy.tune_policy() around its one forward: the layers make their policy decision and
+# return the plain result, touching no scaling state.
+_POLICY_ONLY = False
+
 
 def _padded(scale_inv: torch.Tensor) -> torch.Tensor:
     """scale_inv [3] as a view with stride 4 into fresh storage: every entry
@@ -376,6 +380,8 @@ class Fp8Linear(nn.Linear):
                 ac = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
                 d["_fp8_bf16_key"] = (x.shape, x.dtype, x.device, ac)
             d["fp8_fallback_calls"] += 1
+            return F.linear(x, weight, bias)
+        if _POLICY_ONLY:
             return F.linear(x, weight, bias)
         if x2.dtype not in ops.HP_DTYPES:
             x2 = x2.to(cdtype)

@@ -126,3 +126,30 @@ def measure(layer, M: int, cdtype: torch.dtype) -> tuple[bool, float]:
         _verdicts[k] = verdict
         _save()
         return verdict
+
+
+def tune_policy(model: nn.Module, *args, **kwargs) -> dict:
+    """Settle policy "auto" for every Fp8Linear of `model` before torch.compile.
+
+    Compiled code cannot time anything, so a compiled layer with no verdict yet
+    runs FP8 even where FP8 loses. Call this once, eagerly, before compiling,
+    with an input of the training shape and under the training's autocast:
+    `model(*args, **kwargs)` runs once under no_grad, every layer makes its
+    decision (measured, or read from the disk cache) and computes the plain
+    BF16 result; no scaling state, weight cast or counter changes. The compiled
+    layers then follow the verdicts. Under DDP / FSDP2 every rank calls it.
+    Returns {layer name: {(M, dtype): (fp8 wins, speedup)}}."""
+    from . import linear  # noqa: PLC0415 -- linear imports this module lazily
+    from .linear import Fp8Linear  # noqa: PLC0415
+
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    calls = {m: m.fp8_fallback_calls for _, m in layers}
+    linear._POLICY_ONLY = True
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        linear._POLICY_ONLY = False
+        for m, n in calls.items():
+            m.fp8_fallback_calls = n
+    return {name: dict(m.fp8_policy) for name, m in layers}

@@ -476,3 +476,44 @@ def test_parametrized_weight():
     assert sqnr(ref, y) >= 25
     y.sum().backward()
     assert lin.parametrizations.bias.original.grad is not None
+
+
+def test_tune_policy_changes_no_scaling_state_cpu():
+    """tune_policy's one forward only settles the policy: the result is the plain
+    one, and no history, scale, weight cast or counter moves."""
+    torch.manual_seed(0)
+    model = _fp8_on_cpu(MLP(32, 64), Fp8Config(policy="auto"))
+    x = torch.randn(16, 32)
+    assert fp8ops.tune_policy(model, x) == {"up": {}, "down": {}, "head": {}}
+    for _, m in model.named_modules():
+        if isinstance(m, Fp8Linear):
+            assert m.fp8_amax_history.abs().sum() == 0 and m.fp8_fallback_calls == 0
+            assert m._w_cache is None and torch.equal(m.fp8_scale, torch.ones(3))
+    import fp8ops.linear as linear_mod
+    assert linear_mod._POLICY_ONLY is False                       # reset after the call
+    model(x)                                                      # now the FP8 path
+    assert model.up.fp8_amax_history[0, 0] > 0
+
+
+@requires_fp8
+@pytest.mark.gpu
+@pytest.mark.fp8
+def test_tune_policy_then_compile_follows_the_verdicts(monkeypatch):
+    """A compiled layer cannot measure; after tune_policy it follows the verdicts
+    measured eagerly: the layer FP8 loses on runs BF16 (casts nothing)."""
+    import fp8ops.policy as policy
+    torch.manual_seed(0)
+    model = fp8ops.convert(MLP(256, 512).cuda(), config=Fp8Config(policy="auto"))
+    monkeypatch.setattr(policy, "measure", lambda layer, M, cdtype: (layer.out_features != 512, 0.8))
+    x = torch.randn(64, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        verdicts = fp8ops.tune_policy(model, x)
+    assert verdicts["up"] == {(64, torch.bfloat16): (False, 0.8)}
+    assert verdicts["down"] == {(64, torch.bfloat16): (True, 0.8)}
+    assert all(m.fp8_amax_history.abs().sum() == 0 for m in model.modules() if isinstance(m, Fp8Linear))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        compiled(x).float().sum().backward()
+    assert model.up.fp8_amax_history.abs().sum() == 0          # BF16 by its verdict
+    assert model.down.fp8_amax_history[0].abs().sum() > 0      # FP8
