@@ -178,7 +178,7 @@ class Fp8Linear(nn.Linear):
         # per tensor (input, weight, grad_output): amaxes that were NaN/inf (the scale was kept)
         self.register_buffer("fp8_overflow_count", torch.zeros(3, dtype=torch.int64, device=dev), persistent=False)
         self.fp8_step = 0               # optimizer steps seen
-        self.fp8_fallback_calls = 0     # forwards that ran BF16 (input on CPU, M % 16 != 0, policy auto)
+        self.fp8_fallback_calls = 0     # eager forwards that ran BF16 (input on CPU, M % 16 != 0, policy auto)
         # delayed: False until the first scale update; until then every cast uses its tensor's
         # current scale (rank-local: no collective outside the step's one all-reduce)
         self._fp8_delayed_ready = False
@@ -353,7 +353,8 @@ class Fp8Linear(nn.Linear):
                 d["fp8_fallback_calls"] += 1
                 return F.linear(x, self.weight, self.bias)
         if (not x.is_cuda and not d["fp8_on_cpu"]) or x.numel() == 0:
-            d["fp8_fallback_calls"] += 1
+            if not compiling:  # an int read in compiled code is a guard: one recompile per call
+                d["fp8_fallback_calls"] += 1
             return super().forward(x)
         weight, bias = self._param("weight"), self._param("bias")
         if not compiling and _is_dtensor(weight):
@@ -370,7 +371,8 @@ class Fp8Linear(nn.Linear):
         if x2.shape[0] % 16 != 0 and x.is_cuda:
             # cuBLASLt FP8 needs M % 16 == 0; this call (e.g. an odd eval batch)
             # runs exactly as the nn.Linear would (under the caller's autocast)
-            d["fp8_fallback_calls"] += 1
+            if not compiling:  # an int read in compiled code is a guard: one recompile per call
+                d["fp8_fallback_calls"] += 1
             return F.linear(x, weight, bias)
         if (cfg.policy == "auto" and x.is_cuda and not d["fp8_policy_measuring"] and not cfg.gemm_emulated
                 and not self._fp8_pays(x2.shape[0], cdtype, compiling)):
@@ -379,7 +381,7 @@ class Fp8Linear(nn.Linear):
             if not compiling:
                 ac = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
                 d["_fp8_bf16_key"] = (x.shape, x.dtype, x.device, ac)
-            d["fp8_fallback_calls"] += 1
+                d["fp8_fallback_calls"] += 1  # (eager only, as above)
             return F.linear(x, weight, bias)
         if _POLICY_ONLY:
             return F.linear(x, weight, bias)

@@ -13,7 +13,8 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     recipe, scale_x/w/g, amax_x/w/g (the latest completed step's amaxes),
     overflows (amaxes that were NaN/inf, the scale kept each time: per
     optimizer step and tensor under delayed scaling, per cast under current)
-    and overflow_x/w/g (the same by tensor), fallback_calls. Prints a table
+    and overflow_x/w/g (the same by tensor), fallback_calls (eager calls that ran
+    BF16; compiled code does not count). Prints a table
     unless print_table=False.
     Reading the scales synchronises with the GPU once."""
     decisions = getattr(model, DECISIONS_ATTR, {})

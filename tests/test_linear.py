@@ -517,3 +517,18 @@ def test_tune_policy_then_compile_follows_the_verdicts(monkeypatch):
         compiled(x).float().sum().backward()
     assert model.up.fp8_amax_history.abs().sum() == 0          # BF16 by its verdict
     assert model.down.fp8_amax_history[0].abs().sum() > 0      # FP8
+
+
+def test_compiled_bf16_fallback_does_not_recompile_per_call():
+    """A layer that runs BF16 under torch.compile (here: CPU input) must not touch
+    state that dynamo guards on: one graph for every call, not one per call."""
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    model = nn.Sequential(Fp8Linear(32, 16))                      # fp8_on_cpu False: BF16 fallback
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(model, fullgraph=True)
+    for _ in range(5):
+        fn(torch.randn(8, 32)).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert model[0].fp8_fallback_calls == 0                       # counted in eager calls only
