@@ -513,3 +513,21 @@ def test_train_fp8_torchrun_ddp_then_fsdp_resume_match_single_process(tmp_path):
                            ckpt["model"]["transformer.h.0.mlp.c_fc.weight"])
     got = json.loads((run / "metrics.json").read_text())["train_loss"]
     assert got == pytest.approx(ref, rel=1e-5)        # steps 4-5: optimizer state, data and RNG resumed
+
+
+@pytest.mark.skipif(not HAS_TORCHRUN, reason="torchrun not installed")
+@requires_fsdp2
+def test_train_fp8_two_ranks_repeat_one_rank_with_grad_accum_bit_for_bit(tmp_path):
+    """What benchmarks/dist_check.sh checks on the GPUs, here with gloo: 1 process with
+    --batch_size 4 --grad_accum 2 trains the micro-batches that 2 ranks with --batch_size 4 train
+    side by side, so with --deterministic the losses are equal bit for bit, under --ddp and
+    --fsdp (the example clips with a float64 norm, which FSDP2's sharding does not change)."""
+    args = ["--batch_size", "4", "--steps", "4", "--deterministic", "--grad_clip", "0.5"]
+    _train_fp8(args + ["--grad_accum", "2"], tmp_path / "single")
+    ref = json.loads((tmp_path / "single" / "metrics.json").read_text())
+    for mode in ("--ddp", "--fsdp"):
+        out = tmp_path / mode.strip("-")
+        _train_fp8(args + [mode], out, ranks=WORLD)
+        got = json.loads((out / "metrics.json").read_text())
+        assert got["tokens_per_step"] == ref["tokens_per_step"]
+        assert got["train_loss"] == ref["train_loss"], mode
