@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .linear import G, V_H, V_S, V_SI, W, X, _current_scale, _overflow
+from .linear import G, V_H, V_S, V_SI, W, X, _current_scale, _overflow, _scaled_grad_output
 
 
 def mm_dequant(a8: torch.Tensor, b8: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -71,9 +71,7 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
         x8, w8, sx_inv = ctx.saved_tensors
         x_dtype, w_dtype, g_dtype, out_dtype, _fast, current, margin, need_wgrad, need_dgrad, delayed = ctx.static
         views = ctx.views
-        g2 = gy.contiguous()
-        if current:
-            _current_scale(g2, views, G, margin, overflow=_overflow(views, delayed), keep_history=delayed)
+        g2 = _scaled_grad_output(ctx, gy)
         g8, _ = ops.cast_accumulate(g2, views[V_S + G], views[V_H + G], g_dtype, False)
         sg_inv = views[V_SI + G]
         dx = dw = db = None

@@ -102,6 +102,17 @@ def _overflow(views: tuple, delayed: bool):
     return None if delayed else views[V_OVERFLOW]
 
 
+def _scaled_grad_output(ctx, gy: torch.Tensor) -> torch.Tensor:
+    """Backward's first step for both autograd functions: dy made contiguous and,
+    under current scaling (or delayed scaling's first step), its scale set from
+    its own amax before the cast."""
+    *_, current, margin, _need_wgrad, _need_dgrad, delayed = ctx.static
+    g2 = gy.contiguous()
+    if current:
+        _current_scale(g2, ctx.views, G, margin, overflow=_overflow(ctx.views, delayed), keep_history=delayed)
+    return g2
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     """views: the layer's _fp8_views() tuple (scaling buffers and their
     per-tensor slices); static: the call's constant settings (see forward).
@@ -141,9 +152,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         x8t, w8t, sx_inv = ctx.saved_tensors
         x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed = ctx.static
         views = ctx.views
-        g2 = gy.contiguous()
-        if current:
-            _current_scale(g2, views, G, margin, overflow=_overflow(views, delayed), keep_history=delayed)
+        g2 = _scaled_grad_output(ctx, gy)
         need_dx = need_dgrad and ctx.needs_input_grad[0]
         need_dw = need_wgrad and ctx.needs_input_grad[1]
         w_out = ctx.w_dtype if ctx.w_dtype in ops.HP_DTYPES else torch.float32
