@@ -801,9 +801,9 @@ def clip_grad_norm(model, max_norm, dinfo):
     away from the single-process run it otherwise repeats exactly. Returns the norm (fp32)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    sq = torch.zeros((), dtype=torch.float64, device=local[0].device)
-    for g in local:
-        sq += torch.sum(g.square(), dtype=torch.float64)
+    # per-tensor norms accumulated in float64 by one multi-tensor kernel (not a launch or two per
+    # parameter); their squares summed in float64
+    sq = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float64)).square().sum()
     if dinfo.mode == "fsdp" and dinfo.world > 1:
         import torch.distributed as dist
 
