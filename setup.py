@@ -21,7 +21,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 DEFAULT_ARCHS = "89;90;100;120"
-CUDA_ONLY_C = {"gemm_cuda.c"}  # host C files that need the CUDA headers
+CUDA_ONLY_C = {"gemm_cuda.c", "sanitizer_marks.c"}  # host C files that need the CUDA headers
 PY_LIMITED = "0x030A0000"  # CPython 3.10+
 
 

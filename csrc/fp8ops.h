@@ -173,6 +173,10 @@ int fp8ops_gemm_cuda(const uint8_t* a, fp8ops_fp8_format a_fmt, const uint8_t* b
                      fp8ops_hp_dtype out_dtype, void* out, int fast_accum, void* workspace,
                      size_t workspace_bytes, int device, void* stream);
 
+/* compute-sanitizer initcheck: [ptr, ptr + bytes) was written by work queued on
+ * `stream` that the tool cannot observe (sanitizer_marks.c says which and why). */
+void fp8ops_mark_initialized(const void* ptr, size_t bytes, void* stream);
+
 /* ------------------------------------------------------------------------- */
 /* CUDA runtime facts (a build without CUDA answers 0 / "" / FP8OPS_ERR_UNSUPPORTED) */
 

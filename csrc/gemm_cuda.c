@@ -594,6 +594,8 @@ int fp8ops_gemm_cuda(const uint8_t* a, fp8ops_fp8_format a_fmt, const uint8_t* b
     FP8OPS_CHECK_CUBLAS(g_lt.Matmul(handle, desc, &alpha, b, e->lay_a, a, e->lay_b, &beta, out,
                                     e->lay_out, out, e->lay_out, &e->algo, workspace,
                                     workspace_bytes, (cudaStream_t)stream));
+    const size_t out_elem = out_dtype == FP8OPS_F32 ? 4 : 2;
+    fp8ops_mark_initialized(out, (size_t)M * (size_t)N * out_elem, stream);
   }
 
 done:

@@ -16,7 +16,7 @@ tail -30 "$OUT/pytest.log"
 if [ "${SANITIZE:-1}" = 1 ]; then
   for tool in ${SANITIZE_TOOLS:-memcheck}; do
     log="$OUT/sanitize_$tool.log.tmp"
-    timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/dev/sanitize_ops.py > "$log" 2>&1; rc=$?
+    timeout 300 compute-sanitizer --tool "$tool" --nvtx yes --error-exitcode 9 python3 benchmarks/dev/sanitize_ops.py > "$log" 2>&1; rc=$?
     echo "compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|^OK' "$log" | tr '\n' ' ')"; status=$((status | rc))
     { echo "=== $tool rc=$rc"; head -c 200000 "$log"; } >> "$OUT/sanitize.log"; rm -f "$log"
   done

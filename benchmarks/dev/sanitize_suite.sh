@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# compute-sanitizer over the pytest suite on CUDA (issue E). Each job is
+# "tool:file[,file...][:pytest -k expression, ~ for spaces]" and runs in its own process; all jobs run at once on one
+# GPU (a suite under one tool takes longer than one device call). --nvtx yes lets
+# initcheck see which GEMM outputs cuBLASLt wrote (csrc/sanitizer_marks.c).
+# Per-test results and the tool's reports: $OUT/sanitize_logs.tgz. Usage, repo root,
+# fp8ops installed:
+#   JOBS="memcheck:test_cast.py initcheck:test_gemm.py,test_fused.py" bash benchmarks/dev/sanitize_suite.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+REPO=$(pwd)
+# the files that run CUDA kernels; not test_environment.py (its GPU cases hide the GPU from
+# a child process) nor test_distributed.py (gloo on CPU; parallel jobs would share its port)
+ALL="test_cast.py,test_gemm.py,test_fused.py,test_amax_update.py,test_linear.py,test_guards.py,test_emulated.py,test_fuzz.py,test_training.py"
+JOBS=${JOBS:-"memcheck:$ALL racecheck:$ALL synccheck:$ALL initcheck:$ALL"}
+LIMIT=${SANITIZE_LIMIT:-480}
+LOGS=$(mktemp -d)
+i=0
+for job in $JOBS; do
+  IFS=: read -r tool files kexpr <<< "$job"; i=$((i + 1)); kexpr=${kexpr//\~/ }
+  paths=""; for f in ${files//,/ }; do paths="$paths $REPO/tests/$f"; done
+  log="$LOGS/$(printf %02d $i)_${tool}_${files%%,*}.log"
+  # from /tmp so the installed package (with _C) is imported, not the source tree
+  ( cd /tmp && timeout "$LIMIT" compute-sanitizer --tool "$tool" --nvtx yes ${SANITIZER_ARGS:-} --error-exitcode 9 \
+      --print-limit 200 python3 -m pytest $paths -v -p no:cacheprovider -m "not slow" --tb=short \
+      ${kexpr:+-k "$kexpr"} ${PYTEST_ARGS:-} > "$log" 2>&1
+    echo "exit=$?" >> "$log" ) &
+done
+wait
+status=0
+for log in "$LOGS"/*.log; do
+  p=$(grep -c " PASSED" "$log"); f=$(grep -c " FAILED" "$log"); s=$(grep -c " SKIPPED" "$log")
+  echo "$(basename "$log" .log): $p passed, $f failed, $s skipped; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^exit=' "$log" | tr '\n' ' ')"
+  grep -q '^exit=0$' "$log" || status=1
+done
+tar czf "$OUT/sanitize_logs.tgz" -C "$LOGS" .
+exit $status
