@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1
 STEPS=${STEPS:-100}
 BS=${BS:-16}            # sequences per global micro-batch: BS/2 per micro-batch on each GPU
 ACCUM=${ACCUM:-1}       # 2-GPU micro-batches per step (1 GPU: 2x): global batch = BS x ACCUM x 1024 tokens
-MODE=${MODE:---ddp}     # --ddp or --fsdp
+MODE=${MODE:---ddp}     # --ddp or --fsdp (words: e.g. MODE="--fsdp --fsdp_fp8_all_gather")
 WEAK=${WEAK:-1}
 DET=${DET:-0}
 
@@ -62,9 +62,9 @@ if [ "$DET" = 1 ]; then
 else
   rm -rf "${DIR:?}/gpu1_repeat"
 fi
-run gpu2 torchrun --standalone --nproc_per_node=2 examples/train_fp8.py "${COMMON[@]}" --grad_accum "$ACCUM" "$MODE"
+run gpu2 torchrun --standalone --nproc_per_node=2 examples/train_fp8.py "${COMMON[@]}" --grad_accum "$ACCUM" $MODE
 if [ "$WEAK" = 1 ]; then
-  run gpu2_weak torchrun --standalone --nproc_per_node=2 examples/train_fp8.py "${COMMON[@]}" --grad_accum $((2 * ACCUM)) "$MODE"
+  run gpu2_weak torchrun --standalone --nproc_per_node=2 examples/train_fp8.py "${COMMON[@]}" --grad_accum $((2 * ACCUM)) $MODE
 else
   rm -rf "${DIR:?}/gpu2_weak"
 fi

@@ -114,10 +114,15 @@ def parse_args(argv=None):
     r.add_argument("--fsdp", action="store_true",
                    help="like --ddp, with FSDP2 (fully_shard of each block, then the root): "
                         "parameters, gradients and optimizer state sharded across the ranks")
+    r.add_argument("--fsdp_fp8_all_gather", action="store_true",
+                   help="with --fsdp and fp8ops: all-gather the FP8 layers' weights in FP8 (1 byte per "
+                        "element) instead of the master weights (fp8ops.enable_fsdp_fp8_all_gather)")
     add_fp8_args(p)
     args = p.parse_args(argv)
     if args.ddp and args.fsdp:
         p.error("--ddp and --fsdp are exclusive")
+    if args.fsdp_fp8_all_gather and not args.fsdp:
+        p.error("--fsdp_fp8_all_gather needs --fsdp")
     for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_iters",
                  "save_every", "log_every"):
         if getattr(args, name) < 1:
@@ -321,7 +326,7 @@ def main(argv=None):
     model, fp8_info = prepare_model(model, args, logger=print, module_filter_fn=LM_HEAD_FILTER,
                                     precision=dtype.upper())
     # --ddp: DDP(model); --fsdp: model sharded in place (before the optimizer: it holds the shards)
-    wrapped = wrap_distributed(model, dinfo, device)
+    wrapped = wrap_distributed(model, dinfo, device, fp8_all_gather=args.fsdp_fp8_all_gather)
     optimizer = make_optimizer(model, args, device)
     if ckpt is not None:
         load_optimizer_state(model, optimizer, ckpt["optimizer"], dinfo)
@@ -721,9 +726,10 @@ def init_distributed(args, device):
     return device, info
 
 
-def wrap_distributed(model, dinfo, device):
+def wrap_distributed(model, dinfo, device, fp8_all_gather=False):
     """The module to run: DDP(model), or (--fsdp) the model itself, sharded in place: each
-    transformer block, then the root (embeddings, final LayerNorm and the tied lm_head).
+    transformer block, then the root (embeddings, final LayerNorm and the tied lm_head);
+    fp8_all_gather: FSDP2 gathers the FP8 layers' weights in FP8.
     `model` stays the module that checkpoints and reports read."""
     if dinfo.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -736,6 +742,10 @@ def wrap_distributed(model, dinfo, device):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(device.type, (dinfo.world,))
+        if fp8_all_gather:
+            names = fp8ops.enable_fsdp_fp8_all_gather(model)
+            if dinfo.rank == 0:
+                print(f"fsdp: {len(names)} FP8 layers all-gather their weights in FP8")
         for block in model.transformer.h:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)

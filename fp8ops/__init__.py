@@ -18,6 +18,7 @@ from . import ops  # noqa: E402
 from ._loader import build_info, is_available, why_unavailable  # noqa: E402
 from .config import Fp8Config  # noqa: E402
 from .conversion import convert, convert_to_fp8_training, fp8_supported_here  # noqa: E402
+from .fsdp import enable_fsdp_fp8_all_gather  # noqa: E402
 from .policy import tune_policy  # noqa: E402
 from .report import report  # noqa: E402
 from .scaling import load_scaling_state_dict, scaling_state_dict, step  # noqa: E402
@@ -30,6 +31,8 @@ __all__ = [
     "convert_to_fp8_training", "convert", "report", "Fp8Config", "tune_policy",
     # availability
     "is_available", "why_unavailable", "fp8_supported_here", "build_info",
+    # FSDP2
+    "enable_fsdp_fp8_all_gather",
     # scaling state
     "scaling_state_dict", "load_scaling_state_dict", "step",
     # training scripts

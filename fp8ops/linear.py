@@ -74,16 +74,20 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float,
-                   overflow: torch.Tensor | None = None, keep_history: bool = False):
+                   overflow: torch.Tensor | None = None, keep_history: bool = False, reduce=None):
     """Current (dynamic) scaling of one tensor: its amax now -> scale. Reuses
     amax_update with most_recent, so the rules (zero / non-finite amax keeps the
     previous scale) are the same code. keep_history: delayed scaling before its
     first scale update, which casts each tensor with its own current scale
     while row 0 of the history goes on collecting the step's maximum (the casts
-    fold each amax in): the amax_update here runs on a scratch copy instead."""
+    fold each amax in): the amax_update here runs on a scratch copy instead.
+    reduce(amax): in place, e.g. the max over the shards of an FSDP2 weight."""
     history, scale, scale_inv, fp8_max = views[V_BUFFERS:V_BUFFERS + 4]
     with torch.no_grad():
         a = ops._amax_raw(t2d.detach())
+        if reduce is not None:
+            a = a.reshape(1)
+            reduce(a)
         if keep_history:
             h = a.reshape(1, 1)
         else:
@@ -165,6 +169,19 @@ class _Fp8LinearFn(torch.autograd.Function):
         return (dx if need_dx else None), (dw if need_dw else None), db, None, None, None, None, None, None
 
 
+class _DequantGathered(torch.autograd.Function):
+    """An FSDP2 FP8-gathered weight (fsdp.py) as a high-precision tensor: its FP8
+    values times scale_inv; the gradient passes through to the weight unchanged."""
+
+    @staticmethod
+    def forward(ctx, w, scale_inv):
+        return (w._fp8ops_gathered.float() * scale_inv).to(w.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
 class Fp8Linear(nn.Linear):
     """nn.Linear with FP8 forward and backward. Same parameters, same
     state_dict keys, shapes and dtypes as the nn.Linear it replaces."""
@@ -244,6 +261,11 @@ class Fp8Linear(nn.Linear):
         sharded DTensor that is registered on the module again after backward.
         A state_dict load drops the cache explicitly (_load_from_state_dict)."""
         w, b = self._param("weight"), self._param("bias")
+        w8 = getattr(w, "_fp8ops_gathered", None)
+        if w8 is not None:
+            # FSDP2 gathered this weight in FP8 (fsdp.py), cast with this layer's weight scale
+            b_lp = None if b is None else b.detach().to(ops._bias_dtype(compute_dtype))
+            return w8, (w8.t().contiguous() if need_t else None), b_lp, None
         key = None if compiling else (w._version, w.data_ptr(), None if b is None else b._version,
                                       self.fp8_step, compute_dtype, need_t)
         cache = self._w_cache
@@ -317,6 +339,15 @@ class Fp8Linear(nn.Linear):
             return getattr(self, name)
         return p
 
+    def _plain_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The nn.Linear computation, for calls that do not run FP8. Under the FSDP2
+        FP8 all-gather (fsdp.py) the unsharded weight holds FP8 data: it is
+        dequantized with its scale (the weight an FP8 call would have used)."""
+        w = self._param("weight")
+        if getattr(w, "_fp8ops_gathered", None) is not None:
+            w = _DequantGathered.apply(w, self._buffers["fp8_scale_inv"][W:W + 1])
+        return F.linear(x, w, self._param("bias"))
+
     def _fp8_pays(self, M: int, cdtype: torch.dtype, compiling: bool = False) -> bool:
         """policy="auto": is FP8 faster than BF16 for this shape on this GPU?
         Measured once per shape (policy.py); under torch.compile or CUDA-graph
@@ -360,11 +391,11 @@ class Fp8Linear(nn.Linear):
             ac = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
             if bf16_key == (x.shape, x.dtype, x.device, ac):
                 d["fp8_fallback_calls"] += 1
-                return F.linear(x, self.weight, self.bias)
+                return self._plain_forward(x)
         if (not x.is_cuda and not d["fp8_on_cpu"]) or x.numel() == 0:
             if not compiling:  # an int read in compiled code is a guard: one recompile per call
                 d["fp8_fallback_calls"] += 1
-            return super().forward(x)
+            return self._plain_forward(x)
         weight, bias = self._param("weight"), self._param("bias")
         if not compiling and _is_dtensor(weight):
             raise RuntimeError(
@@ -382,7 +413,7 @@ class Fp8Linear(nn.Linear):
             # runs exactly as the nn.Linear would (under the caller's autocast)
             if not compiling:  # an int read in compiled code is a guard: one recompile per call
                 d["fp8_fallback_calls"] += 1
-            return F.linear(x, weight, bias)
+            return self._plain_forward(x)
         if (cfg.policy == "auto" and x.is_cuda and not d["fp8_policy_measuring"] and not cfg.gemm_emulated
                 and not self._fp8_pays(x2.shape[0], cdtype, compiling)):
             # policy "auto" measured BF16 faster for this shape: the plain path,
@@ -391,9 +422,9 @@ class Fp8Linear(nn.Linear):
                 ac = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
                 d["_fp8_bf16_key"] = (x.shape, x.dtype, x.device, ac)
                 d["fp8_fallback_calls"] += 1  # (eager only, as above)
-            return F.linear(x, weight, bias)
+            return self._plain_forward(x)
         if _POLICY_ONLY:
-            return F.linear(x, weight, bias)
+            return self._plain_forward(x)
         if x2.dtype not in ops.HP_DTYPES:
             x2 = x2.to(cdtype)
         # an fp32 input (LayerNorm under autocast) is cast to fp8 directly: no

@@ -14,6 +14,8 @@ CPU box); the single-process references run in the pytest process. What is check
 * delayed scaling issues ONE all_reduce per optimizer step for all layers, none in forward or
   backward;
 * current scaling under FSDP2 gives the weight the single-process (unsharded) scale;
+* with fp8ops.enable_fsdp_fp8_all_gather the weights travel as FP8 (1 byte per element) and
+  the runs still match the single process;
 * a state_dict load under FSDP2 is seen by the next forward (no stale weight cast);
 * policy="auto" verdicts agree across ranks.
 
@@ -133,7 +135,9 @@ def train(mode="single", recipe="delayed", ckpt=False, rank=0, world=1, ar_log=N
     wrapped = model
     if mode == "ddp":
         wrapped = nn.parallel.DistributedDataParallel(model)
-    elif mode == "fsdp":
+    elif mode in ("fsdp", "fsdp_fp8_ag"):
+        if mode == "fsdp_fp8_ag":
+            assert len(fp8ops.enable_fsdp_fp8_all_gather(model)) == len(fp8_layers(model))
         for _, m in fp8_layers(model):
             fully_shard(m)
         fully_shard(model)
@@ -179,6 +183,10 @@ SCENARIOS = {   # name: (mode, recipe, activation checkpointing)
     "fsdp": ("fsdp", "delayed", False),
     "fsdp_ckpt": ("fsdp", "delayed", True),
     "fsdp_current": ("fsdp", "current", False),
+    # FP8 weight all-gather (fp8ops.enable_fsdp_fp8_all_gather)
+    "fsdp_fp8_ag": ("fsdp_fp8_ag", "delayed", False),
+    "fsdp_fp8_ag_ckpt": ("fsdp_fp8_ag", "delayed", True),
+    "fsdp_fp8_ag_current": ("fsdp_fp8_ag", "current", False),
 }
 
 
@@ -202,8 +210,10 @@ def _worker(rank, world, tmp, scenarios):
             ar_log["calls"] = []
             ar_log["phase"] = [None]
             mode, recipe, ckpt = SCENARIOS[name]
+            ag_log = _log_all_gathers()
             out[name] = train(mode, recipe, ckpt, rank, world, ar_log)
             out[name]["all_reduce"] = ar_log["calls"]
+            out[name]["all_gather"] = ag_log()
         dist.all_reduce = _orig_all_reduce
         if fully_shard is not None:
             out["fsdp_load"] = _fsdp_load_state_dict(rank, world)
@@ -214,6 +224,23 @@ def _worker(rank, world, tmp, scenarios):
         dist.all_reduce = _orig_all_reduce
         torch.save(out, f"{tmp}/rank{rank}.pt")
         dist.destroy_process_group()
+
+
+def _log_all_gathers():
+    """Record the dtype and bytes of every all-gather FSDP2 issues from now on; returns
+    the getter (which also restores the collective)."""
+    log, orig = [], dist.all_gather_into_tensor
+
+    def logged(output, input, *args, **kwargs):
+        log.append((str(input.dtype), input.numel() * input.element_size()))
+        return orig(output, input, *args, **kwargs)
+
+    dist.all_gather_into_tensor = logged
+
+    def get():
+        dist.all_gather_into_tensor = orig
+        return log
+    return get
 
 
 def _fsdp_load_state_dict(rank, world):
@@ -366,6 +393,36 @@ def test_one_amax_all_reduce_per_step(dist_results, name):
             assert in_step[0][1] == "fp8ops.scaling" and in_step[0][2] == 3 * n_layers
             fwd = [c for c in fp8 if c[0] == ("fwdbwd", step)]
             assert not fwd, f"step {step}: {fwd}"
+
+
+@requires_fsdp2
+@pytest.mark.parametrize("name", ["fsdp_fp8_ag", "fsdp_fp8_ag_ckpt"])
+def test_fsdp2_fp8_all_gather_matches_single_process(dist_results, single, name):
+    """The weights travel as FP8 cast with the layer's scale; casting shards with one scale
+    gives the bits of casting the whole weight, so the run matches the single process as
+    the plain FSDP2 run does."""
+    _check_against_single(dist_results, single(), name)
+    # per rank, one weight shard travels as 1 byte per element instead of 4 (fp32); the
+    # bias stays fp32 (FSDP2 packs a module's all-gather inputs into one uint8 buffer)
+    saved = {3 * m.weight.numel() // WORLD for _, m in fp8_layers(make_model())}
+    for res in dist_results:
+        plain = res[name.replace("_fp8_ag", "")]["all_gather"]
+        fp8 = res[name]["all_gather"]
+        assert plain and {d for d, _ in plain} == {"torch.float32"}, plain
+        assert len(fp8) == len(plain) and {d for d, _ in fp8} == {"torch.uint8"}, fp8
+        assert all(p - f in saved for (_, p), (_, f) in zip(plain, fp8)), (plain, fp8)
+
+
+@requires_fsdp2
+def test_fsdp2_fp8_all_gather_current_scaling(dist_results, single):
+    """Current scaling with the FP8 all-gather: the shards' amaxes are max-reduced before the
+    cast, so the weight scale is the unsharded weight's (step 0: exactly the single run's)."""
+    ref = single("current")
+    for res in dist_results:
+        run = res["fsdp_fp8_ag_current"]
+        assert run["w_scale_fwd"][0] == ref["w_scale_fwd"][0]
+        assert run["w_scale_fwd"] == res["fsdp_current"]["w_scale_fwd"]
+        assert run["loss"] == res["fsdp_current"]["loss"]
 
 
 @requires_fsdp2
