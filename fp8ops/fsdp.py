@@ -95,7 +95,7 @@ class _Fp8MasterWeight(torch.Tensor):
         views = module._fp8_views(False)
         delayed = cfg.recipe == "delayed"
         current = not delayed or not d["_fp8_delayed_ready"]
-        x_dt, w_dt, g_dt = d["fp8_dtypes"]
+        w_dt = d["fp8_dtypes"][W]
         if current:
             # the whole weight's amax: the max over the shards' (an empty shard adds 0)
             group = mesh.get_group()
@@ -106,20 +106,21 @@ class _Fp8MasterWeight(torch.Tensor):
         if rows:
             w8, _ = ops.cast_accumulate(src, views[V_S + W], views[V_H + W], w_dt, False)
             out[:rows].copy_(w8)
-        return (out.view(torch.uint8),), (w_dt, shard.dtype)
+        return (out.view(torch.uint8),), w_dt
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (data,) = all_gather_outputs
-        w_dt, master_dtype = metadata
         if out is not None:
             return  # FSDP2 refilled the same buffer: the Parameter already wraps it
-        return _Fp8GatheredWeight(data.view(w_dt), master_dtype), (data,)
+        # param_dtype: the master dtype, or MixedPrecisionPolicy's; the weight gradient comes back in it
+        return _Fp8GatheredWeight(data.view(metadata), param_dtype), (data,)
 
 
 class _Fp8GatheredWeight(torch.Tensor):
     """The unsharded weight FSDP2 hands the forward: FP8 data cast with the
-    layer's weight scale, shaped like the master weight. Only Fp8Linear reads
-    it; any other op raises (the FP8 values are not the weight's values)."""
+    layer's weight scale, shaped like the master weight, with the dtype FSDP2
+    gives unsharded parameters. Only Fp8Linear reads it; any other op raises
+    (the FP8 values are not the weight's values)."""
 
     _VIEW_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.as_strided.default,
                  torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}

@@ -343,10 +343,10 @@ class Fp8Linear(nn.Linear):
         """The nn.Linear computation, for calls that do not run FP8. Under the FSDP2
         FP8 all-gather (fsdp.py) the unsharded weight holds FP8 data: it is
         dequantized with its scale (the weight an FP8 call would have used)."""
-        w = self._param("weight")
+        w, b = self._param("weight"), self._param("bias")
         if getattr(w, "_fp8ops_gathered", None) is not None:
             w = _DequantGathered.apply(w, self._buffers["fp8_scale_inv"][W:W + 1])
-        return F.linear(x, w, self._param("bias"))
+        return F.linear(x, w, b)
 
     def _fp8_pays(self, M: int, cdtype: torch.dtype, compiling: bool = False) -> bool:
         """policy="auto": is FP8 faster than BF16 for this shape on this GPU?

@@ -29,8 +29,11 @@ done
 wait
 status=0
 for log in "$LOGS"/*.log; do
-  p=$(grep -c " PASSED" "$log"); f=$(grep -c " FAILED" "$log"); s=$(grep -c " SKIPPED" "$log")
-  echo "$(basename "$log" .log): $p passed, $f failed, $s skipped; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^exit=' "$log" | tr '\n' ' ')"
+  # pytest's own totals; a run cut off by the limit has none: count the per-test words
+  # (a tool's report can sit between a test's name and its PASSED)
+  totals=$(grep -E "^=+ .*(passed|failed).* in [0-9.]+s" "$log" | tail -1)
+  [ -n "$totals" ] || totals="cut off after $(grep -c "PASSED" "$log") passed, $(grep -c "FAILED" "$log") failed"
+  echo "$(basename "$log" .log): $totals; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^exit=' "$log" | tr '\n' ' ')"
   grep -q '^exit=0$' "$log" || status=1
 done
 tar czf "$OUT/sanitize_logs.tgz" -C "$LOGS" .
