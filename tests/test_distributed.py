@@ -170,6 +170,10 @@ def train(mode="single", recipe="delayed", ckpt=False, rank=0, world=1, ar_log=N
             total /= world
         rec["loss"].append(total.item())
     rec["steps"] = {n: m.fp8_step for n, m in fp8_layers(model)}
+    if mode.startswith("fsdp"):   # what a checkpoint of the sharded model holds (rank 0)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        rec["full_state"] = {k: (type(v).__name__, v.clone()) for k, v in sd.items()}
     return rec
 
 
@@ -411,6 +415,11 @@ def test_fsdp2_fp8_all_gather_matches_single_process(dist_results, single, name)
         assert plain and {d for d, _ in plain} == {"torch.float32"}, plain
         assert len(fp8) == len(plain) and {d for d, _ in fp8} == {"torch.uint8"}, fp8
         assert all(p - f in saved for (_, p), (_, f) in zip(plain, fp8)), (plain, fp8)
+    # the checkpoint (full state dict) is plain tensors, the same as plain FSDP2's run gives
+    full, ref_full = dist_results[0][name]["full_state"], dist_results[0][name.replace("_fp8_ag", "")]["full_state"]
+    assert full.keys() == ref_full.keys() and full
+    for k, (kind, v) in full.items():
+        assert kind == "Tensor" and torch.equal(v, ref_full[k][1]), k
 
 
 @requires_fsdp2
