@@ -135,12 +135,18 @@ def train(mode="single", recipe="delayed", ckpt=False, rank=0, world=1, ar_log=N
     wrapped = model
     if mode == "ddp":
         wrapped = nn.parallel.DistributedDataParallel(model)
-    elif mode in ("fsdp", "fsdp_fp8_ag"):
-        if mode == "fsdp_fp8_ag":
+    elif mode in ("fsdp", "fsdp_fp8_ag", "fsdp_fp8_ag_compiled"):
+        if mode.startswith("fsdp_fp8_ag"):
             assert len(fp8ops.enable_fsdp_fp8_all_gather(model)) == len(fp8_layers(model))
         for _, m in fp8_layers(model):
             fully_shard(m)
         fully_shard(model)
+        if mode.endswith("compiled"):
+            # aot_eager: dynamo + AOTAutograd without a C++ toolchain; FSDP2's hooks break the
+            # graph at every sharded layer, each layer object its own frame
+            torch._dynamo.reset()
+            torch._dynamo.config.recompile_limit = 64
+            wrapped = torch.compile(model, backend="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)   # after wrapping: FSDP2's DTensors
     n = BATCH // WORLD
     parts = [slice(rank * n, (rank + 1) * n)] if world > 1 else [slice(r * n, (r + 1) * n) for r in range(WORLD)]
@@ -170,6 +176,8 @@ def train(mode="single", recipe="delayed", ckpt=False, rank=0, world=1, ar_log=N
             total /= world
         rec["loss"].append(total.item())
     rec["steps"] = {n: m.fp8_step for n, m in fp8_layers(model)}
+    if mode.endswith("compiled"):
+        rec["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     if mode.startswith("fsdp"):   # what a checkpoint of the sharded model holds (rank 0)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -191,6 +199,7 @@ SCENARIOS = {   # name: (mode, recipe, activation checkpointing)
     "fsdp_fp8_ag": ("fsdp_fp8_ag", "delayed", False),
     "fsdp_fp8_ag_ckpt": ("fsdp_fp8_ag", "delayed", True),
     "fsdp_fp8_ag_current": ("fsdp_fp8_ag", "current", False),
+    "fsdp_fp8_ag_compiled": ("fsdp_fp8_ag_compiled", "delayed", False),
 }
 
 
@@ -420,6 +429,22 @@ def test_fsdp2_fp8_all_gather_matches_single_process(dist_results, single, name)
     assert full.keys() == ref_full.keys() and full
     for k, (kind, v) in full.items():
         assert kind == "Tensor" and torch.equal(v, ref_full[k][1]), k
+
+
+@requires_fsdp2
+def test_fsdp2_fp8_all_gather_under_torch_compile(dist_results):
+    """torch.compile (aot_eager) of the FSDP2 model with FP8 all-gather: the eager run's
+    losses, gradients and scales exactly, and its all-gathers are FP8 too."""
+    for res in dist_results:
+        run, ref = res["fsdp_fp8_ag_compiled"], res["fsdp_fp8_ag"]
+        assert run["loss"] == ref["loss"]
+        for step in range(STEPS):
+            for pname, g in ref["grads"][step].items():
+                assert torch.equal(run["grads"][step][pname], g), f"step {step} {pname}"
+            for layer, sc in ref["scales"][step].items():
+                assert torch.equal(run["scales"][step][layer], sc), f"step {step} {layer}"
+        assert {d for d, _ in run["all_gather"]} == {"torch.uint8"}
+        assert run["graphs"] >= len(fp8_layers(make_model()))   # compiled, not run eagerly
 
 
 @requires_fsdp2
