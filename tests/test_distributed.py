@@ -14,8 +14,9 @@ CPU box); the single-process references run in the pytest process. What is check
 * delayed scaling issues ONE all_reduce per optimizer step for all layers, none in forward or
   backward;
 * current scaling under FSDP2 gives the weight the single-process (unsharded) scale;
-* with fp8ops.enable_fsdp_fp8_all_gather the weights travel as FP8 (1 byte per element) and
-  the runs still match the single process;
+* with fp8ops.enable_fsdp_fp8_all_gather the weights travel as FP8 (1 byte per element), the
+  runs still match the single process (also under torch.compile, aot_eager) and checkpoints
+  hold the plain FSDP2 run's tensors;
 * a state_dict load under FSDP2 is seen by the next forward (no stale weight cast);
 * policy="auto" verdicts agree across ranks.
 
