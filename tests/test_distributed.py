@@ -623,3 +623,60 @@ def test_train_fp8_two_ranks_repeat_one_rank_with_grad_accum_bit_for_bit(tmp_pat
         got = json.loads((out / "metrics.json").read_text())
         assert got["tokens_per_step"] == ref["tokens_per_step"]
         assert got["train_loss"] == ref["train_loss"], mode
+
+
+# --------------------------------------------- FP8 all-gather with uneven shards (3 ranks)
+
+def _uneven_worker(rank, world, tmp):
+    """A 48 -> 16 Fp8Linear on 3 ranks: FSDP2 shards its 16 rows 6 / 6 / 4 and pads the last
+    shard. The FP8 all-gather must give the plain FSDP2 run's losses and gradients."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world)
+    out = {}
+    try:
+        for ag in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16))
+            for i in (0, 2):
+                model[i] = Fp8Linear.from_linear(model[i], Fp8Config(amax_history_len=4))
+                model[i].fp8_on_cpu = True
+            if ag:
+                fp8ops.enable_fsdp_fp8_all_gather(model)
+            for i in (0, 2):
+                fully_shard(model[i])
+            fully_shard(model)
+            rows = model[2].weight.to_local().shape[0]
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            g = torch.Generator().manual_seed(1)
+            rec = {"rows": rows, "loss": [], "grads": []}
+            for _ in range(STEPS):
+                x, y = torch.randn(16, 32, generator=g) * 3, torch.randn(16, 16, generator=g)
+                F.mse_loss(model(x), y).backward()
+                rec["grads"].append([_full(p.grad).clone() for p in model.parameters()])
+                opt.step()
+                opt.zero_grad()
+                rec["loss"].append(F.mse_loss(model(x), y).item())
+            out[ag] = rec
+    finally:
+        torch.save(out, f"{tmp}/uneven{rank}.pt")
+        dist.destroy_process_group()
+
+
+@requires_fsdp2
+def test_fsdp2_fp8_all_gather_uneven_shards(tmp_path):
+    import torch.multiprocessing as mp
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        mp.spawn(_uneven_worker, args=(3, str(tmp_path)), nprocs=3, join=True)
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    res = [torch.load(tmp_path / f"uneven{r}.pt", weights_only=False) for r in range(3)]
+    assert [r[True]["rows"] for r in res] == [6, 6, 4]
+    for r in res:
+        assert r[True]["loss"] == r[False]["loss"]
+        for got, ref in zip(r[True]["grads"], r[False]["grads"]):
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
