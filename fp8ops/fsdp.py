@@ -155,6 +155,13 @@ class _Fp8GatheredWeight(torch.Tensor):
         return _Fp8GatheredWeight(inner["_data"], dtype)
 
 
+def fp8_all_gather_enabled(layer: nn.Module) -> bool:
+    """Is this layer's weight gathered in FP8 by FSDP2 (before or after fully_shard)?"""
+    w = layer._parameters.get("weight")
+    local = getattr(w, "_local_tensor", w)  # the shard of a fully_shard-ed weight (DTensor)
+    return isinstance(local, _Fp8MasterWeight)
+
+
 def enable_fsdp_fp8_all_gather(model: nn.Module) -> list[str]:
     """Make FSDP2 all-gather the FP8-run Fp8Linear weights of `model` in FP8. Call
     after fp8ops.convert(model) and before fully_shard and creating the optimizer
@@ -170,7 +177,7 @@ def enable_fsdp_fp8_all_gather(model: nn.Module) -> list[str]:
         if not isinstance(m, Fp8Linear) or m.fp8_config.gemm_emulated:
             continue
         w = m._parameters.get("weight")
-        if w is None or owners.get(id(w), 0) > 1 or isinstance(w.data, _Fp8MasterWeight):
+        if w is None or owners.get(id(w), 0) > 1 or fp8_all_gather_enabled(m):
             continue
         m.weight = nn.Parameter(_Fp8MasterWeight(w.data), requires_grad=w.requires_grad)
         m.__dict__["_w_cache"] = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .conversion import DECISIONS_ATTR
+from .fsdp import fp8_all_gather_enabled
 from .linear import G, W, X, Fp8Linear
 
 
@@ -37,6 +38,8 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                 "overflows": int(ovf.sum()), "overflow_x": int(ovf[X]), "overflow_w": int(ovf[W]),
                 "overflow_g": int(ovf[G]), "fallback_calls": m.fp8_fallback_calls,
             })
+            if fp8_all_gather_enabled(m):
+                rows[-1]["reason"] += "; FSDP2 all-gathers its weight in FP8"
             if m.fp8_config.gemm_emulated:
                 rows[-1]["reason"] += "; all-E5M2: GEMMs emulated in BF16 (FP8 numerics, not FP8 speed)"
             slow = [f"M={M}: BF16 (FP8 {v[1]:.2f}x)" for (M, _), v in m.fp8_policy.items() if not v[0]]

@@ -179,6 +179,7 @@ def train(mode="single", recipe="delayed", ckpt=False, rank=0, world=1, ar_log=N
     rec["steps"] = {n: m.fp8_step for n, m in fp8_layers(model)}
     if mode.endswith("compiled"):
         rec["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    rec["report"] = {r["name"]: r["reason"] for r in fp8ops.report(model, print_table=False)}
     if mode.startswith("fsdp"):   # what a checkpoint of the sharded model holds (rank 0)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -425,6 +426,9 @@ def test_fsdp2_fp8_all_gather_matches_single_process(dist_results, single, name)
         assert plain and {d for d, _ in plain} == {"torch.float32"}, plain
         assert len(fp8) == len(plain) and {d for d, _ in fp8} == {"torch.uint8"}, fp8
         assert all(p - f in saved for (_, p), (_, f) in zip(plain, fp8)), (plain, fp8)
+    for res in dist_results:   # fp8ops.report says so, for the sharded layers
+        assert all("all-gathers its weight in FP8" in why for why in res[name]["report"].values())
+        assert not any("all-gather" in why for why in res["fsdp"]["report"].values())
     # the checkpoint (full state dict) is plain tensors, the same as plain FSDP2's run gives
     full, ref_full = dist_results[0][name]["full_state"], dist_results[0][name.replace("_fp8_ag", "")]["full_state"]
     assert full.keys() == ref_full.keys() and full

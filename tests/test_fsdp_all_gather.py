@@ -30,6 +30,8 @@ def test_enable_wraps_fp8_layers_and_skips_tied_and_emulated():
     assert isinstance(model.a.weight, nn.Parameter) and type(model.a.weight.data) is _Fp8MasterWeight
     assert type(model.c.weight.data) is not _Fp8MasterWeight and type(model.b.weight.data) is not _Fp8MasterWeight
     assert fp8ops.enable_fsdp_fp8_all_gather(model) == []   # idempotent
+    reasons = {r["name"]: r["reason"] for r in fp8ops.report(model, print_table=False)}
+    assert "all-gathers its weight in FP8" in reasons["a"] and "all-gather" not in reasons["c"]
     # it is still the weight for everything but FSDP2's all-gather: ops see the master values
     assert torch.equal(model.a.weight.detach() * 2, w_a * 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
