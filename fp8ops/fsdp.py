@@ -102,10 +102,14 @@ class _Fp8MasterWeight(torch.Tensor):
             _current_scale(src, views, W, cfg.margin, overflow=_overflow(views, delayed), keep_history=delayed,
                            reduce=lambda a: dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group))
         d["_fp8_cast_since_update"] = True
-        out = torch.zeros(padded_rows, K, dtype=w_dt, device=shard.device)
+        out = None
         if rows:
-            w8, _ = ops.cast_accumulate(src, views[V_S + W], views[V_H + W], w_dt, False)
-            out[:rows].copy_(w8)
+            out, _ = ops.cast_accumulate(src, views[V_S + W], views[V_H + W], w_dt, False)
+        if rows != padded_rows:  # the last ranks' shards of an uneven split: zero rows appended
+            pad = torch.zeros(padded_rows, K, dtype=w_dt, device=shard.device)
+            if rows:
+                pad[:rows].copy_(out)
+            out = pad
         return (out.view(torch.uint8),), w_dt
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
