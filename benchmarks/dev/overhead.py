@@ -99,3 +99,32 @@ for name, fn in [("bf16 linear fwd+bwd", lambda: it(ref, False)), ("fp8ops linea
                  ("fp8ops linear fwd+bwd (cached W)", lambda: it(lin, False))]:
     enq, gpu = enqueue_vs_gpu(fn, 20)
     print(f"{name:34} enqueue {enq / 20:.3f} ms/iter, GPU {gpu / 20:.3f} ms/iter")
+
+# Host cost of one whole layer call on tiny tensors (host-bound: the GPU work is negligible):
+# what the Fp8Linear wrapper, its autograd.Function and its two C calls cost over nn.Linear's.
+xt = torch.randn(64, 64, device=dev, requires_grad=True)
+gt = torch.randn(64, 64, device=dev, dtype=torch.bfloat16)
+ref_t = torch.nn.Linear(64, 64, bias=False).to(dev)
+lin_t = fp8ops.convert(torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False).to(dev)),
+                       config=fp8ops.Fp8Config(policy="always"))
+
+
+def tiny_it(m, step, bwd=True):
+    xt.grad = None
+    for p in m.parameters():
+        p.grad = None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = m(xt)
+    if bwd:
+        y.backward(gt)
+    if step:
+        fp8ops.step(m)
+
+
+for name, fn in [("tiny nn.Linear fwd+bwd", lambda: tiny_it(ref_t, False)),
+                 ("tiny Fp8Linear fwd+bwd+step", lambda: tiny_it(lin_t, True)),
+                 ("tiny Fp8Linear fwd+bwd (cached W)", lambda: tiny_it(lin_t, False)),
+                 ("tiny nn.Linear fwd", lambda: tiny_it(ref_t, False, False)),
+                 ("tiny Fp8Linear fwd (cached W)", lambda: tiny_it(lin_t, False, False)),
+                 ("fp8ops.step alone (nothing cast)", lambda: fp8ops.step(lin_t))]:
+    print(f"{name:34} host {host_us(fn, 1000):7.1f} us/iter")
