@@ -50,7 +50,25 @@ if mode == "leak":
                 continue
             for rr in gc.get_referrers(r):
                 if type(rr).__name__ == "frame":
-                    print("  held through", type(r).__name__, "by the frame of", rr.f_code.co_name, rr.f_code.co_filename)
+                    print("  held through", type(r).__name__, "by the frame of", rr.f_code.co_name, rr.f_code.co_filename,
+                          "line", rr.f_lineno)
+                    # and who keeps that frame alive: up to three levels of referrers
+                    level, seen = [rr], {id(new), id(rr)}
+                    for depth in range(3):
+                        nxt = []
+                        for obj in level:
+                            for ref in gc.get_referrers(obj):
+                                if id(ref) in seen or ref is level or ref is nxt:
+                                    continue
+                                seen.add(id(ref))
+                                desc = type(ref).__name__
+                                if desc == "frame":
+                                    desc += f" {ref.f_code.co_name} ({ref.f_code.co_filename}:{ref.f_lineno})"
+                                elif isinstance(ref, BaseException):
+                                    desc += f" {ref!r}"[:200]
+                                print("    " * (depth + 2) + f"<- {desc}")
+                                nxt.append(ref)
+                        level = nxt[:8]
 else:
     torch.manual_seed(0)
     class MLP(nn.Module):  # tests/test_linear.py's
