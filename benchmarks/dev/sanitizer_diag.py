@@ -66,6 +66,14 @@ if mode == "leak":
                                     desc += f" {ref.f_code.co_name} ({ref.f_code.co_filename}:{ref.f_lineno})"
                                 elif isinstance(ref, BaseException):
                                     desc += f" {ref!r}"[:200]
+                                elif desc == "module":
+                                    desc += f" {ref.__name__}"
+                                elif desc == "function":
+                                    desc += f" {ref.__module__}.{ref.__qualname__}"
+                                elif desc == "dict":
+                                    desc += f" keys {list(ref)[:6]}"
+                                elif desc == "list":
+                                    desc += f" of {len(ref)}"
                                 print("    " * (depth + 2) + f"<- {desc}")
                                 nxt.append(ref)
                         level = nxt[:8]
