@@ -1,7 +1,7 @@
-"""Run: compute-sanitizer --tool memcheck python3 benchmarks/dev/sanitizer_diag.py leak
+"""Run: compute-sanitizer --tool memcheck python3 benchmarks/dev/sanitizer_diag.py leak|leak_control
      compute-sanitizer --tool initcheck --nvtx yes python3 benchmarks/dev/sanitizer_diag.py policy
 Device diagnostics for issue E: (1) where memory_allocated grows under memcheck, and who
-holds what survives;
+holds what survives; leak_control: the same measurement for a torch-only custom op;
 (2) which initcheck reports in test_fp8_linear_cuda_compile_and_graph come from which path."""
 import gc, sys, torch, torch.nn as nn
 import fp8ops
@@ -77,6 +77,28 @@ if mode == "leak":
                                 print("    " * (depth + 2) + f"<- {desc}")
                                 nxt.append(ref)
                         level = nxt[:8]
+elif mode == "leak_control":
+    # torch alone: a pure-Python custom op with a Python autograd formula, the same machinery
+    # (torch/_library/autograd.py) that fp8ops' cast and gemm go through; no fp8ops code runs
+    @torch.library.custom_op("diagctl::twice", mutates_args=())
+    def twice(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return t * 2, t * 3
+
+    @twice.register_fake
+    def _(t):
+        return torch.empty_like(t), torch.empty_like(t)
+
+    torch.library.register_autograd("diagctl::twice", lambda ctx, g1, g2: g1 * 2 + g2 * 3)
+    for name, fn in (("torch op without autograd formula (mul)", lambda: (x * 2, x * 3)),
+                     ("diagctl::twice (Python custom op + autograd formula)", lambda: twice(x))):
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize(); gc.collect()
+        b = torch.cuda.memory_allocated()
+        for _ in range(300):
+            fn()
+        torch.cuda.synchronize(); gc.collect()
+        print(f"{name}: {(torch.cuda.memory_allocated() - b) / 300:.0f} B/call still allocated", flush=True)
 else:
     torch.manual_seed(0)
     class MLP(nn.Module):  # tests/test_linear.py's
