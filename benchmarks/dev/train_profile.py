@@ -8,6 +8,7 @@ the GPU was busy: a step whose GPU-busy time is well below its wall time is boun
     python benchmarks/dev/train_profile.py [--models 1b,small] [--batch 8] [--batch-1b 4]
 """
 import argparse
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -27,8 +28,11 @@ def kernel_class(name: str) -> str:
     n = name.lower()
     if "cast_transpose" in n or "cast_kernel" in n or "amax_update" in n or "amax_kernel" in n:
         return "fp8ops cast+amax"
-    if "gemm" in n or "nvjet" in n or "xmma" in n or "cutlass" in n:
-        return "fp8 gemm" if any(s in n for s in ("qq", "e4m3", "e5m2", "f8f8", "fp8")) else "bf16/fp32 gemm"
+    jet = re.search(r"nvjet_sm\d+_([a-z]+)_", n)
+    if jet:  # cuBLAS's nvjet kernels name their operand types first: q = e4m3, r = e5m2, t = bf16
+        return "fp8 gemm" if jet.group(1)[0] in "qr" else "bf16/fp32 gemm"
+    if "gemm" in n or "xmma" in n or "cutlass" in n:
+        return "fp8 gemm" if any(s in n for s in ("e4m3", "e5m2", "f8f8", "fp8")) else "bf16/fp32 gemm"
     if "flash" in n or "fmha" in n or "attention" in n or "sdpa" in n:
         return "attention"
     if "adam" in n or "multi_tensor" in n or "foreach" in n:
@@ -85,8 +89,8 @@ def main() -> int:
             per_class = dict.fromkeys(CLASSES, 0.0)
             per_kernel = {}
             for e in prof.events():
-                if e.device_type != torch.autograd.DeviceType.CUDA:
-                    continue
+                if e.device_type != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+                    continue  # (a record_function range on the GPU timeline spans kernels counted already)
                 us = getattr(e, "device_time", None)
                 if us is None:
                     us = e.cuda_time
@@ -95,6 +99,12 @@ def main() -> int:
             busy = sum(per_class.values()) / args.steps / 1e3
             print(f"-- {v} ({note}): wall {wall:.1f} ms/step (profiled), GPU busy {busy:.1f} ms/step "
                   f"({100 * busy / wall:.0f} %)", flush=True)
+            verdicts = {}  # policy "auto": per layer shape, FP8 or BF16 and the measured speedup
+            for m in model.modules():
+                for (rows, _dt), (wins, speedup) in getattr(m, "fp8_policy", {}).items():
+                    verdicts[(m.in_features, m.out_features, rows)] = f"{'FP8' if wins else 'BF16'} ({speedup:.2f}x)"
+            if verdicts:
+                print("   policy: " + ", ".join(f"{k}->{n} M={r}: {v}" for (k, n, r), v in sorted(verdicts.items())))
             for c in CLASSES:
                 print(f"   {c:20s} {per_class[c] / args.steps / 1e3:8.2f} ms/step")
             for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top]:
