@@ -485,7 +485,7 @@ def test_fsdp2_fp8_all_gather_with_mixed_precision_policy(dist_results):
     the MP policy), so the later losses agree to a few %. The weights travel as 1 byte per
     element instead of bf16's 2, and the gradients the optimizer sees are fp32, as under plain
     FSDP2."""
-    saved = {1 * m.weight.numel() // WORLD for _, m in fp8_layers(make_model())}
+    saved = {m.weight.numel() // WORLD for _, m in fp8_layers(make_model())}  # 2 bytes -> 1 per element
     for res in dist_results:
         run, ref = res["fsdp_fp8_ag_mp"], res["fsdp_mp"]
         assert {d for d, _ in ref["all_gather"]} == {"torch.bfloat16"}, ref["all_gather"]

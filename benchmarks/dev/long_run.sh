@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue E item 5: GPT-2 small, FP8 (all 48 linears, policy always) vs BF16 from the same seed,
-# on the embedded corpus (default: the stdlib, ~5 MB: 2000 steps are ~6 epochs, the model
+# on the embedded corpus (default: the stdlib, ~5 MB: 2000 steps are ~7 passes over it, the model
 # overfits) and on a corpus large enough for 2000 steps to stay under one epoch (every .py file
 # under the stdlib and torch directories, tens of MB: CORPUS=big). The runs go side by side on the
 # GPU (all four at once), so their tokens/s say nothing; their losses do not depend on timing.
