@@ -29,6 +29,7 @@
  * Nothing here allocates, synchronises or reads device memory from the host,
  * so every launcher can be captured in a CUDA graph.
  */
+#include <cuda_fp16.h>     // defines: __half2float, __ushort_as_half
 #include <cuda_runtime.h>  // defines: cudaStream_t, cudaMemsetAsync, uint4 / uint2
 #include <stdint.h>
 
@@ -127,6 +128,22 @@ __device__ __forceinline__ float load_elem(const void* x, int64_t i) {
     return fp8ops_bf16_to_f32(((const uint16_t*)x)[i]);
   } else {
     return fp8ops_f16_to_f32(((const uint16_t*)x)[i]);
+  }
+}
+
+// Element j (in memory order) of one 16-byte vector of dtype DT as a float;
+// j is a constant after unrolling. fp16: the exact hardware conversion.
+template <int DT>
+__device__ __forceinline__ float vec_elem(const uint4& v, int j) {
+  constexpr int PER_WORD = DT == FP8OPS_F32 ? 1 : 2;
+  const int k = j / PER_WORD;
+  const uint32_t w = k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+  if constexpr (DT == FP8OPS_F32) {
+    return fp8ops_bits_f32(w);
+  } else if constexpr (DT == FP8OPS_BF16) {
+    return fp8ops_bits_f32((j & 1) ? (w & 0xFFFF0000u) : (w << 16));
+  } else {
+    return __half2float(__ushort_as_half((unsigned short)((j & 1) ? (w >> 16) : (w & 0xFFFFu))));
   }
 }
 
@@ -359,6 +376,9 @@ __device__ __forceinline__ void cast_batch(const uint4 (&v)[N], float scale, Abs
 #else
 #define CT_MIN_BLOCKS(DT) ((DT) == FP8OPS_F32 ? 3 : 4)
 #endif
+// With the column sums (DB) a thread holds VEC more floats: one block fewer
+// per SM for bf16 / fp16 on sm_90+ (80 registers), the rest as above.
+#define CT_MIN_BLOCKS_DB(DT) ((DT) == FP8OPS_BF16 ? 2 : CT_MIN_BLOCKS(DT) > 3 ? 3 : CT_MIN_BLOCKS(DT))
 
 // cast + transpose + amax, fast path (rows % 16 == 0, cols % 16 == 0, x / out
 // / out_t 16-byte aligned).
@@ -383,17 +403,25 @@ __device__ __forceinline__ void cast_batch(const uint4 (&v)[N], float scale, Abs
 // rows % 16 == 0 and cols % 16 == 0 make every 8-row block, every VEC-column
 // vector and every 16-row chunk of a partial edge tile either fully inside or
 // fully outside, so the edges need whole-vector predicates only.
-template <int DT, int FMT>
-__global__ void __launch_bounds__(CT_THREADS, CT_MIN_BLOCKS(DT))
+// DB (the bias gradient of Fp8Linear's backward, fused into the pass that
+// reads dy anyway): each thread also sums its 8 rows per column in row order,
+// the 16 half-warps' sums meet in shared memory and are added in h order, and
+// the tile's column sums go to partial[blockIdx.y][col]; dbias_reduce_kernel
+// then adds the tiles in row order (the order fp8ops_dbias_cpu defines). A
+// row past the end of the last tile counts as +0 (the loads there are 0).
+template <int DT, int FMT, bool DB>
+__global__ void __launch_bounds__(CT_THREADS, DB ? CT_MIN_BLOCKS_DB(DT) : CT_MIN_BLOCKS(DT))
     cast_transpose_kernel(const void* __restrict__ x, const float* __restrict__ scale_p,
                           uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
-                          float* __restrict__ amax, int64_t rows, int64_t cols) {
+                          float* __restrict__ amax, int64_t rows, int64_t cols,
+                          float* __restrict__ partial) {
   constexpr int ESZ = VecInfo<DT>::esz;
   constexpr int VEC = CT_VEC(DT);
   constexpr int TN = CT_TN(DT);
   constexpr int WORDS = VecInfo<DT>::words;
   __shared__ __align__(16) uint8_t tile_t[TN * CT_TM];
   __shared__ uint32_t red[CT_THREADS / 32];
+  __shared__ float colsum[DB ? (CT_TM / CT_RB) * TN : 1];  // [h][tile column]
 
   const int tid = threadIdx.x;
   const int h = tid >> 4, l = tid & 15;
@@ -416,6 +444,16 @@ __global__ void __launch_bounds__(CT_THREADS, CT_MIN_BLOCKS(DT))
   } else {
 #pragma unroll
     for (int i = 0; i < CT_RB; ++i) v[i] = make_uint4(0, 0, 0, 0);  // |0| leaves amax alone
+  }
+
+  if constexpr (DB) {  // one column at a time: two live floats, not VEC
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      float sum = vec_elem<DT>(v[0], j);
+#pragma unroll
+      for (int i = 1; i < CT_RB; ++i) sum = add_rn(sum, vec_elem<DT>(v[i], j));
+      colsum[h * TN + l * VEC + j] = sum;
+    }
   }
 
   AbsMax<DT> am;
@@ -471,12 +509,60 @@ __global__ void __launch_bounds__(CT_THREADS, CT_MIN_BLOCKS(DT))
     }
   }
 
+  if constexpr (DB) {  // colsum was written before the barrier above
+    if (tid < tile_cols) {
+      float t = colsum[tid];
+#pragma unroll
+      for (int hh = 1; hh < CT_TM / CT_RB; ++hh) t = add_rn(t, colsum[hh * TN + tid]);
+      partial[(int64_t)blockIdx.y * cols + col0 + tid] = t;
+    }
+  }
+
   if (tid == 0) {
     uint32_t m = 0;
 #pragma unroll
     for (int w = 0; w < CT_THREADS / 32; ++w) m = max(m, red[w]);
     if (m != 0) atomicMax((unsigned int*)amax, m);
   }
+}
+
+// dbias[c] = the tiles' column sums added in row order (partial [tiles][cols]).
+// Block dims: (256). Grid dims: (ceil(cols / 256)); coalesced reads of one
+// partial row per step.
+__global__ void __launch_bounds__(256)
+    dbias_reduce_kernel(const float* __restrict__ partial, float* __restrict__ dbias,
+                        int64_t tiles, int64_t cols) {
+  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float t = partial[c];
+  for (int64_t k = 1; k < tiles; ++k) t = add_rn(t, partial[k * cols + c]);
+  dbias[c] = t;
+}
+
+// The same column sums without a cast, for inputs the fast path does not
+// take (any shape or alignment): one thread per column walks the rows in the
+// reference order (fp8ops_dbias_cpu). A second read of x, so slower; the
+// aligned shapes of Fp8Linear take the fused path.
+// Block dims: (256). Grid dims: (ceil(cols / 256)).
+template <int DT>
+__global__ void __launch_bounds__(256)
+    colsum_kernel(const void* __restrict__ x, float* __restrict__ dbias, int64_t rows,
+                  int64_t cols) {
+  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float total = 0.0f;
+  for (int64_t r0 = 0; r0 < rows; r0 += CT_TM) {
+    float tile = 0.0f;
+    for (int hh = 0; hh < CT_TM / CT_RB; ++hh) {
+      const int64_t rb = r0 + hh * CT_RB;
+      float g = rb < rows ? load_elem<DT>(x, rb * cols + c) : 0.0f;
+      for (int i = 1; i < CT_RB; ++i)
+        g = add_rn(g, rb + i < rows ? load_elem<DT>(x, (rb + i) * cols + c) : 0.0f);
+      tile = hh == 0 ? g : add_rn(tile, g);
+    }
+    total = r0 == 0 ? tile : add_rn(total, tile);
+  }
+  dbias[c] = total;
 }
 
 // cast + transpose + amax, general path: any rows / cols, any alignment.
@@ -658,19 +744,45 @@ static int launch_elementwise(const void* x, const float* scale, uint8_t* out, f
   return FP8OPS_OK;
 }
 
+// Column sums of x into dbias without a cast (colsum_kernel).
+template <int DT>
+static int launch_colsum(const void* x, int64_t rows, int64_t cols, float* dbias,
+                         cudaStream_t stream) {
+  const int64_t blocks = FP8OPS_CEIL_DIV(cols, (int64_t)256);
+  FP8OPS_REQUIRE(blocks <= INT32_MAX, "cast: too many columns (%lld)", (long long)cols);
+  colsum_kernel<DT><<<(unsigned)blocks, 256, 0, stream>>>(x, dbias, rows, cols);
+  FP8OPS_CHECK_CUDA(cudaGetLastError());
+  return FP8OPS_OK;
+}
+
+// dbias != NULL: also the column sums of x (fused into the fast transposing
+// path, whose per-tile sums go to partial; else a separate colsum pass).
 template <int DT, int FMT>
 static int launch_cast(const void* x, int64_t rows, int64_t cols, const float* scale,
-                       uint8_t* out, uint8_t* out_t, float* amax, cudaStream_t stream) {
-  if (out_t == NULL) return launch_elementwise<DT, FMT>(x, scale, out, amax, rows * cols, stream);
-  const bool fast = rows % 16 == 0 && cols % 16 == 0 && aligned(x, 16) && aligned(out, 16) &&
-                    aligned(out_t, 16);
+                       uint8_t* out, uint8_t* out_t, float* amax, float* dbias, float* partial,
+                       cudaStream_t stream) {
+  const bool fast = out_t != NULL && rows % 16 == 0 && cols % 16 == 0 && aligned(x, 16) &&
+                    aligned(out, 16) && aligned(out_t, 16);
   const int64_t ct_tiles_m = FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM);
   const int64_t ct_tiles_n = FP8OPS_CEIL_DIV(cols, (int64_t)CT_TN(DT));
   if (fast && ct_tiles_m <= 65535 && ct_tiles_n <= INT32_MAX) {
     const dim3 grid((unsigned)ct_tiles_n, (unsigned)ct_tiles_m);
-    cast_transpose_kernel<DT, FMT><<<grid, CT_THREADS, 0, stream>>>(x, scale, out, out_t, amax,
-                                                                     rows, cols);
-  } else {
+    if (dbias != NULL) {
+      cast_transpose_kernel<DT, FMT, true><<<grid, CT_THREADS, 0, stream>>>(
+          x, scale, out, out_t, amax, rows, cols, partial);
+      FP8OPS_CHECK_CUDA(cudaGetLastError());
+      dbias_reduce_kernel<<<(unsigned)FP8OPS_CEIL_DIV(cols, (int64_t)256), 256, 0, stream>>>(
+          partial, dbias, ct_tiles_m, cols);
+    } else {
+      cast_transpose_kernel<DT, FMT, false><<<grid, CT_THREADS, 0, stream>>>(
+          x, scale, out, out_t, amax, rows, cols, NULL);
+    }
+    FP8OPS_CHECK_CUDA(cudaGetLastError());
+    return FP8OPS_OK;
+  }
+  if (dbias != NULL) FP8OPS_TRY(launch_colsum<DT>(x, rows, cols, dbias, stream));
+  if (out_t == NULL) return launch_elementwise<DT, FMT>(x, scale, out, amax, rows * cols, stream);
+  {
     const int64_t tiles_m = FP8OPS_CEIL_DIV(rows, (int64_t)32);
     const int64_t tiles_n = FP8OPS_CEIL_DIV(cols, (int64_t)32);
     FP8OPS_REQUIRE(tiles_m * tiles_n <= INT32_MAX, "cast: tensor too large ([%lld, %lld])",
@@ -686,15 +798,17 @@ static int launch_cast(const void* x, int64_t rows, int64_t cols, const float* s
 template <int DT>
 static int launch_cast_fmt(const void* x, int64_t rows, int64_t cols, const float* scale,
                            fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t, float* amax,
-                           cudaStream_t stream) {
+                           float* dbias, float* partial, cudaStream_t stream) {
   return fmt == FP8OPS_E4M3
-             ? launch_cast<DT, FP8OPS_E4M3>(x, rows, cols, scale, out, out_t, amax, stream)
-             : launch_cast<DT, FP8OPS_E5M2>(x, rows, cols, scale, out, out_t, amax, stream);
+             ? launch_cast<DT, FP8OPS_E4M3>(x, rows, cols, scale, out, out_t, amax, dbias, partial,
+                                            stream)
+             : launch_cast<DT, FP8OPS_E5M2>(x, rows, cols, scale, out, out_t, amax, dbias, partial,
+                                            stream);
 }
 
 static int cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
                      const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
-                     float* amax, bool accumulate, void* stream) {
+                     float* amax, bool accumulate, float* dbias, float* partial, void* stream) {
   FP8OPS_REQUIRE(rows >= 0 && cols >= 0, "cast: negative shape [%lld, %lld]", (long long)rows,
                  (long long)cols);
   FP8OPS_REQUIRE(cols == 0 || rows <= INT64_MAX / cols, "cast: rows * cols overflows ([%lld, %lld])",
@@ -710,18 +824,24 @@ static int cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64
   // blocks fold their amax into *amax with atomicMax on its bits: start from
   // +0, or (accumulate) from the value there, e.g. an amax history slot
   if (!accumulate) FP8OPS_CHECK_CUDA(cudaMemsetAsync(amax, 0, sizeof(float), s));
-  if (rows * cols == 0) return FP8OPS_OK;
+  if (rows * cols == 0) {
+    if (dbias != NULL && cols > 0) FP8OPS_CHECK_CUDA(cudaMemsetAsync(dbias, 0, cols * sizeof(float), s));
+    return FP8OPS_OK;
+  }
   switch (x_dtype) {
-    case FP8OPS_F32: return launch_cast_fmt<FP8OPS_F32>(x, rows, cols, scale, fmt, out, out_t, amax, s);
-    case FP8OPS_BF16: return launch_cast_fmt<FP8OPS_BF16>(x, rows, cols, scale, fmt, out, out_t, amax, s);
-    default: return launch_cast_fmt<FP8OPS_F16>(x, rows, cols, scale, fmt, out, out_t, amax, s);
+    case FP8OPS_F32:
+      return launch_cast_fmt<FP8OPS_F32>(x, rows, cols, scale, fmt, out, out_t, amax, dbias, partial, s);
+    case FP8OPS_BF16:
+      return launch_cast_fmt<FP8OPS_BF16>(x, rows, cols, scale, fmt, out, out_t, amax, dbias, partial, s);
+    default:
+      return launch_cast_fmt<FP8OPS_F16>(x, rows, cols, scale, fmt, out, out_t, amax, dbias, partial, s);
   }
 }
 
 extern "C" int fp8ops_cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
                                 int64_t cols, const float* scale, fp8ops_fp8_format fmt,
                                 uint8_t* out, uint8_t* out_t, float* amax, void* stream) {
-  return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, false, stream);
+  return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, false, NULL, NULL, stream);
 }
 
 extern "C" int fp8ops_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
@@ -730,7 +850,30 @@ extern "C" int fp8ops_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtyp
                                            float* amax, void* stream) {
   FP8OPS_REQUIRE(aligned(amax, sizeof(float)), "cast: amax pointer %p is not 4-byte aligned",
                  (const void*)amax);
-  return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, true, stream);
+  return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, true, NULL, NULL, stream);
+}
+
+extern "C" int64_t fp8ops_dbias_workspace_floats(int64_t rows, int64_t cols) {
+  return FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM) * cols;
+}
+
+extern "C" int fp8ops_cast_accumulate_dbias_cuda(const void* x, fp8ops_hp_dtype x_dtype,
+                                                 int64_t rows, int64_t cols, const float* scale,
+                                                 fp8ops_fp8_format fmt, uint8_t* out,
+                                                 uint8_t* out_t, float* amax, float* dbias,
+                                                 float* partial, int64_t partial_floats,
+                                                 void* stream) {
+  FP8OPS_REQUIRE(aligned(amax, sizeof(float)), "cast: amax pointer %p is not 4-byte aligned",
+                 (const void*)amax);
+  FP8OPS_REQUIRE(dbias != NULL && aligned(dbias, sizeof(float)),
+                 "cast: dbias must be a 4-byte aligned fp32 buffer of cols floats");
+  FP8OPS_REQUIRE(rows >= 0 && cols >= 0 && partial != NULL &&
+                     partial_floats >= FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM) * cols,
+                 "cast: the dbias workspace holds %lld floats, fp8ops_dbias_workspace_floats "
+                 "asks %lld", (long long)partial_floats,
+                 (long long)(FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM) * cols));
+  return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, true, dbias, partial,
+                   stream);
 }
 
 extern "C" int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax,

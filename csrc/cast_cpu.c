@@ -3,6 +3,7 @@
  * These define the semantics the CUDA kernels are tested against bit for bit.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -68,6 +69,33 @@ int fp8ops_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t r
                                int64_t cols, const float* scale, fp8ops_fp8_format fmt,
                                uint8_t* out, uint8_t* out_t, float* amax) {
   return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 1);
+}
+
+/* Row by row, keeping the running 8-row block sums, 128-row tile sums and
+ * totals per column (the order fp8ops.h defines; cache-friendly on the CPU). */
+int fp8ops_dbias_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
+                     float* dbias) {
+  FP8OPS_REQUIRE(rows >= 0 && cols >= 0 && dbias && (rows * cols == 0 || x),
+                 "dbias: bad arguments");
+  FP8OPS_REQUIRE(x_dtype == FP8OPS_F32 || x_dtype == FP8OPS_BF16 || x_dtype == FP8OPS_F16,
+                 "dbias: unknown input dtype code %d", (int)x_dtype);
+  for (int64_t c = 0; c < cols; ++c) dbias[c] = 0.0f;
+  if (rows == 0 || cols == 0) return FP8OPS_OK;
+  float* block = (float*)malloc(2 * (size_t)cols * sizeof(float));
+  FP8OPS_REQUIRE(block != NULL, "dbias: out of memory for %lld columns", (long long)cols);
+  float* tile = block + cols;
+  const int64_t padded = (rows + 127) / 128 * 128;
+  for (int64_t r = 0; r < padded; ++r) {
+    const int i = (int)(r % 8), h = (int)(r % 128 / 8);
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = r < rows ? load_hp(x, x_dtype, r * cols + c) : 0.0f;
+      block[c] = i == 0 ? v : block[c] + v;
+      if (i == 7) tile[c] = h == 0 ? block[c] : tile[c] + block[c];
+      if (i == 7 && h == 15) dbias[c] = r == 127 ? tile[c] : dbias[c] + tile[c];
+    }
+  }
+  free(block);
+  return FP8OPS_OK;
 }
 
 int fp8ops_amax_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax) {

@@ -93,6 +93,24 @@ int fp8ops_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t 
                                 int64_t cols, const float* scale, fp8ops_fp8_format fmt,
                                 uint8_t* out, uint8_t* out_t, float* amax, void* stream);
 
+/* dbias: the column sums of x [rows, cols] (Fp8Linear's bias gradient: the
+ * sum of dy over the tokens) into dbias[cols], fp32, in one fixed order that
+ * CPU and CUDA share bit for bit: x padded with +0 rows to a multiple of 128;
+ * each 8-row block summed in row order (starting from its first row), a
+ * 128-row tile's 16 block sums added in order, the tiles' sums added in row
+ * order. rows == 0 gives +0. */
+int fp8ops_dbias_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
+                     float* dbias);
+/* cast_accumulate with the column sums of x into dbias (fp32 [cols]): fused
+ * into the cast's pass over x on the transposing fast path (out_t given, rows
+ * and cols % 16 == 0, 16-byte aligned), a separate pass otherwise. partial:
+ * device scratch of at least fp8ops_dbias_workspace_floats(rows, cols) floats. */
+int64_t fp8ops_dbias_workspace_floats(int64_t rows, int64_t cols);
+int fp8ops_cast_accumulate_dbias_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                      int64_t cols, const float* scale, fp8ops_fp8_format fmt,
+                                      uint8_t* out, uint8_t* out_t, float* amax, float* dbias,
+                                      float* partial, int64_t partial_floats, void* stream);
+
 /* ------------------------------------------------------------------------- */
 /* amax: max |x| of a contiguous hp tensor of n elements into one fp32
  * (NaN-propagating; 0 for n == 0). Used by current (dynamic) scaling. */

@@ -724,17 +724,20 @@ static void boxed_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
 // linear_bwd(Tensor gy, Tensor w8t, Tensor x8t, Tensor g_scale, Tensor(a!) g_amax,
 //            Tensor g_scale_inv, Tensor w_scale_inv, Tensor x_scale_inv,
 //            ScalarType g_fp8_dtype, ScalarType dx_dtype, ScalarType dw_dtype,
-//            bool need_dx, bool need_dw) -> (Tensor dx, Tensor dw)
+//            bool need_dx, bool need_dw, bool need_db=False) -> (Tensor dx, Tensor dw, Tensor db)
 //
 // Fp8Linear's backward in one call: g8 (, g8t) = cast(gy * g_scale) with gy's
 // amax folded into g_amax; dx = gemm(g8, w8t) * g_scale_inv * w_scale_inv
 // [M, K] when need_dx; dw = gemm(g8t, x8t) * g_scale_inv * x_scale_inv [N, K]
-// when need_dw. gy is [M, N], w8t [K, N], x8t [K, M]; an output (and the
-// operand it alone reads) that is not needed is empty.
+// when need_dw; db = the column sums of gy [N], fp32 (the bias gradient, in
+// fp8ops_dbias_cpu's order; on CUDA fused into the cast's pass over gy) when
+// need_db. gy is [M, N], w8t [K, N], x8t [K, M]; an output (and the operand
+// it alone reads) that is not needed is empty.
 
 static int run_linear_bwd(AtenTensorHandle in[8], int32_t g_fp8, int32_t dx_dtype,
-                          int32_t dw_dtype, bool need_dx, bool need_dw, AtenTensorHandle outs[2],
-                          AtenTensorHandle tmp[2], gemm_scratch* scratch) {
+                          int32_t dw_dtype, bool need_dx, bool need_dw, bool need_db,
+                          AtenTensorHandle outs[3], AtenTensorHandle tmp[3],
+                          gemm_scratch* scratch) {
   const char* op = "fp8ops::linear_bwd";
   tinfo g, wt, xt, gs, ga, gsi, wsi, xsi;
   fp8ops_hp_dtype gd = FP8OPS_F32, dxd = FP8OPS_BF16, dwd = FP8OPS_F32;
@@ -792,15 +795,32 @@ static int run_linear_bwd(AtenTensorHandle in[8], int32_t g_fp8, int32_t dx_dtyp
   if (need_dw) FP8OPS_TRY(new_tensor(op, 2, tsz, g_fp8, &g, &tmp[1]));
   if (!need_dx) FP8OPS_TRY(new_tensor(op, 1, zero, dx_dtype, &g, &outs[0]));
   if (!need_dw) FP8OPS_TRY(new_tensor(op, 1, zero, dw_dtype, &g, &outs[1]));
+  const int32_t f32 = aoti_torch_dtype_float32();
+  const int64_t nsz[1] = {N};
+  FP8OPS_TRY(new_tensor(op, 1, need_db ? nsz : zero, f32, &g, &outs[2]));
+  int64_t partial_floats = 0;
+  if (need_db && is_cuda(&g)) {
+    partial_floats = fp8ops_dbias_workspace_floats(M, N);
+    const int64_t psz[1] = {partial_floats};
+    FP8OPS_TRY(new_tensor(op, 1, psz, f32, &g, &tmp[2]));
+  }
+  float* db = need_db ? (float*)data_of(outs[2]) : NULL;
+  float* partial = tmp[2] ? (float*)data_of(tmp[2]) : NULL;
   uint8_t* p8 = (uint8_t*)data_of(tmp[0]);
   uint8_t* p8t = need_dw ? (uint8_t*)data_of(tmp[1]) : NULL;
   const gemm_operand a_dx = {tmp[0], p8, gf}, b_dx = {in[1], wt.data, wf};
   const gemm_operand a_dw = {tmp[1], p8t, gf}, b_dw = {in[2], xt.data, xf};
   int rc;
   CUDA_BODY(op, &g, need_dx || need_dw, rc, {
-    rc = is_cuda(&g) ? fp8ops_cast_accumulate_cuda(g.data, gd, M, N, gs.data, gf, p8, p8t,
-                                                    ga.data, stream)
-                     : fp8ops_cast_accumulate_cpu(g.data, gd, M, N, gs.data, gf, p8, p8t, ga.data);
+    if (is_cuda(&g)) {
+      rc = need_db ? fp8ops_cast_accumulate_dbias_cuda(g.data, gd, M, N, gs.data, gf, p8, p8t,
+                                                       ga.data, db, partial, partial_floats, stream)
+                   : fp8ops_cast_accumulate_cuda(g.data, gd, M, N, gs.data, gf, p8, p8t, ga.data,
+                                                 stream);
+    } else {
+      rc = fp8ops_cast_accumulate_cpu(g.data, gd, M, N, gs.data, gf, p8, p8t, ga.data);
+      if (rc == FP8OPS_OK && need_db) rc = fp8ops_dbias_cpu(g.data, gd, M, N, db);
+    }
     if (rc == FP8OPS_OK && need_dx)
       rc = gemm_into(op, a_dx, b_dx, M, K, N, gsi.data, wsi.data, NULL, NULL, dx_dtype, dxd, false,
                      &g, stream, scratch, &outs[0]);
@@ -815,20 +835,20 @@ static void boxed_linear_bwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
   (void)nargs; (void)nret;
   AtenTensorHandle in[8];
   for (int i = 0; i < 8; ++i) in[i] = sv_tensor(stack[i]);
-  AtenTensorHandle outs[2] = {NULL, NULL}, tmp[2] = {NULL, NULL};
+  AtenTensorHandle outs[3] = {NULL, NULL, NULL}, tmp[3] = {NULL, NULL, NULL};
   gemm_scratch scratch = {0};
   int rc = run_linear_bwd(in, sv_i32(stack[8]), sv_i32(stack[9]), sv_i32(stack[10]),
-                          sv_bool(stack[11]), sv_bool(stack[12]), outs, tmp, &scratch);
+                          sv_bool(stack[11]), sv_bool(stack[12]), sv_bool(stack[13]), outs, tmp,
+                          &scratch);
   release(in, 8);
-  release(tmp, 2); /* stream-ordered, after the GEMMs that read them */
+  release(tmp, 3); /* stream-ordered, after the kernels that read them */
   scratch_release(&scratch);
   if (rc != FP8OPS_OK) {
-    release(outs, 2);
+    release(outs, 3);
     raise_last_error(__func__);
     return;
   }
-  stack[0] = sv_from_tensor(outs[0]);
-  stack[1] = sv_from_tensor(outs[1]);
+  for (int i = 0; i < 3; ++i) stack[i] = sv_from_tensor(outs[i]);
 }
 
 // ----------------------------------------------------------------------------
@@ -877,7 +897,8 @@ static const op_row k_ops[] = {
     {"linear_bwd", "linear_bwd(Tensor gy, Tensor w8t, Tensor x8t, Tensor g_scale, "
                    "Tensor(a!) g_amax, Tensor g_scale_inv, Tensor w_scale_inv, "
                    "Tensor x_scale_inv, ScalarType g_fp8_dtype, ScalarType dx_dtype, "
-                   "ScalarType dw_dtype, bool need_dx, bool need_dw) -> (Tensor dx, Tensor dw)",
+                   "ScalarType dw_dtype, bool need_dx, bool need_dw, bool need_db=False) -> "
+                   "(Tensor dx, Tensor dw, Tensor db)",
      boxed_linear_bwd},
 };
 #define N_OPS (sizeof k_ops / sizeof k_ops[0])

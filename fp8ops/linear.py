@@ -160,12 +160,13 @@ class _Fp8LinearFn(torch.autograd.Function):
         need_dx = need_dgrad and ctx.needs_input_grad[0]
         need_dw = need_wgrad and ctx.needs_input_grad[1]
         w_out = ctx.w_dtype if ctx.w_dtype in ops.HP_DTYPES else torch.float32
-        # one C call: cast gy (amax folded into history row 0), dgrad and wgrad GEMMs
-        dx, dw = ops._linear_bwd_raw(g2, w8t, x8t, views[V_S + G], views[V_H + G], views[V_SI + G],
-                                     views[V_SI + W], sx_inv, g_dtype, ctx.x2_dtype, w_out, need_dx, need_dw)
-        db = None
-        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
-            db = g2.sum(0, dtype=torch.float32).to(ctx.b_dtype)
+        need_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
+        # one C call: cast gy (amax folded into history row 0; with the bias gradient, gy's
+        # column sums, in the same pass), dgrad and wgrad GEMMs
+        dx, dw, db = ops._linear_bwd_raw(g2, w8t, x8t, views[V_S + G], views[V_H + G], views[V_SI + G],
+                                         views[V_SI + W], sx_inv, g_dtype, ctx.x2_dtype, w_out, need_dx,
+                                         need_dw, need_db)
+        db = db.to(ctx.b_dtype) if need_db else None
         return (dx if need_dx else None), (dw if need_dw else None), db, None, None, None, None, None, None
 
 

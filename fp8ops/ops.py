@@ -336,14 +336,17 @@ def _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scal
 
 def linear_bwd(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv,
                g_fp8_dtype=torch.float8_e5m2, dx_dtype=torch.bfloat16, dw_dtype=torch.float32,
-               need_dx=True, need_dw=True):
+               need_dx=True, need_dw=True, need_db=False):
     """Fp8Linear's backward: g8, g8t = cast(gy * g_scale) (gy's amax folded
     into g_amax); dx = (g8 @ w8t.T) * g_scale_inv * w_scale_inv [M, K],
-    dw = (g8t @ x8t.T) * g_scale_inv * x_scale_inv [N, K]. gy [M, N], w8t
-    [K, N], x8t [K, M]. An output not asked for comes back empty."""
+    dw = (g8t @ x8t.T) * g_scale_inv * x_scale_inv [N, K], db = gy.sum(0) in
+    fp32 [N] (the bias gradient, summed in one fixed order on CPU and CUDA; on
+    CUDA in the same pass over gy as the cast). gy [M, N], w8t [K, N], x8t
+    [K, M]. Returns (dx, dw, db); an output not asked for comes back empty."""
     _require()
     return torch.ops.fp8ops.linear_bwd.default(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv,
-                                               x_scale_inv, g_fp8_dtype, dx_dtype, dw_dtype, need_dx, need_dw)
+                                               x_scale_inv, g_fp8_dtype, dx_dtype, dw_dtype, need_dx, need_dw,
+                                               need_db)
 
 
 def _chk_bwd_operand(op, name, t, g_fp8_dtype, out_name, out_dtype, gy):
@@ -357,7 +360,7 @@ def _chk_bwd_operand(op, name, t, g_fp8_dtype, out_name, out_dtype, gy):
 
 
 def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv, g_fp8_dtype,
-                     dx_dtype, dw_dtype, need_dx, need_dw):
+                     dx_dtype, dw_dtype, need_dx, need_dw, need_db=False):
     op = "fp8ops::linear_bwd"
     _chk(gy.dtype in HP_DTYPES, f"{op}: gy must be float32, bfloat16 or float16, found {_dname(gy.dtype)}")
     _chk(g_fp8_dtype in FP8_DTYPES,
@@ -390,7 +393,8 @@ def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_
         _chk_gemm_dims(op, gy, M, N, K)
     dx = gy.new_empty((M, K) if need_dx else (0,), dtype=dx_dtype)
     dw = gy.new_empty((N, K) if need_dw else (0,), dtype=dw_dtype)
-    return dx, dw
+    db = gy.new_empty((N,) if need_db else (0,), dtype=torch.float32)
+    return dx, dw, db
 
 
 # ----------------------------------------------------------------------------

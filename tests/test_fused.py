@@ -128,8 +128,9 @@ def test_linear_bwd_is_cast_then_two_gemms(g_fmt, need_dx, need_dw, w_out, devic
     sg_inv, sw_inv, sx_inv = 1 / sg, torch.tensor([0.125], device=device), torch.tensor([0.0625], device=device)
     g8, g8t, amax = ops.cast(gy, sg, g_fmt, True)
     h, slot = _slot(0.0, device)
-    dx, dw = ops.linear_bwd(gy, w8t, x8t, sg, slot, sg_inv, sw_inv, sx_inv, g_fmt, torch.bfloat16, w_out,
-                            need_dx, need_dw)
+    dx, dw, db = ops.linear_bwd(gy, w8t, x8t, sg, slot, sg_inv, sw_inv, sx_inv, g_fmt, torch.bfloat16, w_out,
+                                need_dx, need_dw)
+    assert db.numel() == 0 and db.dtype == torch.float32   # not asked for
     if need_dx:
         assert_bitwise(dx, ops.gemm(g8, w8t, sg_inv, sw_inv, None, torch.bfloat16), "dx")
     else:
@@ -139,6 +140,83 @@ def test_linear_bwd_is_cast_then_two_gemms(g_fmt, need_dx, need_dw, w_out, devic
     else:
         assert dw.numel() == 0
     assert h[0, 1].item() == amax.item()
+
+
+def dbias_reference(gy: torch.Tensor) -> torch.Tensor:
+    """The bias gradient in the order fp8ops.h defines for fp8ops_dbias_cpu, with float32
+    tensor adds (each elementwise add is one IEEE fp32 add): rows padded with +0 to a
+    multiple of 128; 8-row block sums in row order; a tile's 16 block sums in order; the
+    tiles' sums in order."""
+    M, N = gy.shape
+    x = gy.float().cpu()
+    T = max(1, -(-M // 128))
+    x = torch.cat([x, torch.zeros(T * 128 - M, N)]).view(T, 16, 8, N)
+    block = x[:, :, 0].clone()
+    for i in range(1, 8):
+        block = block + x[:, :, i]
+    tile = block[:, 0].clone()
+    for h in range(1, 16):
+        tile = tile + block[:, h]
+    total = tile[0].clone()
+    for t in range(1, T):
+        total = total + tile[t]
+    return total if M else torch.zeros(N)
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("M,N,offset,need_dw", [
+    (64, 32, 0, True),        # CUDA: fused into the transposing cast (one partial tile)
+    (400, 48, 0, True),       # several tiles, the last one partial (400 = 3 x 128 + 16)
+    (256, 160, 0, False),     # no transpose wanted: the cast is elementwise, the sums a pass of their own
+    (64, 32, 1, True),        # gy at a 1-element storage offset: not 16-byte aligned, the general path
+])
+def test_linear_bwd_bias_gradient(M, N, offset, need_dw, dtype, device):
+    """db is gy's column sums in fp32, bit for bit the defined order on every path (fused into the
+    cast on CUDA's fast path, a separate pass elsewhere, the C reference on CPU), and close to
+    torch's own sum; dx / dw and the amax are those of the call without db."""
+    K = 48
+    gen = torch.Generator().manual_seed(M + N)
+    base = torch.randn(M * N + offset, generator=gen) * 1e-3
+    base[offset + 5] = -0.0                                  # a negative zero and an exact zero
+    base[offset + N + 5] = 0.0
+    gy = base.to(dtype).to(device)[offset:].view(M, N)
+    w8t = (torch.randn(K, N, generator=gen) * 20).to(E4).to(device)
+    x8t = (torch.randn(K, M, generator=gen) * 20).to(E4).to(device)
+    sg = torch.tensor([2.0 ** 12], device=device)
+    one = torch.ones(1, device=device)
+    h0, slot0 = _slot(0.0, device)
+    dx0, dw0, _ = ops.linear_bwd(gy, w8t, x8t, sg, slot0, one, one, one, E5, torch.bfloat16, torch.float32,
+                                 True, need_dw)
+    h, slot = _slot(0.0, device)
+    dx, dw, db = ops.linear_bwd(gy, w8t, x8t, sg, slot, one, one, one, E5, torch.bfloat16, torch.float32,
+                                True, need_dw, True)
+    assert db.dtype == torch.float32 and db.shape == (N,) and db.device == gy.device
+    assert_bitwise(db.cpu(), dbias_reference(gy), "db")
+    torch.testing.assert_close(db.cpu().double(), gy.double().sum(0).cpu(), rtol=1e-4, atol=1e-7)
+    assert_bitwise(dx, dx0, "dx")
+    if need_dw:
+        assert_bitwise(dw, dw0, "dw")
+    assert torch.equal(h, h0)
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_linear_bwd_bias_gradient_non_finite(device):
+    """A NaN or inf in gy reaches its column's db (as in torch's sum), and only that column."""
+    M, N, K = 256, 32, 16
+    gy = torch.randn(M, N) * 1e-3
+    gy[7, 3], gy[200, 9], gy[5, 10], gy[6, 10] = float("nan"), float("inf"), float("inf"), float("-inf")
+    gy = gy.to(torch.bfloat16).to(device)
+    one = torch.ones(1, device=device)
+    _, slot = _slot(0.0, device)
+    _, _, db = ops.linear_bwd(gy, torch.zeros(K, N, dtype=E4, device=device), torch.zeros(K, M, dtype=E4,
+                              device=device), one, slot, one, one, one, E5, torch.bfloat16, torch.float32,
+                              True, True, True)
+    db = db.cpu()
+    assert db[3].isnan() and db[9] == float("inf") and db[10].isnan()
+    finite = [c for c in range(N) if c not in (3, 9, 10)]
+    assert db[finite].isfinite().all()
+    assert_bitwise(db[finite], dbias_reference(gy)[finite], "db (finite columns)")
 
 
 def _fwd_call(device, **over):
@@ -186,8 +264,8 @@ def test_linear_bwd_errors(device):
         ops.linear_bwd(gy, w8t.to(E5) if device == "cpu" else w8t.cpu().to(E5).to(device), x8t, s,
                        torch.zeros(1, device=device), s, s, s, E5)
     # an operand that is not needed is not checked
-    dx, dw = ops.linear_bwd(gy, w8t, bad_x8t, s, torch.zeros(1, device=device), s, s, s, E5, need_dw=False)
-    assert dx.shape == (32, 48) and dw.numel() == 0
+    dx, dw, db = ops.linear_bwd(gy, w8t, bad_x8t, s, torch.zeros(1, device=device), s, s, s, E5, need_dw=False)
+    assert dx.shape == (32, 48) and dw.numel() == 0 and db.numel() == 0
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
