@@ -280,9 +280,10 @@ def test_fused_opcheck_and_compile(device):
                                True, True), test_utils=utils)
     gy = torch.randn(32, 16, device=device, dtype=torch.bfloat16)
     w8t, x8t = w8.t().contiguous(), ops.cast(x, sx, E4, True)[1]
-    torch.library.opcheck(torch.ops.fp8ops.linear_bwd.default,
-                          (gy, w8t, x8t, sx, slot, sx_inv, sw_inv, sx_inv, E5, torch.bfloat16, torch.float32, True, True),
-                          test_utils=utils)
+    for need_db in (False, True):
+        torch.library.opcheck(torch.ops.fp8ops.linear_bwd.default,
+                              (gy, w8t, x8t, sx, slot, sx_inv, sw_inv, sx_inv, E5, torch.bfloat16, torch.float32, True,
+                               True, need_db), test_utils=utils)
     torch.library.opcheck(torch.ops.fp8ops.cast_accumulate.default, (x, sx, slot, E4, True), test_utils=utils)
 
     def f(x, slot):

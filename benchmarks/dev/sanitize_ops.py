@@ -62,6 +62,18 @@ if torch.cuda.get_device_capability() >= (8, 9):
     ops.linear_fwd(x, torch.randn(64, 256, device=dev), one, slot, one, one, w_scale=one, w_amax=slot, save_wt=True)
     gy = torch.randn(128, 64, device=dev, dtype=torch.bfloat16)
     ops.linear_bwd(gy, w8t, x8t, one, slot, one, one, one, e5, torch.bfloat16, torch.float32, True, True)
+    # the bias gradient: fused into the cast (400 rows: a partial last tile), and the separate
+    # column-sum pass (gy at a misaligned offset; no transpose wanted)
+    print("--- linear_bwd with db", flush=True)
+    gy4 = torch.randn(400, 64, device=dev, dtype=torch.bfloat16)
+    x8t4 = torch.randn(256, 400, device=dev).to(e4)
+    ops.linear_bwd(gy4, w8t, x8t4, one, slot, one, one, one, e5, torch.bfloat16, torch.float32, True, True,
+                   True)[2].sum().item()
+    gyo = torch.randn(1 + 128 * 64, device=dev, dtype=torch.bfloat16)[1:].view(128, 64)
+    ops.linear_bwd(gyo, w8t, x8t, one, slot, one, one, one, e5, torch.bfloat16, torch.float32, True, True,
+                   True)[2].sum().item()
+    ops.linear_bwd(gy, w8t, x8t, one, slot, one, one, one, e5, torch.bfloat16, torch.float32, True, False,
+                   True)[2].sum().item()
     odd = torch.empty(1 + 64 * 256, device=dev, dtype=torch.uint8).view(e4)[1:].view(64, 256)
     odd.copy_(w8)
     ops.linear_fwd(x, odd, one, slot, one, one)
