@@ -344,7 +344,7 @@ def main() -> int:
         base = nn.Linear(K, N, bias=args.bias, device=DEVICE, dtype=master)
         x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16) * 1e-3  # gradients are small
-        steps, errors, row_valid, ref, breaks = {}, {}, {}, None, {}
+        steps, errors, row_valid, ref, breaks, verdicts = {}, {}, {}, None, {}, {}
         for v in variants:  # bf16 first (the reference); torchao last (it patches inductor, see docstring)
             try:
                 gb0 = graph_breaks()
@@ -358,6 +358,9 @@ def main() -> int:
                     del y
                 torch.cuda.synchronize()
                 steps[v] = fn
+                for m in mod.modules():  # policy "auto": what it measured and chose for this shape
+                    for (rows, _dt), (wins, speedup) in getattr(m, "fp8_policy", {}).items():
+                        verdicts[v] = {"rows": rows, "fp8": bool(wins), "measured_speedup": speedup}
                 if v.endswith("compiled") and graph_breaks() > gb0:
                     breaks[v] = graph_breaks() - gb0
                     print(f"  note: {v} {M}x{K}->{N}: {breaks[v]} torch.compile graph break(s)")
@@ -391,7 +394,7 @@ def main() -> int:
         t = bench_interleaved(fns, args.reps, args.rounds)
         flop = 6.0 * M * N * K
         row = {"M": M, "K": K, "N": N, "bias": args.bias, "master": args.master, "errors": errors,
-               "validation": row_valid, "graph_breaks": breaks}
+               "validation": row_valid, "graph_breaks": breaks, "policy_verdicts": verdicts}
         for v in VARIANTS:
             ms = t.get(v)
             row[f"{v}_ms"] = ms
