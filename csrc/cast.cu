@@ -376,8 +376,10 @@ __device__ __forceinline__ void cast_batch(const uint4 (&v)[N], float scale, Abs
 #else
 #define CT_MIN_BLOCKS(DT) ((DT) == FP8OPS_F32 ? 3 : 4)
 #endif
-// With the column sums (DB) a thread holds VEC more floats: one block fewer
-// per SM for bf16 / fp16 on sm_90+ (80 registers), the rest as above.
+// With the column sums (DB) a thread needs more registers: at 3 blocks per SM
+// (80 registers) the bf16 kernel spills on sm_90, so bf16 runs 2 blocks (127
+// registers, no spill; 64 KB of loads still in flight per SM); fp16 and fp32
+// fit 3 (ptxas -v).
 #define CT_MIN_BLOCKS_DB(DT) ((DT) == FP8OPS_BF16 ? 2 : CT_MIN_BLOCKS(DT) > 3 ? 3 : CT_MIN_BLOCKS(DT))
 
 // cast + transpose + amax, fast path (rows % 16 == 0, cols % 16 == 0, x / out
@@ -867,8 +869,9 @@ extern "C" int fp8ops_cast_accumulate_dbias_cuda(const void* x, fp8ops_hp_dtype 
                  (const void*)amax);
   FP8OPS_REQUIRE(dbias != NULL && aligned(dbias, sizeof(float)),
                  "cast: dbias must be a 4-byte aligned fp32 buffer of cols floats");
-  FP8OPS_REQUIRE(rows >= 0 && cols >= 0 && partial != NULL &&
-                     partial_floats >= FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM) * cols,
+  FP8OPS_REQUIRE(rows >= 0 && cols >= 0 &&
+                     partial_floats >= FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM) * cols &&
+                     (partial != NULL || rows * cols == 0),
                  "cast: the dbias workspace holds %lld floats, fp8ops_dbias_workspace_floats "
                  "asks %lld", (long long)partial_floats,
                  (long long)(FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM) * cols));

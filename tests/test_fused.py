@@ -200,6 +200,16 @@ def test_linear_bwd_bias_gradient(M, N, offset, need_dw, dtype, device):
     assert torch.equal(h, h0)
 
 
+def test_linear_bwd_bias_gradient_of_no_rows():
+    """M = 0 tokens: db is +0 in every column (the op called directly; Fp8Linear sends an empty
+    input down the plain path before it gets here)."""
+    gy = torch.zeros(0, 32, dtype=torch.bfloat16)
+    one = torch.ones(1)
+    _, _, db = ops.linear_bwd(gy, torch.zeros(48, 32, dtype=E4), torch.zeros(48, 0, dtype=E4), one,
+                              torch.zeros(1), one, one, one, E5, torch.bfloat16, torch.float32, True, True, True)
+    assert_bitwise(db, torch.zeros(32), "db")
+
+
 @pytest.mark.parametrize("device", FP8_DEVICES)
 def test_linear_bwd_bias_gradient_non_finite(device):
     """A NaN or inf in gy reaches its column's db (as in torch's sum), and only that column."""
