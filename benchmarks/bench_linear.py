@@ -359,8 +359,9 @@ def main() -> int:
                 torch.cuda.synchronize()
                 steps[v] = fn
                 for m in mod.modules():  # policy "auto": what it measured and chose for this shape
-                    for (rows, _dt), (wins, speedup) in getattr(m, "fp8_policy", {}).items():
-                        verdicts[v] = {"rows": rows, "fp8": bool(wins), "measured_speedup": speedup}
+                    for k, (wins, speedup) in getattr(m, "fp8_policy", {}).items():
+                        verdicts[v] = {"rows": k[0], "fp8": bool(wins), "measured_speedup": speedup,
+                                       "host_lead": m.fp8_policy_why.get(k)}
                 if v.endswith("compiled") and graph_breaks() > gb0:
                     breaks[v] = graph_breaks() - gb0
                     print(f"  note: {v} {M}x{K}->{N}: {breaks[v]} torch.compile graph break(s)")

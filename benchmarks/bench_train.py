@@ -229,6 +229,17 @@ def main() -> int:
                     row["fp8ops_fallback_calls_warmup"] = fb
                     if fb:
                         row["note"] += f"; {fb} BF16 fallback calls in warm-up (policy)"
+                    # policy auto after the warm-up: per layer shape, FP8 or BF16 and how it was decided
+                    verdicts = {}
+                    for m in model.modules():
+                        for k, (wins, speedup) in getattr(m, "fp8_policy", {}).items():
+                            how = "host lead" if k in m.fp8_policy_why else "measured"
+                            tag = f"{m.in_features}->{m.out_features} M={k[0]}: {'FP8' if wins else 'BF16'} " \
+                                  f"({how}, {speedup:.2f}x)"
+                            verdicts[tag] = verdicts.get(tag, 0) + 1
+                    if verdicts:
+                        row["policy_verdicts"] = verdicts
+                        print("  policy auto: " + "; ".join(f"{n}x {t}" for t, n in sorted(verdicts.items())))
                 # timed steps
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()

@@ -213,7 +213,9 @@ class Fp8Linear(nn.Linear):
         self._fp8_cast_since_update = False  # update_scales skips layers that cast nothing
         self.fp8_on_cpu = False         # tests: run the FP8 path on CPU with the C reference kernels
         self.fp8_policy_measuring = False  # policy.py's throwaway layers skip the policy
-        self.fp8_policy = {}            # M -> (fp8 wins, speedup): policy="auto" verdicts for this layer
+        self.fp8_policy = {}            # (M, dtype) -> (fp8 wins, speedup): policy="auto" verdicts for this layer
+        self.fp8_policy_why = {}        # (M, dtype) -> how the host's lead decided it (host_lead.py)
+        self._fp8_pending = {}          # (M, dtype) -> Timing: waiting for the host's lead
         self._fp8_bf16_key = None       # (shape, dtype, device, autocast) of the last call policy sent to BF16
         if config.gemm_emulated:
             from .emulated import Fp8LinearEmulatedFn  # noqa: PLC0415 -- emulated imports this module
@@ -329,6 +331,10 @@ class Fp8Linear(nn.Linear):
         d["_w_cache"] = None
         d["_fp8_bf16_key"] = None
         d.pop("_fp8_views_flat", None)
+        if d.get("_fp8_pending"):
+            from .host_lead import forget  # noqa: PLC0415
+            forget(self)
+            d["_fp8_pending"] = {}
         return ret
 
     def _param(self, name: str):
@@ -351,24 +357,50 @@ class Fp8Linear(nn.Linear):
 
     def _fp8_pays(self, M: int, cdtype: torch.dtype, compiling: bool = False) -> bool:
         """policy="auto": is FP8 faster than BF16 for this shape on this GPU?
-        Measured once per shape (policy.py); under torch.compile or CUDA-graph
+        Measured once per shape (policy.py); where FP8 wins on the GPU but loses
+        alone, the host's lead in the caller's loop decides (host_lead.py), and
+        until it has the layer runs BF16. Under torch.compile or CUDA-graph
         capture nothing is measured and an unknown shape runs FP8."""
-        hit = self.fp8_policy.get((M, cdtype))
+        k = (M, cdtype)
+        hit = self.fp8_policy.get(k)
         if hit is not None:
             return hit[0]
         if compiling or torch.cuda.is_current_stream_capturing():
             return True
-        from . import policy  # noqa: PLC0415
-        hit = policy.measure(self, M, cdtype)
-        if _distributed():
-            # Ranks time on their own GPUs (and may read different disk
-            # caches): FP8 only where every rank measured it faster, so all
-            # ranks run the layer alike; a rank running it in FP8 alone
-            # would make the step's amax all-reduce disagree in size.
-            wins = torch.tensor([float(hit[0])], device=self.weight.device)
-            hit = (bool(_all_ranks_(wins, dist.ReduceOp.MIN).item()), hit[1])
-        self.fp8_policy[(M, cdtype)] = hit
-        return hit[0]
+        from . import host_lead, policy  # noqa: PLC0415
+        t = self._fp8_pending.get(k)
+        if t is None:
+            t = policy.measure(self, M, cdtype)
+            wins, speedup = policy.verdict(t)
+            if _distributed():
+                # Ranks time on their own GPUs (and may read different disk
+                # caches): FP8 only where every rank measured it faster, so all
+                # ranks run the layer alike; a rank running it in FP8 alone
+                # would make the step's amax all-reduce disagree in size.
+                code = torch.tensor([1.0 if wins is None else 2.0 * wins], device=self.weight.device)
+                code = _all_ranks_(code, dist.ReduceOp.MIN).item()
+                wins = None if code == 1.0 else code == 2.0
+            if wins is not None:
+                self.fp8_policy[k] = (wins, speedup)
+                return wins
+            self._fp8_pending[k] = t
+            host_lead.pending(self, k, t)
+        if _POLICY_ONLY:
+            # tune_policy before torch.compile: compiled code spends far less host time per layer
+            wins, why = t.gpu_speedup >= policy.MIN_SPEEDUP, "settled GPU-bound by tune_policy"
+            host_lead.forget(self, k)
+        else:
+            got = host_lead.decision(self, k)
+            if got is None:
+                return False  # BF16 while the host's lead is being measured
+            wins, why = got
+            if _distributed():
+                wins = bool(_all_ranks_(torch.tensor([float(wins)], device=self.weight.device),
+                                        dist.ReduceOp.MIN).item())
+        del self._fp8_pending[k]
+        self.fp8_policy[k] = (wins, t.gpu_speedup if wins else t.alone_speedup)
+        self.fp8_policy_why[k] = why
+        return wins
 
     def _load_from_state_dict(self, *args, **kwargs):
         # The load writes the weight in place. Under FSDP2 it writes the sharded
@@ -419,10 +451,17 @@ class Fp8Linear(nn.Linear):
                 and not self._fp8_pays(x2.shape[0], cdtype, compiling)):
             # policy "auto" measured BF16 faster for this shape: the plain path,
             # with nothing else to pay (update_scales skips a layer that cast nothing)
-            if not compiling:
-                ac = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-                d["_fp8_bf16_key"] = (x.shape, x.dtype, x.device, ac)
-                d["fp8_fallback_calls"] += 1  # (eager only, as above)
+            if compiling:
+                return self._plain_forward(x)
+            d["fp8_fallback_calls"] += 1  # (eager only, as above)
+            k = (x2.shape[0], cdtype)
+            if k in d["_fp8_pending"]:  # still measuring the host's lead: a point at the backward too
+                from .host_lead import watch  # noqa: PLC0415
+                y = self._plain_forward(x)
+                watch(self, k, y)
+                return y
+            ac = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+            d["_fp8_bf16_key"] = (x.shape, x.dtype, x.device, ac)
             return self._plain_forward(x)
         if _POLICY_ONLY:
             return self._plain_forward(x)

@@ -1,22 +1,57 @@
 """policy="auto": run a layer in FP8 only where FP8 is faster than BF16 on this
 GPU (by at least MIN_SPEEDUP). Each distinct (M, K, N, dtype) is measured once
 -- fwd+bwd+scale update of a throwaway FP8 layer vs fwd+bwd under BF16
-autocast -- and the verdict is cached for the process and on disk
+autocast -- and the timings are cached for the process and on disk
 (FP8OPS_POLICY_CACHE, default ~/.cache/fp8ops/policy.json, keyed by GPU name
 and torch version), so later runs do not measure again.
+
+Each side is timed two ways (Timing): alone (the layer in a loop by itself,
+from an idle GPU: whichever of host and GPU is slower sets the pace) and
+GPU-bound (the GPU held by a sleep kernel while the host enqueues the whole
+loop: pure GPU time, and the host's enqueue time besides). Where both say the
+same, that is the verdict. Where they differ -- a small layer whose FP8 path
+is faster on the GPU but costs more host time -- the answer depends on the
+user's loop: host_lead.py measures how far ahead of the GPU the host runs
+there, and the layer runs FP8 if its extra host time fits in that lead.
 """
 from __future__ import annotations
 
 import json
 import os
 import threading
+import time
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 _lock = threading.Lock()
-_verdicts: dict[str, tuple[bool, float]] | None = None  # key -> (fp8 wins, speedup)
+_timings: dict[str, "Timing"] | None = None
+measure_count = 0  # measurements run in this process (host_lead.py: a round that saw one is void)
+
+
+class Timing(NamedTuple):
+    """ms per fwd + bwd (+ FP8's scale update) of one layer shape."""
+    alone_bf16: float
+    alone_fp8: float
+    gpu_bf16: float
+    gpu_fp8: float
+    host_bf16: float
+    host_fp8: float
+
+    @property
+    def alone_speedup(self) -> float:
+        return self.alone_bf16 / self.alone_fp8
+
+    @property
+    def gpu_speedup(self) -> float:
+        return self.gpu_bf16 / self.gpu_fp8
+
+    @property
+    def extra_host_ms(self) -> float:
+        """host time FP8 adds per call (0 where it saves host time)"""
+        return max(self.host_fp8 - self.host_bf16, 0.0)
 
 
 def _path() -> str:
@@ -25,14 +60,14 @@ def _path() -> str:
 
 
 def _load() -> dict:
-    global _verdicts
-    if _verdicts is None:
+    global _timings
+    if _timings is None:
         try:
             with open(_path()) as f:
-                _verdicts = {k: (bool(v[0]), float(v[1])) for k, v in json.load(f).items()}
-        except (OSError, ValueError, TypeError, IndexError):
-            _verdicts = {}
-    return _verdicts
+                _timings = {k: Timing(*map(float, v)) for k, v in json.load(f).items()}
+        except (OSError, ValueError, TypeError):
+            _timings = {}
+    return _timings
 
 
 def _save() -> None:
@@ -40,14 +75,14 @@ def _save() -> None:
         os.makedirs(os.path.dirname(_path()), exist_ok=True)
         tmp = _path() + f".{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump(_verdicts, f, indent=0, sort_keys=True)
+            json.dump({k: list(v) for k, v in _timings.items()}, f, indent=0, sort_keys=True)
         os.replace(tmp, _path())
     except OSError:
         pass  # a read-only home only costs a re-measure next run
 
 
-# bumped when what is measured changes, so verdicts of an older fp8ops are not reused
-_KEY_VERSION = 2
+# bumped when what is measured changes, so timings of an older fp8ops are not reused
+_KEY_VERSION = 3
 
 
 def key(device: torch.device, M: int, K: int, N: int, dtype: torch.dtype, bias: bool) -> str:
@@ -55,7 +90,7 @@ def key(device: torch.device, M: int, K: int, N: int, dtype: torch.dtype, bias: 
             f"{M}x{K}->{N}|{str(dtype).replace('torch.', '')}|bias{int(bias)}")
 
 
-def cached(k: str) -> tuple[bool, float] | None:
+def cached(k: str) -> Timing | None:
     return _load().get(k)
 
 
@@ -64,10 +99,26 @@ def cached(k: str) -> tuple[bool, float] | None:
 MIN_SPEEDUP = 1.03
 
 
-def _time(fn, reps: int = 20) -> float:
+def verdict(t: Timing) -> tuple[bool | None, float]:
+    """(FP8 wins, speedup) where alone and GPU-bound agree; (None, GPU-bound
+    speedup) where they do not and the user's loop decides (host_lead.py)."""
+    alone, gpu = t.alone_speedup >= MIN_SPEEDUP, t.gpu_speedup >= MIN_SPEEDUP
+    if alone == gpu:
+        return alone, t.alone_speedup
+    return None, t.gpu_speedup
+
+
+def _events():
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def _time_alone(fn, reps: int = 20) -> float:
+    """ms per call, the loop started on an idle GPU: no earlier queued work
+    hides the host's cost (it once did, and a verdict came out wrong)."""
     for _ in range(3):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, end = _events()
+    torch.cuda.synchronize()
     start.record()
     for _ in range(reps):
         fn()
@@ -76,8 +127,53 @@ def _time(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def measure(layer, M: int, cdtype: torch.dtype) -> tuple[bool, float]:
-    """fwd+bwd time of BF16 over FP8 for this layer's shape at M rows."""
+_sleep_cycles_per_ms: float | None = None
+
+
+def _cycles_per_ms() -> float:
+    """torch.cuda._sleep spins for a number of GPU clock cycles: how many make a ms"""
+    global _sleep_cycles_per_ms
+    if _sleep_cycles_per_ms is None:
+        start, end = _events()
+        torch.cuda._sleep(1000)  # its first launch loads the kernel, which must not be timed
+        torch.cuda.synchronize()
+        start.record()
+        torch.cuda._sleep(1_000_000)
+        end.record()
+        end.synchronize()
+        _sleep_cycles_per_ms = 1_000_000 / max(start.elapsed_time(end), 1e-3)
+    return _sleep_cycles_per_ms
+
+
+def _time_queued(fn, host_hint_ms: float, reps: int = 20) -> tuple[float, float] | None:
+    """(GPU ms, host ms) per call: a sleep kernel holds the GPU while the host
+    enqueues all reps, so the reps then run back to back (pure GPU time) and
+    the enqueue loop's own duration is the host's cost. None if the host could
+    not finish enqueueing within even the longest sleep (something synced)."""
+    for _ in range(3):
+        fn()
+    start, end = _events()
+    sleep_ms = 2.0 * host_hint_ms * reps + 1.0
+    for _ in range(3):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(sleep_ms * _cycles_per_ms()))
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        host_ms = (time.perf_counter() - t0) * 1e3 / reps
+        end.record()
+        queued = not start.query()  # the GPU was still asleep when the last rep was enqueued
+        end.synchronize()
+        if queued:
+            return start.elapsed_time(end) / reps, host_ms
+        sleep_ms *= 4
+    return None
+
+
+def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
+    """Timing of BF16 and FP8 fwd+bwd for this layer's shape at M rows."""
+    global measure_count
     from .linear import Fp8Linear  # noqa: PLC0415
     from . import ops  # noqa: PLC0415
 
@@ -87,6 +183,7 @@ def measure(layer, M: int, cdtype: torch.dtype) -> tuple[bool, float]:
         hit = _load().get(k)
         if hit is not None:
             return hit
+        measure_count += 1
         K, N = layer.in_features, layer.out_features
         ref = nn.Linear(K, N, bias=layer.bias is not None, device=dev, dtype=layer.weight.dtype)
         fp8 = Fp8Linear(K, N, bias=layer.bias is not None, device=dev, dtype=layer.weight.dtype,
@@ -113,19 +210,22 @@ def measure(layer, M: int, cdtype: torch.dtype) -> tuple[bool, float]:
                     fp8.fp8_step += 1
             return step
 
-        with torch.enable_grad():  # the first forward may come under no_grad (eval)
+        with torch.enable_grad(), torch.cuda.device(dev):  # the first forward may come under no_grad (eval)
             # interleaved, best of two each: a busy moment hurts neither side alone
-            times = {ref: [], fp8: []}
+            alone, gpu, host = {ref: [], fp8: []}, {ref: [], fp8: []}, {ref: [], fp8: []}
             for _ in range(2):
                 for mod in (ref, fp8):
-                    times[mod].append(_time(run(mod)))
-            t_bf16, t_fp8 = min(times[ref]), min(times[fp8])
-        del ref, fp8, x, g, times
-        speedup = t_bf16 / t_fp8
-        verdict = (speedup >= MIN_SPEEDUP, speedup)
-        _verdicts[k] = verdict
+                    alone[mod].append(_time_alone(run(mod)))
+                    q = _time_queued(run(mod), alone[mod][-1])
+                    # could not queue (e.g. a sync in the loop): the alone time stands for both
+                    gpu[mod].append(alone[mod][-1] if q is None else q[0])
+                    host[mod].append(alone[mod][-1] if q is None else q[1])
+        t = Timing(min(alone[ref]), min(alone[fp8]), min(gpu[ref]), min(gpu[fp8]), min(host[ref]),
+                   min(host[fp8]))
+        del ref, fp8, x, g
+        _timings[k] = t
         _save()
-        return verdict
+        return t
 
 
 def tune_policy(model: nn.Module, *args, **kwargs) -> dict:
@@ -137,8 +237,10 @@ def tune_policy(model: nn.Module, *args, **kwargs) -> dict:
     `model(*args, **kwargs)` runs once under no_grad, every layer makes its
     decision (measured, or read from the disk cache) and computes the plain
     BF16 result; no scaling state, weight cast or counter changes. The compiled
-    layers then follow the verdicts. Under DDP / FSDP2 every rank calls it.
-    Returns {layer name: {(M, dtype): (fp8 wins, speedup)}}."""
+    layers then follow the verdicts. A layer whose verdict depends on the host
+    (FP8 faster on the GPU, slower alone) is settled as GPU-bound: compiled
+    code spends far less host time per layer than eager code. Under DDP / FSDP2
+    every rank calls it. Returns {layer name: {(M, dtype): (fp8 wins, speedup)}}."""
     from . import linear  # noqa: PLC0415 -- linear imports this module lazily
     from .linear import Fp8Linear  # noqa: PLC0415
 

@@ -42,9 +42,12 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                 rows[-1]["reason"] += "; FSDP2 all-gathers its weight in FP8"
             if m.fp8_config.gemm_emulated:
                 rows[-1]["reason"] += "; all-E5M2: GEMMs emulated in BF16 (FP8 numerics, not FP8 speed)"
-            slow = [f"M={M}: BF16 (FP8 {v[1]:.2f}x)" for (M, _), v in m.fp8_policy.items() if not v[0]]
+            slow = [f"M={k[0]}: BF16 (FP8 {v[1]:.2f}x)" for k, v in m.fp8_policy.items()
+                    if not v[0] and k not in m.fp8_policy_why]
             if slow:
                 rows[-1]["reason"] += "; policy auto measured FP8 slower for " + ", ".join(slow)
+            for k, why in m.fp8_policy_why.items():  # FP8 faster on the GPU only: the host's lead decided
+                rows[-1]["reason"] += f"; M={k[0]}: {'FP8' if m.fp8_policy[k][0] else 'BF16'} ({why})"
         elif isinstance(m, nn.Linear):
             backend, reason = decisions.get(name, ("bf16", "not converted (convert() was not called on it)"))
             rows.append({"name": name or "<root>", "backend": "bf16", "reason": reason, "recipe": None,

@@ -324,7 +324,8 @@ def _policy_agreement(rank):
     import fp8ops.policy as policy
     layer = Fp8Linear(D, HID, config=Fp8Config(policy="auto"))
     saved = policy.measure, torch.cuda.is_current_stream_capturing
-    policy.measure = lambda lyr, M, cdtype: (rank == 0, 1.5 if rank == 0 else 0.8)
+    faster, slower = policy.Timing(1.5, 1.0, 1.5, 1.0, 0.1, 0.1), policy.Timing(0.8, 1.0, 0.8, 1.0, 0.1, 0.1)
+    policy.measure = lambda lyr, M, cdtype: faster if rank == 0 else slower
     torch.cuda.is_current_stream_capturing = lambda: False      # CPU-only machines
     try:
         return layer._fp8_pays(16, torch.bfloat16)

@@ -504,12 +504,14 @@ def test_tune_policy_then_compile_follows_the_verdicts(monkeypatch):
     import fp8ops.policy as policy
     torch.manual_seed(0)
     model = fp8ops.convert(MLP(256, 512).cuda(), config=Fp8Config(policy="auto"))
-    monkeypatch.setattr(policy, "measure", lambda layer, M, cdtype: (layer.out_features != 512, 0.8))
+    # up: FP8 slower both ways; down: faster on the GPU, slower alone -> tune_policy settles it GPU-bound
+    slower, gpu_only = policy.Timing(1.0, 1.25, 1.0, 1.25, 0.1, 0.1), policy.Timing(1.0, 2.0, 1.0, 0.8, 0.1, 0.5)
+    monkeypatch.setattr(policy, "measure", lambda layer, M, cdtype: gpu_only if layer.out_features != 512 else slower)
     x = torch.randn(64, 256, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         verdicts = fp8ops.tune_policy(model, x)
     assert verdicts["up"] == {(64, torch.bfloat16): (False, 0.8)}
-    assert verdicts["down"] == {(64, torch.bfloat16): (True, 0.8)}
+    assert verdicts["down"] == {(64, torch.bfloat16): (True, 1.25)}
     assert all(m.fp8_amax_history.abs().sum() == 0 for m in model.modules() if isinstance(m, Fp8Linear))
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
