@@ -4,7 +4,8 @@ For one layer shape (default GPT-2's 16384x768->3072, bf16 activations, fp32
 master weight, autocast): the host microseconds spent in forward, backward and
 fp8ops.step per iteration (perf_counter around each phase, no sync inside the
 timed loop: a phase that synchronises shows the GPU's backlog), the GPU time
-per iteration, and a torch.profiler table of the ops by self CPU time.
+per iteration, a cProfile of each (which Python functions and which C calls
+hold the host time), and a torch.profiler table of the ops by self CPU time.
     python benchmarks/dev/host_breakdown.py [--shape 16384x768x3072] [--iters 50]
 """
 import argparse
@@ -62,6 +63,23 @@ for name, model, step in (("bf16", base, False), ("fp8ops (step each iteration)"
     phases, host, gpu = run(model, args.iters, step)
     parts = ", ".join(f"{k} {v:.0f}" for k, v in phases.items())
     print(f"{name:38} host {host:6.0f} us/iter ({parts}); GPU {gpu:6.0f} us/iter")
+
+import cProfile  # noqa: E402
+import pstats  # noqa: E402
+
+small = torch.zeros(16, device=dev)
+torch.cuda.synchronize()
+t = time.perf_counter()
+for _ in range(1000):
+    small.add_(1)
+print(f"one tiny torch op (add_): {(time.perf_counter() - t) * 1e3:.1f} us host per call")
+for name, model, step in (("bf16", base, False), ("fp8ops", fp8, True)):
+    pr = cProfile.Profile()
+    pr.enable()
+    run(model, 200, step)
+    pr.disable()
+    print(f"--- cProfile, {name}, 200 iterations (tottime: the function's own time, C calls included)")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(14)
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
