@@ -9,7 +9,6 @@ training without gradient accumulation). Variants:
   bf16              nn.Linear under autocast (cuBLAS BF16)
   fp8ops            fp8ops.convert(layer, config=Fp8Config(policy="always")): delayed scaling, hybrid
   fp8ops_compiled   torch.compile of the converted layer
-  bf16_graphs, fp8ops_graphs   torch.compile(mode="reduce-overhead"): CUDA graphs, no host cost per kernel
   torchao_compiled  torchao.float8.convert_to_float8_training (tensorwise dynamic) + torch.compile
   torchao           the same without compile
 GEMM ceiling: the three GEMMs of fwd+bwd on operands already cast (torch._scaled_mm: fwd e4m3 with
@@ -57,18 +56,7 @@ QUICK_SHAPES = "16384x4096x14336,16384x4096x4096,16384x768x3072,16384x3072x768,4
 TARGETS = {(16384, 4096, 14336): 1.75, (16384, 4096, 4096): 1.65, (16384, 768, 3072): 1.3,
            (16384, 3072, 768): 1.3, (4096, 4096, 4096): 1.4}
 COMPILE_TOLERANCE = 0.02  # fp8ops compiled counts as ">= eager" within 2 % timing noise
-VARIANTS = ("bf16", "fp8ops", "fp8ops_compiled", "fp8ops_auto", "bf16_graphs", "fp8ops_graphs", "torchao_compiled",
-            "torchao")
-
-
-def compiled(name: str) -> bool:
-    return name.endswith(("compiled", "graphs"))
-
-
-def compile_for(name: str, mod: nn.Module) -> nn.Module:
-    if name.endswith("graphs"):
-        return torch.compile(mod, mode="reduce-overhead")
-    return torch.compile(mod) if name.endswith("compiled") else mod
+VARIANTS = ("bf16", "fp8ops", "fp8ops_compiled", "fp8ops_auto", "torchao_compiled", "torchao")
 SQNR_Y, SQNR_GRAD = 25.0, 20.0
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -128,8 +116,8 @@ def torchao_convert():
 def build_variant(name: str, base: nn.Module, args, fp8ops, ao_convert):
     """(module to call, the Fp8Linear to step or None)."""
     mod = copy.deepcopy(base)
-    if name.startswith("bf16"):
-        return compile_for(name, mod), None
+    if name == "bf16":
+        return mod, None
     if name.startswith("fp8ops"):
         # fp8ops_auto: the default policy users get (a shape FP8 does not speed up runs BF16)
         cfg = fp8ops.Fp8Config(policy="auto" if name == "fp8ops_auto" else "always", recipe=args.recipe)
@@ -138,17 +126,15 @@ def build_variant(name: str, base: nn.Module, args, fp8ops, ao_convert):
             raise RuntimeError(f"fp8ops.convert left the layer unconverted: "
                                f"{getattr(mod, '_fp8ops_decisions', {})}")
         layer = mod
-        return compile_for(name, mod), layer
+        return (torch.compile(mod) if name.endswith("compiled") else mod), layer
     mod = ao_convert(mod)
-    return compile_for(name, mod), None
+    return (torch.compile(mod) if name.endswith("compiled") else mod), None
 
 
-def make_step(mod, fp8_layer, x, g, fp8ops, autocast_dtype, graphs: bool = False):
+def make_step(mod, fp8_layer, x, g, fp8ops, autocast_dtype):
     params = list(mod.parameters())
 
     def step():
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()  # a new iteration: last one's outputs may be reused
         x.grad = None
         for p in params:
             p.grad = None
@@ -363,7 +349,7 @@ def main() -> int:
             try:
                 gb0 = graph_breaks()
                 mod, layer = build_variant(v, base, args, fp8ops, ao_convert)
-                fn = make_step(mod, layer, x, g, fp8ops, torch.bfloat16, graphs=v.endswith("graphs"))
+                fn = make_step(mod, layer, x, g, fp8ops, torch.bfloat16)
                 outs = None
                 for i in range(max(3, args.warmup)):
                     y = fn()
@@ -376,7 +362,7 @@ def main() -> int:
                     for k, (wins, speedup) in getattr(m, "fp8_policy", {}).items():
                         verdicts[v] = {"rows": k[0], "fp8": bool(wins), "measured_speedup": speedup,
                                        "host_lead": m.fp8_policy_why.get(k)}
-                if compiled(v) and graph_breaks() > gb0:
+                if v.endswith("compiled") and graph_breaks() > gb0:
                     breaks[v] = graph_breaks() - gb0
                     print(f"  note: {v} {M}x{K}->{N}: {breaks[v]} torch.compile graph break(s)")
                 # ---- validation against BF16 eager (same weights, same x and g)
@@ -451,7 +437,7 @@ def main() -> int:
         for v in wanted:
             try:
                 mod, layer = build_variant(v, base, args, fp8ops, ao_convert)
-                pf[v] = make_step(mod, layer, x, g, fp8ops, torch.bfloat16, graphs=v.endswith("graphs"))
+                pf[v] = make_step(mod, layer, x, g, fp8ops, torch.bfloat16)
             except Exception as e:  # noqa: BLE001
                 print(f"note: cannot profile {v}: {type(e).__name__}: {e}")
         result["profile"] = run_profile(args, pf, (M, K, N), args.profile_dir)
@@ -474,8 +460,7 @@ def main() -> int:
         print(f"target: {tg['what']}: {tg['value']:.2f}x -> {tg['verdict']}")
     shown = [v for v in VARIANTS if v in variants]
     short = {"bf16": "bf16", "fp8ops": "fp8ops", "fp8ops_compiled": "fp8ops cmp", "fp8ops_auto": "fp8ops auto",
-             "bf16_graphs": "bf16 graphs", "fp8ops_graphs": "fp8ops graphs", "torchao_compiled": "ao cmp",
-             "torchao": "ao eager"}
+             "torchao_compiled": "ao cmp", "torchao": "ao eager"}
     hdr = ["shape MxK->N"] + [f"{short[v]} ms" for v in shown] + \
           [f"{short[v]} x" for v in shown if v != "bf16"] + ["fp8ops TF/s", "GEMM ceil x", "target"]
     rows = []

@@ -268,6 +268,40 @@ def test_fp8_linear_cuda_compile_and_graph():
 @requires_fp8
 @pytest.mark.gpu
 @pytest.mark.fp8
+def test_compile_reduce_overhead_trains_like_eager():
+    """torch.compile(mode="reduce-overhead"): CUDA graphs recorded by inductor
+    replay the FP8 forward and backward while the optimizer hook updates the
+    scales between steps; the losses follow eager fp8ops' and the scales move."""
+    torch.manual_seed(0)
+    base = MLP(256, 512).cuda()
+    models = {mode: fp8ops.convert(copy.deepcopy(base), config=Fp8Config(policy="always"))
+              for mode in ("eager", "graphs")}
+    calls = {"eager": models["eager"], "graphs": torch.compile(models["graphs"], mode="reduce-overhead")}
+    opts = {mode: torch.optim.SGD(m.parameters(), lr=0.5) for mode, m in models.items()}
+    x, target = torch.randn(64, 256, device="cuda"), torch.randn(64, 16, device="cuda")
+    losses = {mode: [] for mode in models}
+    torch._dynamo.reset()
+    for _ in range(6):
+        for mode, fn in calls.items():
+            torch.compiler.cudagraph_mark_step_begin()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = (fn(x).float() - target).square().mean()
+            loss.backward()
+            opts[mode].step()
+            opts[mode].zero_grad(set_to_none=True)
+            losses[mode].append(loss.item())
+    assert losses["graphs"] == pytest.approx(losses["eager"], rel=0.02), losses
+    assert losses["graphs"][-1] < losses["graphs"][0]
+    up_e, up_g = models["eager"].up, models["graphs"].up
+    assert up_g.fp8_step == up_e.fp8_step == 6
+    torch.testing.assert_close(up_g.fp8_scale, up_e.fp8_scale, rtol=0.02, atol=0)
+    torch.testing.assert_close(up_g.fp8_amax_history, up_e.fp8_amax_history, rtol=0.02, atol=0)
+    assert up_g.fp8_amax_history.gt(0).any(1).sum() >= 5   # the steps' amaxes were recorded
+
+
+@requires_fp8
+@pytest.mark.gpu
+@pytest.mark.fp8
 def test_fp8_linear_cuda_graph_capture_fwd_bwd():
     """A full Fp8Linear forward + backward captured in a CUDA graph and replayed
     gives the eager result (scales fixed between replays, as inside one step)."""
