@@ -5,7 +5,7 @@ loop the host runs ahead of the GPU and FP8's extra host time hides in that
 lead; in a host-bound loop it adds to every step.
 
 One round, per device:
-  1. Pending layers report in and run BF16; the first to report is the anchor.
+  1. Pending layers report in (decision()) and run BF16; the first is the anchor.
   2. At the anchor's next forward the GPU is drained (one synchronize) and an
      event E0 marks time zero on both clocks. From there on, every forward of a
      pending layer, and through a gradient hook the start of its backward,
@@ -16,13 +16,17 @@ One round, per device:
      faster on the GPU and its extra host time per call, added to that of the
      layers taken before it, leaves a lead of at least LEAD_MARGIN_MS at every
      later point (and there is a later point).
-A round during which policy.measure() ran (its syncs zero the lead) is void and
-starts again.
+An anchor not seen for STALE_CALLS calls of the other pending layers (a model
+no longer called, or freed) ends the round unfinished, and the next pending
+layer starts a new one. Every step of this is a function of the call sequence,
+which is the same on every data-parallel rank: ranks stay in step, and the
+caller all-reduces each decision.
 
-Both approximations err toward BF16, the layer's plain path: the lead right
+The approximations err toward BF16, the layer's plain path: the lead right
 after the drain understates a steady state in which the host had run several
-steps ahead, and in a loop that synchronizes every step (loss.item()) the lead
-is small early in the step.
+steps ahead; in a loop that synchronizes every step (loss.item()) the lead is
+small early in the step; a measurement of a new shape inside the window (its
+syncs) zeroes the lead after it.
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ import torch
 from . import policy
 
 LEAD_MARGIN_MS = 0.05   # lead kept at every point, against timing noise
-MAX_SAMPLES = 8192      # an anchor that is never called again ends the round here
+MAX_SAMPLES = 8192      # a sampling window this long ends the round
+STALE_CALLS = 1024      # calls of other pending layers without the anchor: a new round
 
 
 class _Round:
@@ -46,7 +51,7 @@ class _Round:
         self.t0 = 0.0
         self.samples: list[tuple[float, torch.cuda.Event]] = []  # (host s, event)
         self.first_fwd: dict[tuple, int] = {}  # (id(layer), key) -> its first forward sample
-        self.measures = 0
+        self.since_anchor = 0  # calls of other pending layers since the anchor's last one
 
 
 _rounds: dict[int, _Round] = {}
@@ -58,11 +63,6 @@ def _round(device: torch.device) -> _Round:
     if r is None:
         r = _rounds[i] = _Round()
     return r
-
-
-def pending(layer, key, timing: policy.Timing) -> None:
-    """layer runs BF16 for key (its (M, dtype)) until decision() says otherwise."""
-    _round(layer.weight.device).pending.setdefault((id(layer), key), timing)
 
 
 def forget(layer, key=None) -> None:
@@ -78,7 +78,7 @@ def forget(layer, key=None) -> None:
 
 
 def _reset(r: _Round) -> None:
-    r.anchor, r.sampling, r.e0, r.samples, r.first_fwd = None, False, None, [], {}
+    r.anchor, r.sampling, r.e0, r.samples, r.first_fwd, r.since_anchor = None, False, None, [], {}, 0
 
 
 def _sample(r: _Round) -> None:
@@ -88,27 +88,35 @@ def _sample(r: _Round) -> None:
     r.samples.append((t, ev))
 
 
-def decision(layer, key) -> tuple[bool, str] | None:
-    """At each forward of a pending layer: (FP8 or not, why) once decided, else
-    None (run BF16 for now)."""
+def decision(layer, key, timing: policy.Timing) -> tuple[bool, str] | None:
+    """At each forward of a layer whose verdict for key (its (M, dtype)) waits on
+    the host's lead: (FP8 or not, why) once decided, else None (run BF16 for now)."""
     dev = layer.weight.device
     r = _round(dev)
     lk = (id(layer), key)
     if lk in r.decided:
         return r.decided.pop(lk)
+    r.pending.setdefault(lk, timing)
     if r.anchor is None:
         r.anchor = lk
         return None
     if lk == r.anchor:
+        r.since_anchor = 0
         if not r.sampling:
             torch.cuda.synchronize(dev)
             r.e0 = torch.cuda.Event(enable_timing=True)
             r.e0.record()
             r.t0 = time.perf_counter()
-            r.sampling, r.measures = True, policy.measure_count
+            r.sampling = True
         else:
             _finish(r, dev)
             return r.decided.pop(lk, None)
+    else:
+        r.since_anchor += 1
+        if r.since_anchor > STALE_CALLS:
+            _reset(r)
+            r.anchor = lk
+            return None
     if r.sampling and lk in r.pending:
         r.first_fwd.setdefault(lk, len(r.samples))
         _sample(r)
@@ -153,8 +161,7 @@ def choose(leads: list[float], layers: list[tuple[object, int, policy.Timing]]) 
 
 def _finish(r: _Round, dev: torch.device) -> None:
     torch.cuda.synchronize(dev)  # every sample's event has completed
-    if policy.measure_count == r.measures:
-        leads = [r.e0.elapsed_time(ev) - (t - r.t0) * 1e3 for t, ev in r.samples]
-        r.decided.update(choose(leads, [(lk, i, r.pending.pop(lk)) for lk, i in r.first_fwd.items()]))
+    leads = [r.e0.elapsed_time(ev) - (t - r.t0) * 1e3 for t, ev in r.samples]
+    r.decided.update(choose(leads, [(lk, i, r.pending.pop(lk)) for lk, i in r.first_fwd.items()]))
     # layers not called in the sampled iteration stay pending for the next round
     _reset(r)

@@ -384,13 +384,12 @@ class Fp8Linear(nn.Linear):
                 self.fp8_policy[k] = (wins, speedup)
                 return wins
             self._fp8_pending[k] = t
-            host_lead.pending(self, k, t)
         if _POLICY_ONLY:
             # tune_policy before torch.compile: compiled code spends far less host time per layer
             wins, why = t.gpu_speedup >= policy.MIN_SPEEDUP, "settled GPU-bound by tune_policy"
             host_lead.forget(self, k)
         else:
-            got = host_lead.decision(self, k)
+            got = host_lead.decision(self, k, t)
             if got is None:
                 return False  # BF16 while the host's lead is being measured
             wins, why = got

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 _lock = threading.Lock()
 _timings: dict[str, "Timing"] | None = None
-measure_count = 0  # measurements run in this process (host_lead.py: a round that saw one is void)
 
 
 class Timing(NamedTuple):
@@ -173,7 +172,6 @@ def _time_queued(fn, host_hint_ms: float, reps: int = 20) -> tuple[float, float]
 
 def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
     """Timing of BF16 and FP8 fwd+bwd for this layer's shape at M rows."""
-    global measure_count
     from .linear import Fp8Linear  # noqa: PLC0415
     from . import ops  # noqa: PLC0415
 
@@ -183,7 +181,6 @@ def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
         hit = _load().get(k)
         if hit is not None:
             return hit
-        measure_count += 1
         K, N = layer.in_features, layer.out_features
         ref = nn.Linear(K, N, bias=layer.bias is not None, device=dev, dtype=layer.weight.dtype)
         fp8 = Fp8Linear(K, N, bias=layer.bias is not None, device=dev, dtype=layer.weight.dtype,

@@ -1,6 +1,8 @@
 """policy="auto": the verdict from the two timings (policy.py) and, where they
 disagree, the decision from the host's lead in the caller's loop (host_lead.py)."""
 import json
+import time
+import types
 
 import pytest
 import torch
@@ -66,6 +68,92 @@ def test_timings_cache_round_trip_and_old_files(tmp_path, monkeypatch):
     path.write_text(json.dumps({"v2|x": [True, 1.2]}))
     monkeypatch.setattr(policy, "_timings", None)
     assert policy.cached("v2|x") is None
+
+
+# ------------------------------------------------- host_lead's rounds, on CPU with stand-in CUDA events
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CUDA events on the CPU: an event completes `lag` ms after it is recorded,
+    except the first one after a synchronize (the drained GPU runs it at once)."""
+    state = {"lag": 0.0, "drained": False}
+
+    class Event:
+        def __init__(self, enable_timing=True):
+            self.t = None
+
+        def record(self, stream=None):
+            lag = 0.0 if state["drained"] else state["lag"]
+            state["drained"] = False
+            self.t = time.perf_counter() * 1e3 + lag
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    def synchronize(device=None):
+        state["drained"] = True
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(host_lead, "_rounds", {})
+    return state
+
+
+def _layer():
+    return types.SimpleNamespace(weight=types.SimpleNamespace(device=torch.device("cuda", 0)))
+
+
+def _forward(layer, t, key=(64, torch.bfloat16)):
+    """One forward of a pending layer: its decision, else a BF16 output whose backward is a sample point."""
+    got = host_lead.decision(layer, key, t)
+    if got is None:
+        x = torch.ones(2, requires_grad=True)
+        y = x * 2
+        host_lead.watch(layer, key, y)
+        return y
+    return got
+
+
+@pytest.mark.parametrize("lag, fp8", [(2.0, True), (0.0, False)])
+def test_round_decides_on_the_third_call(fake_cuda, lag, fp8):
+    fake_cuda["lag"] = lag           # 2 ms: the GPU runs behind the host (GPU-bound); 0: host-bound
+    layer, t = _layer(), gpu_only(0.2)
+    for _ in range(2):               # call 1: the anchor; call 2: drain, time zero, sampling
+        y = _forward(layer, t)
+        assert isinstance(y, torch.Tensor)
+        y.sum().backward()           # the backward's sample point
+    wins, why = _forward(layer, t)
+    assert wins is fp8 and "host lead" in why
+    r = host_lead._rounds[0]
+    assert not r.pending and r.anchor is None and not r.sampling
+
+
+def test_round_shares_the_lead_between_layers_in_call_order(fake_cuda):
+    fake_cuda["lag"] = 1.0           # 1 ms of lead everywhere; each layer would spend 0.6 ms of it
+    a, b, t = _layer(), _layer(), gpu_only(0.6)
+    for _ in range(2):
+        ys = [_forward(a, t), _forward(b, t)]
+        sum(y.sum() for y in ys).backward()
+    got_a = _forward(a, t)           # the anchor's third call ends the round
+    got_b = _forward(b, t)
+    assert got_a[0] is True and got_b[0] is False
+    assert "host lead 0.4" in got_b[1]   # what a left of the lead
+
+
+def test_a_stale_anchor_does_not_block_the_others(fake_cuda, monkeypatch):
+    monkeypatch.setattr(host_lead, "STALE_CALLS", 3)
+    fake_cuda["lag"] = 2.0
+    gone, kept, t = _layer(), _layer(), gpu_only(0.2)
+    _forward(gone, t)                # the anchor, never called again (a model that was dropped)
+    got = None
+    for i in range(10):
+        got = _forward(kept, t)
+        if not isinstance(got, torch.Tensor):
+            break
+        got.sum().backward()
+    assert got is not None and got[0] is True, got
+    assert i == 5                    # calls 0-2 wait, 3 finds the anchor stale and takes over, 4 samples, 5 decides
 
 
 # ----------------------------------------------------------------------------------------- GPU
