@@ -300,7 +300,8 @@ def main() -> int:
     ap.add_argument("--recipe", choices=("delayed", "current"), default="delayed", help="fp8ops recipe")
     ap.add_argument("--reps", type=int, default=60, help="timed iterations per variant (median)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaving rounds")
-    ap.add_argument("--warmup", type=int, default=5, help="warm-up iterations (compile happens here)")
+    ap.add_argument("--warmup", type=int, default=10,
+                    help="warm-up iterations: compile, and policy auto's trial (9 iterations)")
     ap.add_argument("--no-ceiling", action="store_true", help="skip the GEMM-only ceiling")
     ap.add_argument("--profile", action="store_true", help="profile one shape with torch.profiler")
     ap.add_argument("--profile-shape", default="16384x4096x14336", help="MxKxN to profile")
@@ -361,7 +362,7 @@ def main() -> int:
                 for m in mod.modules():  # policy "auto": what it measured and chose for this shape
                     for k, (wins, speedup) in getattr(m, "fp8_policy", {}).items():
                         verdicts[v] = {"rows": k[0], "fp8": bool(wins), "measured_speedup": speedup,
-                                       "host_lead": m.fp8_policy_why.get(k)}
+                                       "loop_trial": m.fp8_policy_why.get(k)}
                 if v.endswith("compiled") and graph_breaks() > gb0:
                     breaks[v] = graph_breaks() - gb0
                     print(f"  note: {v} {M}x{K}->{N}: {breaks[v]} torch.compile graph break(s)")

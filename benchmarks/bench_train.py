@@ -132,7 +132,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=None, help="override the batch size (all models)")
     ap.add_argument("--batch-1b", type=int, default=None, help="override the 1b model's batch size")
     ap.add_argument("--steps", type=int, default=20, help="timed steps")
-    ap.add_argument("--warmup", type=int, default=5, help="warm-up steps (compile happens here)")
+    ap.add_argument("--warmup", type=int, default=10, help="warm-up steps: compile, and policy auto's trial (9 steps)")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--compile-scope", choices=("blocks", "model"), default="blocks",
                     help="torch.compile each transformer block, or the whole model")
@@ -233,7 +233,7 @@ def main() -> int:
                     verdicts = {}
                     for m in model.modules():
                         for k, (wins, speedup) in getattr(m, "fp8_policy", {}).items():
-                            how = "host lead" if k in m.fp8_policy_why else "measured"
+                            how = "loop trial" if k in m.fp8_policy_why else "measured"
                             tag = f"{m.in_features}->{m.out_features} M={k[0]}: {'FP8' if wins else 'BF16'} " \
                                   f"({how}, {speedup:.2f}x)"
                             verdicts[tag] = verdicts.get(tag, 0) + 1

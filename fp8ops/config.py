@@ -31,9 +31,9 @@ class Fp8Config:
         policy: "auto" (a layer runs FP8 only for shapes where FP8 measured at
             least 3 % faster than BF16 on this GPU -- fwd + bwd + the per-step
             scale update, measured once per shape and cached, both alone and
-            GPU-bound; where only the GPU-bound timing favours FP8, FP8 runs if
-            the host's measured lead over the GPU in your own loop hides FP8's
-            extra host time, see host_lead.py -- else BF16) or "always".
+            GPU-bound; where only the GPU-bound timing favours FP8, a trial of
+            eight steps of your own loop, BF16 then FP8, decides, see
+            loop_trial.py -- else BF16) or "always".
             Default "auto".
         fast_accum: Hopper fast accumulation in the forward GEMM (the gradient
             GEMMs always accumulate exactly). Default True.

@@ -214,8 +214,8 @@ class Fp8Linear(nn.Linear):
         self.fp8_on_cpu = False         # tests: run the FP8 path on CPU with the C reference kernels
         self.fp8_policy_measuring = False  # policy.py's throwaway layers skip the policy
         self.fp8_policy = {}            # (M, dtype) -> (fp8 wins, speedup): policy="auto" verdicts for this layer
-        self.fp8_policy_why = {}        # (M, dtype) -> how the host's lead decided it (host_lead.py)
-        self._fp8_pending = {}          # (M, dtype) -> Timing: waiting for the host's lead
+        self.fp8_policy_why = {}        # (M, dtype) -> how the trial in the loop decided it (loop_trial.py)
+        self._fp8_pending = {}          # (M, dtype) -> Timing: waiting for that trial
         self._fp8_bf16_key = None       # (shape, dtype, device, autocast) of the last call policy sent to BF16
         if config.gemm_emulated:
             from .emulated import Fp8LinearEmulatedFn  # noqa: PLC0415 -- emulated imports this module
@@ -332,7 +332,7 @@ class Fp8Linear(nn.Linear):
         d["_fp8_bf16_key"] = None
         d.pop("_fp8_views_flat", None)
         if d.get("_fp8_pending"):
-            from .host_lead import forget  # noqa: PLC0415
+            from .loop_trial import forget  # noqa: PLC0415
             forget(self)
             d["_fp8_pending"] = {}
         return ret
@@ -358,16 +358,16 @@ class Fp8Linear(nn.Linear):
     def _fp8_pays(self, M: int, cdtype: torch.dtype, compiling: bool = False) -> bool:
         """policy="auto": is FP8 faster than BF16 for this shape on this GPU?
         Measured once per shape (policy.py); where FP8 wins on the GPU but loses
-        alone, the host's lead in the caller's loop decides (host_lead.py), and
-        until it has the layer runs BF16. Under torch.compile or CUDA-graph
-        capture nothing is measured and an unknown shape runs FP8."""
+        alone, a trial of a few steps of the caller's own loop, BF16 then FP8,
+        decides (loop_trial.py). Under torch.compile or CUDA-graph capture
+        nothing is measured and an unknown shape runs FP8."""
         k = (M, cdtype)
         hit = self.fp8_policy.get(k)
         if hit is not None:
             return hit[0]
         if compiling or torch.cuda.is_current_stream_capturing():
             return True
-        from . import host_lead, policy  # noqa: PLC0415
+        from . import loop_trial, policy  # noqa: PLC0415
         t = self._fp8_pending.get(k)
         if t is None:
             t = policy.measure(self, M, cdtype)
@@ -387,12 +387,11 @@ class Fp8Linear(nn.Linear):
         if _POLICY_ONLY:
             # tune_policy before torch.compile: compiled code spends far less host time per layer
             wins, why = t.gpu_speedup >= policy.MIN_SPEEDUP, "settled GPU-bound by tune_policy"
-            host_lead.forget(self, k)
+            loop_trial.forget(self, k)
         else:
-            got = host_lead.decision(self, k, t)
-            if got is None:
-                return False  # BF16 while the host's lead is being measured
-            wins, why = got
+            wins, why = loop_trial.decision(self, k, t)
+            if why is None:
+                return wins  # a step of the trial: BF16 or FP8, for every layer waiting on it alike
             if _distributed():
                 wins = bool(_all_ranks_(torch.tensor([float(wins)], device=self.weight.device),
                                         dist.ReduceOp.MIN).item())
@@ -453,12 +452,8 @@ class Fp8Linear(nn.Linear):
             if compiling:
                 return self._plain_forward(x)
             d["fp8_fallback_calls"] += 1  # (eager only, as above)
-            k = (x2.shape[0], cdtype)
-            if k in d["_fp8_pending"]:  # still measuring the host's lead: a point at the backward too
-                from .host_lead import watch  # noqa: PLC0415
-                y = self._plain_forward(x)
-                watch(self, k, y)
-                return y
+            if (x2.shape[0], cdtype) in d["_fp8_pending"]:  # a BF16 step of the trial: decided later
+                return self._plain_forward(x)
             ac = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
             d["_fp8_bf16_key"] = (x.shape, x.dtype, x.device, ac)
             return self._plain_forward(x)

@@ -11,8 +11,8 @@ GPU-bound (the GPU held by a sleep kernel while the host enqueues the whole
 loop: pure GPU time, and the host's enqueue time besides). Where both say the
 same, that is the verdict. Where they differ -- a small layer whose FP8 path
 is faster on the GPU but costs more host time -- the answer depends on the
-user's loop: host_lead.py measures how far ahead of the GPU the host runs
-there, and the layer runs FP8 if its extra host time fits in that lead.
+user's loop: loop_trial.py times a few steps of it with such layers in BF16,
+then in FP8, and keeps the faster.
 """
 from __future__ import annotations
 
@@ -46,11 +46,6 @@ class Timing(NamedTuple):
     @property
     def gpu_speedup(self) -> float:
         return self.gpu_bf16 / self.gpu_fp8
-
-    @property
-    def extra_host_ms(self) -> float:
-        """host time FP8 adds per call (0 where it saves host time)"""
-        return max(self.host_fp8 - self.host_bf16, 0.0)
 
 
 def _path() -> str:
@@ -100,7 +95,7 @@ MIN_SPEEDUP = 1.03
 
 def verdict(t: Timing) -> tuple[bool | None, float]:
     """(FP8 wins, speedup) where alone and GPU-bound agree; (None, GPU-bound
-    speedup) where they do not and the user's loop decides (host_lead.py)."""
+    speedup) where they do not and the user's loop decides (loop_trial.py)."""
     alone, gpu = t.alone_speedup >= MIN_SPEEDUP, t.gpu_speedup >= MIN_SPEEDUP
     if alone == gpu:
         return alone, t.alone_speedup

@@ -1,24 +1,24 @@
 """policy="auto": the verdict from the two timings (policy.py) and, where they
-disagree, the decision from the host's lead in the caller's loop (host_lead.py)."""
+disagree, the trial of the caller's own loop, BF16 then FP8 (loop_trial.py)."""
 import json
-import time
 import types
 
 import pytest
 import torch
 
 import fp8ops
-from fp8ops import Fp8Config, host_lead, policy
+from fp8ops import Fp8Config, loop_trial, policy
 from fp8ops.linear import Fp8Linear
 
 from conftest import requires_fp8
 
 T = policy.Timing
+KEY = (64, torch.bfloat16)
 
 
-def gpu_only(extra_host_ms: float = 0.05) -> policy.Timing:
-    """FP8 1.5x faster on the GPU, 2x slower alone (host-bound), extra_host_ms more host time per call"""
-    return T(1.0, 2.0, 1.5, 1.0, 0.2, 0.2 + extra_host_ms)
+def gpu_only() -> policy.Timing:
+    """FP8 1.5x faster on the GPU, 2x slower alone (host-bound)"""
+    return T(1.0, 2.0, 1.5, 1.0, 0.2, 0.4)
 
 
 def test_verdict_where_both_timings_agree_and_where_they_do_not():
@@ -27,33 +27,13 @@ def test_verdict_where_both_timings_agree_and_where_they_do_not():
     assert policy.verdict(T(1.02, 1.0, 1.02, 1.0, 0.1, 0.1)) == (False, 1.02)  # within noise: BF16
     wins, speedup = policy.verdict(gpu_only())
     assert wins is None and speedup == pytest.approx(1.5)                     # the caller's loop decides
-    assert gpu_only(0.3).extra_host_ms == pytest.approx(0.3)
-    assert T(1, 1, 1, 1, 0.5, 0.2).extra_host_ms == 0.0                       # FP8 saving host time costs none
 
 
-def test_choose_charges_each_fp8_layer_to_every_later_point():
-    # three layers at points 0, 1, 2; a 1 ms lead everywhere; each costs 0.4 ms of host time
-    leads = [1.0] * 6
-    got = host_lead.choose(leads, [("a", 0, gpu_only(0.4)), ("b", 1, gpu_only(0.4)), ("c", 2, gpu_only(0.4))])
-    # a: room 1.0; b: 1.0 - 0.4 = 0.6; c: 0.6 - 0.4 = 0.2 < 0.4 + margin
-    assert [got[k][0] for k in "abc"] == [True, True, False]
-    assert "host lead 0.200 ms" in got["c"][1] and "0.400 ms per call" in got["c"][1]
-
-
-def test_choose_looks_only_after_the_layer_and_needs_a_later_point():
-    leads = [0.0, 0.0, 5.0, 5.0]          # no lead early in the step (e.g. right after a sync), 5 ms later
-    got = host_lead.choose(leads, [("early", 0, gpu_only()), ("late", 2, gpu_only()), ("last", 3, gpu_only())])
-    assert got["early"][0] is False       # point 1 has no lead to hide its extra host time in
-    assert got["late"][0] is True         # its own point does not count, point 3 has 5 ms
-    assert got["last"][0] is False and "no later point" in got["last"][1]
-
-
-def test_choose_order_is_call_order_and_gpu_loss_stays_bf16():
-    leads = [1.0] * 4
-    slower_on_gpu = T(1.0, 0.9, 1.0, 1.1, 0.2, 0.1)   # faster alone (cheaper host), slower on the GPU
-    got = host_lead.choose(leads, [("second", 1, gpu_only(0.6)), ("first", 0, gpu_only(0.6)),
-                                   ("gpu_loses", 2, slower_on_gpu)])
-    assert (got["first"][0], got["second"][0], got["gpu_loses"][0]) == (True, False, False)
+def test_choose_needs_a_gain_beyond_noise():
+    assert loop_trial.choose([10.0, 10.2, 9.9], [9.0, 9.1, 8.8])[0] is True
+    assert loop_trial.choose([10.0, 10.0, 10.0], [9.97, 9.96, 9.98])[0] is False   # 0.3 %: BF16
+    assert loop_trial.choose([10.0, 10.0, 10.0], [11.0, 11.0, 11.0])[0] is False
+    assert "9.000 ms with FP8 vs 10.000 ms with BF16" in loop_trial.choose([10.0] * 3, [9.0] * 3)[1]
 
 
 def test_timings_cache_round_trip_and_old_files(tmp_path, monkeypatch):
@@ -70,90 +50,79 @@ def test_timings_cache_round_trip_and_old_files(tmp_path, monkeypatch):
     assert policy.cached("v2|x") is None
 
 
-# ------------------------------------------------- host_lead's rounds, on CPU with stand-in CUDA events
+# ------------------------------------------------ the trial's steps, on CPU with a simulated loop
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    """CUDA events on the CPU: an event completes `lag` ms after it is recorded,
-    except the first one after a synchronize (the drained GPU runs it at once)."""
-    state = {"lag": 0.0, "drained": False}
+class _SimLoop:
+    """A training loop on two clocks: each step takes `host` ms of host time and
+    `gpu` ms of GPU time, per phase (the CUDA events read the GPU clock)."""
 
-    class Event:
-        def __init__(self, enable_timing=True):
-            self.t = None
+    def __init__(self, monkeypatch, host: dict, gpu: dict):
+        self.host_ms, self.gpu_ms, self.t_host, self.t_gpu = host, gpu, 0.0, 0.0
+        sim = self
 
-        def record(self, stream=None):
-            lag = 0.0 if state["drained"] else state["lag"]
-            state["drained"] = False
-            self.t = time.perf_counter() * 1e3 + lag
+        class Event:
+            def __init__(self, enable_timing=True):
+                self.t = None
 
-        def elapsed_time(self, end):
-            return end.t - self.t
+            def record(self, stream=None):
+                self.t = sim.t_gpu
 
-    def synchronize(device=None):
-        state["drained"] = True
+            def elapsed_time(self, end):
+                return end.t - self.t
 
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
-    monkeypatch.setattr(host_lead, "_rounds", {})
-    return state
+            def synchronize(self):
+                pass
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(loop_trial.time, "perf_counter", lambda: sim.t_host / 1e3)
+        monkeypatch.setattr(loop_trial, "_trials", {})
+
+    def step(self, layers, timing=None):
+        """One step: each layer's forward asks for its path; returns their answers."""
+        got = [loop_trial.decision(layer, KEY, timing or gpu_only()) for layer in layers]
+        phase = "fp8" if got[0][0] else "bf16"
+        self.t_host += self.host_ms[phase]
+        self.t_gpu += self.gpu_ms[phase]
+        return got
 
 
 def _layer():
     return types.SimpleNamespace(weight=types.SimpleNamespace(device=torch.device("cuda", 0)))
 
 
-def _forward(layer, t, key=(64, torch.bfloat16)):
-    """One forward of a pending layer: its decision, else a BF16 output whose backward is a sample point."""
-    got = host_lead.decision(layer, key, t)
-    if got is None:
-        x = torch.ones(2, requires_grad=True)
-        y = x * 2
-        host_lead.watch(layer, key, y)
-        return y
-    return got
+@pytest.mark.parametrize("host, gpu, fp8", [
+    ({"bf16": 5.0, "fp8": 6.0}, {"bf16": 10.0, "fp8": 9.0}, True),    # GPU-bound: FP8's host cost hides
+    ({"bf16": 10.0, "fp8": 12.0}, {"bf16": 5.0, "fp8": 4.5}, False),  # host-bound: FP8 adds to each step
+    ({"bf16": 8.0, "fp8": 9.5}, {"bf16": 9.0, "fp8": 8.0}, False),    # FP8 becomes host-bound: 9.5 > 9.0
+])
+def test_trial_runs_bf16_then_fp8_and_keeps_the_faster(monkeypatch, host, gpu, fp8):
+    sim = _SimLoop(monkeypatch, host, gpu)
+    a, b = _layer(), _layer()
+    paths = []
+    for _ in range(loop_trial.DECIDE_AT):
+        got = sim.step([a, b])
+        assert got[0] == got[1] and got[0][1] is None          # both layers take the same path, undecided
+        paths.append(got[0][0])
+    assert paths == [False] * 4 + [True] * 4                  # steps 0-3 BF16, 4-7 FP8
+    (wins_a, why_a), (wins_b, why_b) = sim.step([a, b])
+    assert wins_a is wins_b is fp8
+    assert "trial in your loop" in why_a and "2 layer shapes waited on it" in why_b
+    t = loop_trial._trials[0]
+    assert not t.pending and not t.decided and t.anchor is None
 
 
-@pytest.mark.parametrize("lag, fp8", [(2.0, True), (0.0, False)])
-def test_round_decides_on_the_third_call(fake_cuda, lag, fp8):
-    fake_cuda["lag"] = lag           # 2 ms: the GPU runs behind the host (GPU-bound); 0: host-bound
-    layer, t = _layer(), gpu_only(0.2)
-    for _ in range(2):               # call 1: the anchor; call 2: drain, time zero, sampling
-        y = _forward(layer, t)
-        assert isinstance(y, torch.Tensor)
-        y.sum().backward()           # the backward's sample point
-    wins, why = _forward(layer, t)
-    assert wins is fp8 and "host lead" in why
-    r = host_lead._rounds[0]
-    assert not r.pending and r.anchor is None and not r.sampling
-
-
-def test_round_shares_the_lead_between_layers_in_call_order(fake_cuda):
-    fake_cuda["lag"] = 1.0           # 1 ms of lead everywhere; each layer would spend 0.6 ms of it
-    a, b, t = _layer(), _layer(), gpu_only(0.6)
-    for _ in range(2):
-        ys = [_forward(a, t), _forward(b, t)]
-        sum(y.sum() for y in ys).backward()
-    got_a = _forward(a, t)           # the anchor's third call ends the round
-    got_b = _forward(b, t)
-    assert got_a[0] is True and got_b[0] is False
-    assert "host lead 0.4" in got_b[1]   # what a left of the lead
-
-
-def test_a_stale_anchor_does_not_block_the_others(fake_cuda, monkeypatch):
-    monkeypatch.setattr(host_lead, "STALE_CALLS", 3)
-    fake_cuda["lag"] = 2.0
-    gone, kept, t = _layer(), _layer(), gpu_only(0.2)
-    _forward(gone, t)                # the anchor, never called again (a model that was dropped)
-    got = None
-    for i in range(10):
-        got = _forward(kept, t)
-        if not isinstance(got, torch.Tensor):
+def test_a_stale_anchor_restarts_the_trial(monkeypatch):
+    monkeypatch.setattr(loop_trial, "STALE_CALLS", 3)
+    sim = _SimLoop(monkeypatch, {"bf16": 5.0, "fp8": 6.0}, {"bf16": 10.0, "fp8": 9.0})
+    gone, kept = _layer(), _layer()
+    sim.step([gone])                  # the anchor, never called again (its model was dropped)
+    for i in range(20):
+        got = sim.step([kept])[0]
+        if got[1] is not None:
             break
-        got.sum().backward()
-    assert got is not None and got[0] is True, got
-    assert i == 5                    # calls 0-2 wait, 3 finds the anchor stale and takes over, 4 samples, 5 decides
+    # calls 0-2 wait, call 3 finds the anchor stale and starts over as step 0, call 3 + 8 decides
+    assert i == 3 + loop_trial.DECIDE_AT and got[0] is True
 
 
 # ----------------------------------------------------------------------------------------- GPU
@@ -163,7 +132,7 @@ def test_a_stale_anchor_does_not_block_the_others(fake_cuda, monkeypatch):
 def fresh_policy(tmp_path, monkeypatch):
     monkeypatch.setenv("FP8OPS_POLICY_CACHE", str(tmp_path / "policy.json"))
     monkeypatch.setattr(policy, "_timings", None)
-    monkeypatch.setattr(host_lead, "_rounds", {})
+    monkeypatch.setattr(loop_trial, "_trials", {})
 
 
 @requires_fp8
@@ -182,41 +151,33 @@ def test_measure_times_both_ways(fresh_policy):
     assert 5e5 < policy._cycles_per_ms() < 3e6
 
 
-def _loop(layer, steps: int, gpu_bound: bool):
-    """fwd + bwd of one layer; gpu_bound: 2 ms of GPU work between them (the host runs ahead);
-    else a sync after each step (the host never does)"""
-    x = torch.randn(64, 128, device="cuda", requires_grad=True)
-    for _ in range(steps):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = layer(x)
-        if gpu_bound:
-            torch.cuda._sleep(int(2.0 * policy._cycles_per_ms()))
-        y.float().sum().backward()
-        if not gpu_bound:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-
-
 @requires_fp8
 @pytest.mark.gpu
 @pytest.mark.fp8
-@pytest.mark.parametrize("gpu_bound", [True, False])
-def test_host_lead_decides_a_layer_fp8_wins_on_the_gpu_only(fresh_policy, monkeypatch, gpu_bound):
-    """Call 1 measures (mocked: FP8 faster on the GPU only), call 2 drains the GPU and
-    starts sampling, call 3 decides: FP8 where the host runs ahead, BF16 where it does not."""
-    monkeypatch.setattr(policy, "measure", lambda layer, M, cdtype: gpu_only(0.2))
-    layer = fp8ops.convert(torch.nn.Sequential(torch.nn.Linear(128, 256)).cuda(),
-                           config=Fp8Config(policy="auto"))[0]
-    _loop(layer, 2, gpu_bound)
-    assert layer.fp8_fallback_calls == 2 and not layer.fp8_policy     # BF16 while measuring the lead
-    assert layer.fp8_amax_history.abs().sum() == 0
-    _loop(layer, 3, gpu_bound)
-    wins, speedup = layer.fp8_policy[(64, torch.bfloat16)]
-    why = layer.fp8_policy_why[(64, torch.bfloat16)]
+@pytest.mark.parametrize("shape, gpu_bound", [((8192, 4096, 4096), True), ((64, 128, 256), False)])
+def test_trial_in_a_real_loop(fresh_policy, monkeypatch, shape, gpu_bound):
+    """Both layers are said (mocked) to be faster in FP8 on the GPU only. The
+    trial runs them BF16 for 4 steps, FP8 for 4, and keeps FP8 where the loop is
+    GPU-bound (a large layer: FP8 really is faster) and BF16 where the host sets
+    the pace (a tiny layer, synchronized each step: FP8's extra host time shows)."""
+    monkeypatch.setattr(policy, "measure", lambda layer, M, cdtype: gpu_only())
+    M, K, N = shape
+    layer = fp8ops.convert(torch.nn.Sequential(torch.nn.Linear(K, N)).cuda(), config=Fp8Config(policy="auto"))[0]
+    x = torch.randn(M, K, device="cuda", requires_grad=True)
+    for _ in range(loop_trial.DECIDE_AT + 2):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().square().mean().backward()
+        if not gpu_bound:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    k = (M, torch.bfloat16)
+    wins, speedup = layer.fp8_policy[k]
+    why = layer.fp8_policy_why[k]
     assert wins is gpu_bound and speedup == pytest.approx(1.5 if gpu_bound else 0.5), why
-    assert "host lead" in why and "no later point" not in why
-    assert layer.fp8_fallback_calls == (2 if gpu_bound else 5)
-    assert bool(layer.fp8_amax_history[0].abs().sum() > 0) is gpu_bound   # it really ran FP8 (or not)
-    assert not layer._fp8_pending and not host_lead._rounds[torch.cuda.current_device()].pending
+    assert "trial in your loop" in why
+    assert layer.fp8_fallback_calls == (4 if gpu_bound else 4 + 2)   # BF16 steps: 0-3, and 8-9 if BF16 won
+    assert layer.fp8_amax_history.abs().sum() > 0                     # the FP8 steps of the trial ran FP8
+    assert not layer._fp8_pending and not loop_trial._trials[torch.cuda.current_device()].pending
     reason = fp8ops.report(torch.nn.Sequential(layer), print_table=False)[0]["reason"]
-    assert ("M=64: FP8 (" if gpu_bound else "M=64: BF16 (") in reason and "host lead" in reason
+    assert (f"M={M}: FP8 (" if gpu_bound else f"M={M}: BF16 (") in reason and "trial in your loop" in reason

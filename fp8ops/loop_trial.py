@@ -1,0 +1,128 @@
+"""A trial in the user's own training loop: what decides policy "auto" for the
+layers whose FP8 path is faster on the GPU but slower alone (policy.verdict()
+returned None; small layers on a slow host). Whether FP8 pays for them depends
+on the loop: where the GPU is the bottleneck, FP8's extra host time hides
+behind it; where the host is, it adds to every step. Neither can be read off
+one layer timed alone, and a short drain-and-sample of the host's lead misses
+the lead a loop builds up over several steps (tried: in a GPU-bound GPT-2 run
+it saw none in the forward and kept every layer BF16, 13 % slower than FP8).
+So the trial times the loop itself, both ways.
+
+One trial per device, for all the layers waiting on it:
+  - the first of them to report (decision()) is the anchor; each call of the
+    anchor starts a "step" and is marked with a CUDA event and the host time;
+  - steps 0..3 run the waiting layers in BF16, steps 4..7 in FP8; step 0 (the
+    one that measured the shapes) and step 4 (the queue settling after the
+    switch) are not counted;
+  - each counted step lasts max(host time, GPU time) between two marks: the GPU
+    time where the host runs ahead of it, the host time where it does not;
+  - at the anchor's call that starts step 8 (one synchronize): FP8 if the median
+    FP8 step is at least STEP_GAIN shorter than the median BF16 step, else BF16,
+    for every layer that waited.
+An anchor not seen for STALE_CALLS calls of the other waiting layers (its model
+is no longer called, or was freed) restarts the trial with the next caller.
+Every step of this depends on the call sequence only, which is the same on every
+data-parallel rank: ranks stay in step, and the caller all-reduces each decision.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from . import policy
+
+BF16_STEPS = (1, 2, 3)   # counted steps in BF16 (step 0 measured the shapes)
+FP8_STEPS = (5, 6, 7)    # counted steps in FP8 (step 4 switches over)
+FIRST_FP8_STEP = 4
+DECIDE_AT = 8            # the anchor's call that starts this step decides
+STEP_GAIN = 1.005        # FP8 must shorten the step by 0.5 % (timing noise): else the plain path
+STALE_CALLS = 1024       # calls of other waiting layers without the anchor: a new trial
+
+
+class _Trial:
+    def __init__(self) -> None:
+        self.pending: dict[tuple, policy.Timing] = {}        # (id(layer), key) -> its timing
+        self.decided: dict[tuple, tuple[bool, str]] = {}     # -> (FP8, why), until picked up
+        self.anchor: tuple | None = None
+        self.marks: list[tuple[float, torch.cuda.Event]] = []  # (host s, event) at each anchor call
+        self.since_anchor = 0
+
+    @property
+    def fp8_now(self) -> bool:
+        return len(self.marks) > FIRST_FP8_STEP
+
+    def reset(self) -> None:
+        self.anchor, self.marks, self.since_anchor = None, [], 0
+
+
+_trials: dict[int, _Trial] = {}
+
+
+def _trial(device: torch.device) -> _Trial:
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    t = _trials.get(i)
+    if t is None:
+        t = _trials[i] = _Trial()
+    return t
+
+
+def forget(layer, key=None) -> None:
+    """Drop what layer waits on (for key, or for every key: the layer moved)."""
+    def mine(lk):
+        return lk[0] == id(layer) and (key is None or lk[1] == key)
+    for t in _trials.values():
+        for d in (t.pending, t.decided):
+            for lk in [lk for lk in d if mine(lk)]:
+                del d[lk]
+        if t.anchor is not None and mine(t.anchor):
+            t.reset()
+
+
+def _mark(t: _Trial) -> None:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    t.marks.append((time.perf_counter(), ev))
+
+
+def step_ms(marks: list, steps) -> list[float]:
+    """Each step's length: max(host time, GPU time) between its mark and the next."""
+    return [max((marks[s + 1][0] - marks[s][0]) * 1e3, marks[s][1].elapsed_time(marks[s + 1][1])) for s in steps]
+
+
+def choose(bf16_ms: list[float], fp8_ms: list[float]) -> tuple[bool, str]:
+    b, f = statistics.median(bf16_ms), statistics.median(fp8_ms)
+    return b >= f * STEP_GAIN, f"trial in your loop: step {f:.3f} ms with FP8 vs {b:.3f} ms with BF16"
+
+
+def decision(layer, key, timing: policy.Timing) -> tuple[bool, str | None]:
+    """At each forward of a layer whose verdict for key (its (M, dtype)) waits on
+    the trial: (run FP8 now, why) -- why is None while the trial runs, and
+    otherwise says how the final verdict was reached."""
+    t = _trial(layer.weight.device)
+    lk = (id(layer), key)
+    if lk in t.decided:
+        return t.decided.pop(lk)
+    t.pending.setdefault(lk, timing)
+    if t.anchor is None:
+        t.anchor = lk
+    if lk == t.anchor:
+        t.since_anchor = 0
+        _mark(t)
+        if len(t.marks) > DECIDE_AT:
+            t.marks[-1][1].synchronize()  # every mark's event has completed
+            fp8, why = choose(step_ms(t.marks, BF16_STEPS), step_ms(t.marks, FP8_STEPS))
+            for other, tm in t.pending.items():
+                t.decided[other] = (fp8, f"{why} ({len(t.pending)} layer shapes waited on it; GPU "
+                                         f"{tm.gpu_speedup:.2f}x, alone {tm.alone_speedup:.2f}x)")
+            t.pending.clear()
+            t.reset()
+            return t.decided.pop(lk)
+    else:
+        t.since_anchor += 1
+        if t.since_anchor > STALE_CALLS:
+            t.reset()
+            t.anchor = lk
+            _mark(t)
+    return t.fp8_now, None
