@@ -28,12 +28,12 @@ class Fp8Config:
         interval: update scales every `interval` optimizer steps. Default 1.
         amax_history_len: steps of amax history (delayed). Default 1024.
         amax_compute_algo: "max" over the history or "most_recent". Default "max".
-        policy: "auto" (a layer runs FP8 only for shapes where FP8 measured at
-            least 3 % faster than BF16 on this GPU -- fwd + bwd + the per-step
-            scale update, measured once per shape and cached, both alone and
-            GPU-bound; where only the GPU-bound timing favours FP8, a trial of
+        policy: "auto" (a layer runs FP8 only where FP8 is faster than BF16 on
+            this GPU: fwd + bwd + the per-step scale update of its shape, timed
+            once alone and once GPU-bound, cached; FP8 where both say at least
+            1.3x, BF16 where both say under 1.03x, and otherwise a trial of
             eight steps of your own loop, BF16 then FP8, decides, see
-            loop_trial.py -- else BF16) or "always".
+            loop_trial.py) or "always".
             Default "auto".
         fast_accum: Hopper fast accumulation in the forward GEMM (the gradient
             GEMMs always accumulate exactly). Default True.

@@ -1,6 +1,7 @@
 """A trial in the user's own training loop: what decides policy "auto" for the
-layers whose FP8 path is faster on the GPU but slower alone (policy.verdict()
-returned None; small layers on a slow host). Whether FP8 pays for them depends
+layers whose two timings do not settle it (policy.verdict() returned None:
+faster in FP8 on the GPU but slower alone -- small layers on a slow host -- or
+a gain too small to trust a one-time timing). Whether FP8 pays for them depends
 on the loop: where the GPU is the bottleneck, FP8's extra host time hides
 behind it; where the host is, it adds to every step. Neither can be read off
 one layer timed alone, and a short drain-and-sample of the host's lead misses

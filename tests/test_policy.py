@@ -27,6 +27,7 @@ def test_verdict_where_both_timings_agree_and_where_they_do_not():
     assert policy.verdict(T(1.02, 1.0, 1.02, 1.0, 0.1, 0.1)) == (False, 1.02)  # within noise: BF16
     wins, speedup = policy.verdict(gpu_only())
     assert wins is None and speedup == pytest.approx(1.5)                     # the caller's loop decides
+    assert policy.verdict(T(1.2, 1.0, 1.25, 1.0, 0.1, 0.1))[0] is None        # a small gain: a trial too
 
 
 def test_choose_needs_a_gain_beyond_noise():
