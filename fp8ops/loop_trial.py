@@ -12,14 +12,16 @@ So the trial times the loop itself, both ways.
 One trial per device, for all the layers waiting on it:
   - the first of them to report (decision()) is the anchor; each call of the
     anchor starts a "step" and is marked with a CUDA event and the host time;
-  - steps 0..3 run the waiting layers in BF16, steps 4..7 in FP8; step 0 (the
-    one that measured the shapes) and step 4 (the queue settling after the
-    switch) are not counted;
+  - step 0 (the one that measured the shapes) runs BF16 and is not counted;
+    then four blocks of BLOCK steps run the waiting layers in BF16, FP8, BF16,
+    FP8: alternating blocks cancel a drift of the loop's own speed over its
+    first steps, and the first step of each block is not counted (the launch
+    queue refills or drains after a switch);
   - each counted step lasts max(host time, GPU time) between two marks: the GPU
     time where the host runs ahead of it, the host time where it does not;
-  - at the anchor's call that starts step 8 (one synchronize): FP8 if the median
-    FP8 step is at least STEP_GAIN shorter than the median BF16 step, else BF16,
-    for every layer that waited.
+  - at the anchor's call that starts step DECIDE_AT (one synchronize): FP8 if
+    the median FP8 step is at least STEP_GAIN shorter than the median BF16
+    step, else BF16, for every layer that waited.
 An anchor not seen for STALE_CALLS calls of the other waiting layers (its model
 is no longer called, or was freed) restarts the trial with the next caller.
 Every step of this depends on the call sequence only, which is the same on every
@@ -34,12 +36,21 @@ import torch
 
 from . import policy
 
-BF16_STEPS = (1, 2, 3)   # counted steps in BF16 (step 0 measured the shapes)
-FP8_STEPS = (5, 6, 7)    # counted steps in FP8 (step 4 switches over)
-FIRST_FP8_STEP = 4
-DECIDE_AT = 8            # the anchor's call that starts this step decides
+BLOCK = 3                                  # steps per block; the first of each settles
+SCHEDULE = (False, True, False, True)      # the blocks after step 0: FP8 or not
+DECIDE_AT = 1 + BLOCK * len(SCHEDULE)      # the anchor's call that starts this step decides
 STEP_GAIN = 1.005        # FP8 must shorten the step by 0.5 % (timing noise): else the plain path
 STALE_CALLS = 1024       # calls of other waiting layers without the anchor: a new trial
+
+
+def step_fp8(s: int) -> bool:
+    """Does step s of the trial run the waiting layers in FP8?"""
+    return s >= 1 and SCHEDULE[min((s - 1) // BLOCK, len(SCHEDULE) - 1)]
+
+
+def counted(fp8: bool) -> list[int]:
+    """The steps whose length counts for one side."""
+    return [s for s in range(1, DECIDE_AT) if (s - 1) % BLOCK and step_fp8(s) == fp8]
 
 
 class _Trial:
@@ -52,7 +63,7 @@ class _Trial:
 
     @property
     def fp8_now(self) -> bool:
-        return len(self.marks) > FIRST_FP8_STEP
+        return step_fp8(len(self.marks) - 1)  # the anchor marked the current step
 
     def reset(self) -> None:
         self.anchor, self.marks, self.since_anchor = None, [], 0
@@ -113,7 +124,7 @@ def decision(layer, key, timing: policy.Timing) -> tuple[bool, str | None]:
         _mark(t)
         if len(t.marks) > DECIDE_AT:
             t.marks[-1][1].synchronize()  # every mark's event has completed
-            fp8, why = choose(step_ms(t.marks, BF16_STEPS), step_ms(t.marks, FP8_STEPS))
+            fp8, why = choose(step_ms(t.marks, counted(False)), step_ms(t.marks, counted(True)))
             for other, tm in t.pending.items():
                 t.decided[other] = (fp8, f"{why} ({len(t.pending)} layer shapes waited on it; GPU "
                                          f"{tm.gpu_speedup:.2f}x, alone {tm.alone_speedup:.2f}x)")

@@ -105,7 +105,7 @@ def test_trial_runs_bf16_then_fp8_and_keeps_the_faster(monkeypatch, host, gpu, f
         got = sim.step([a, b])
         assert got[0] == got[1] and got[0][1] is None          # both layers take the same path, undecided
         paths.append(got[0][0])
-    assert paths == [False] * 4 + [True] * 4                  # steps 0-3 BF16, 4-7 FP8
+    assert paths == [False] * 4 + [True] * 3 + [False] * 3 + [True] * 3   # step 0, then BF16/FP8 blocks
     (wins_a, why_a), (wins_b, why_b) = sim.step([a, b])
     assert wins_a is wins_b is fp8
     assert "trial in your loop" in why_a and "2 layer shapes waited on it" in why_b
@@ -122,7 +122,7 @@ def test_a_stale_anchor_restarts_the_trial(monkeypatch):
         got = sim.step([kept])[0]
         if got[1] is not None:
             break
-    # calls 0-2 wait, call 3 finds the anchor stale and starts over as step 0, call 3 + 8 decides
+    # calls 0-2 wait, call 3 finds the anchor stale and starts over as step 0, call 3 + DECIDE_AT decides
     assert i == 3 + loop_trial.DECIDE_AT and got[0] is True
 
 
@@ -158,7 +158,7 @@ def test_measure_times_both_ways(fresh_policy):
 @pytest.mark.parametrize("shape, gpu_bound", [((8192, 4096, 4096), True), ((64, 128, 256), False)])
 def test_trial_in_a_real_loop(fresh_policy, monkeypatch, shape, gpu_bound):
     """Both layers are said (mocked) to be faster in FP8 on the GPU only. The
-    trial runs them BF16 for 4 steps, FP8 for 4, and keeps FP8 where the loop is
+    trial runs them in blocks of BF16 and FP8 steps, and keeps FP8 where the loop is
     GPU-bound (a large layer: FP8 really is faster) and BF16 where the host sets
     the pace (a tiny layer, synchronized each step: FP8's extra host time shows)."""
     monkeypatch.setattr(policy, "measure", lambda layer, M, cdtype: gpu_only())
@@ -177,7 +177,8 @@ def test_trial_in_a_real_loop(fresh_policy, monkeypatch, shape, gpu_bound):
     why = layer.fp8_policy_why[k]
     assert wins is gpu_bound and speedup == pytest.approx(1.5 if gpu_bound else 0.5), why
     assert "trial in your loop" in why
-    assert layer.fp8_fallback_calls == (4 if gpu_bound else 4 + 2)   # BF16 steps: 0-3, and 8-9 if BF16 won
+    bf16_steps = 1 + 2 * loop_trial.BLOCK                           # step 0 and the two BF16 blocks
+    assert layer.fp8_fallback_calls == (bf16_steps if gpu_bound else bf16_steps + 2)  # + the 2 after, if BF16 won
     assert layer.fp8_amax_history.abs().sum() > 0                     # the FP8 steps of the trial ran FP8
     assert not layer._fp8_pending and not loop_trial._trials[torch.cuda.current_device()].pending
     reason = fp8ops.report(torch.nn.Sequential(layer), print_table=False)[0]["reason"]
