@@ -22,7 +22,8 @@ One trial per device, for all the layers waiting on it:
   - at the anchor's call that starts step DECIDE_AT (one synchronize): FP8 if
     the median FP8 step is at least STEP_GAIN shorter than the median BF16
     step, else BF16, for every layer that waited.
-An anchor not seen for STALE_CALLS calls of the other waiting layers (its model
+A forward that runs inside a backward (activation checkpointing's recomputation)
+takes the path of its step and marks nothing. An anchor not seen for STALE_CALLS calls of the other waiting layers (its model
 is no longer called, or was freed) restarts the trial with the next caller.
 Every step of this depends on the call sequence only, which is the same on every
 data-parallel rank: ranks stay in step, and the caller all-reduces each decision.
@@ -117,6 +118,10 @@ def decision(layer, key, timing: policy.Timing) -> tuple[bool, str | None]:
     if lk in t.decided:
         return t.decided.pop(lk)
     t.pending.setdefault(lk, timing)
+    if torch._C._current_graph_task_id() != -1:
+        # a forward inside a backward: activation checkpointing's recomputation. It must take the
+        # path the step's forward took (checkpoint checks the saved tensors match), and is no step
+        return t.fp8_now, None
     if t.anchor is None:
         t.anchor = lk
     if lk == t.anchor:

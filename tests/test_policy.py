@@ -113,6 +113,22 @@ def test_trial_runs_bf16_then_fp8_and_keeps_the_faster(monkeypatch, host, gpu, f
     assert not t.pending and not t.decided and t.anchor is None
 
 
+def test_a_recomputed_forward_takes_its_steps_path_and_is_no_step(monkeypatch):
+    """Activation checkpointing runs the forward again inside the backward: the
+    same path as that step's forward (else checkpoint's saved tensors differ)."""
+    sim = _SimLoop(monkeypatch, {"bf16": 5.0, "fp8": 6.0}, {"bf16": 10.0, "fp8": 9.0})
+    a = _layer()
+    for _ in range(4):
+        sim.step([a])                                # steps 0-3: BF16
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append(loop_trial.decision(a, KEY, gpu_only())))
+    y.sum().backward()                               # "recomputation" in step 3's backward
+    assert seen == [(False, None)] and len(loop_trial._trials[0].marks) == 4
+    assert sim.step([a])[0] == (True, None)          # step 4, the first FP8 step, is still step 4
+
+
 def test_a_stale_anchor_restarts_the_trial(monkeypatch):
     monkeypatch.setattr(loop_trial, "STALE_CALLS", 3)
     sim = _SimLoop(monkeypatch, {"bf16": 5.0, "fp8": 6.0}, {"bf16": 10.0, "fp8": 9.0})
