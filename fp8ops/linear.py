@@ -359,8 +359,8 @@ class Fp8Linear(nn.Linear):
         """policy="auto": is FP8 faster than BF16 for this shape on this GPU?
         Measured once per shape (policy.py); where FP8 wins on the GPU but loses
         alone, or gains little, a trial of a few steps of the caller's own loop,
-        in blocks of BF16 and FP8, decides (loop_trial.py). Under torch.compile or CUDA-graph capture
-        nothing is measured and an unknown shape runs FP8."""
+        in blocks of BF16 and FP8, decides (loop_trial.py). Under torch.compile
+        or CUDA-graph capture nothing is measured and an unknown shape runs FP8."""
         k = (M, cdtype)
         hit = self.fp8_policy.get(k)
         if hit is not None:

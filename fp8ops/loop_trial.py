@@ -23,10 +23,11 @@ One trial per device, for all the layers waiting on it:
     the median FP8 step is at least STEP_GAIN shorter than the median BF16
     step, else BF16, for every layer that waited.
 A forward that runs inside a backward (activation checkpointing's recomputation)
-takes the path of its step and marks nothing. An anchor not seen for STALE_CALLS calls of the other waiting layers (its model
-is no longer called, or was freed) restarts the trial with the next caller.
-Every step of this depends on the call sequence only, which is the same on every
-data-parallel rank: ranks stay in step, and the caller all-reduces each decision.
+takes the path of its step and marks nothing. An anchor not seen for
+STALE_CALLS calls of the other waiting layers (its model is no longer called, or
+was freed) restarts the trial with the next caller. Every step of this depends
+on the call sequence only, which is the same on every data-parallel rank: ranks
+stay in step, and the caller all-reduces each decision.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ loop: pure GPU time, and the host's enqueue time besides). Where both say FP8
 is clearly faster, or both say it is not faster, that is the verdict. Otherwise
 -- a small layer whose FP8 path is faster on the GPU but costs more host time,
 or a gain near the noise -- the answer depends on the user's loop:
-loop_trial.py times a few steps of it with such layers in BF16, then in FP8,
+loop_trial.py times a few steps of it with such layers in BF16 and in FP8,
 and keeps the faster.
 """
 from __future__ import annotations
