@@ -46,7 +46,7 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                     if not v[0] and k not in m.fp8_policy_why]
             if slow:
                 rows[-1]["reason"] += "; policy auto measured FP8 slower for " + ", ".join(slow)
-            for k, why in m.fp8_policy_why.items():  # FP8 faster on the GPU only: a trial in the loop decided
+            for k, why in m.fp8_policy_why.items():  # decided beyond the two timings: the loop trial, tune_policy
                 rows[-1]["reason"] += f"; M={k[0]}: {'FP8' if m.fp8_policy[k][0] else 'BF16'} ({why})"
         elif isinstance(m, nn.Linear):
             backend, reason = decisions.get(name, ("bf16", "not converted (convert() was not called on it)"))
