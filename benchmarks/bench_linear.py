@@ -300,8 +300,8 @@ def main() -> int:
     ap.add_argument("--recipe", choices=("delayed", "current"), default="delayed", help="fp8ops recipe")
     ap.add_argument("--reps", type=int, default=60, help="timed iterations per variant (median)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaving rounds")
-    ap.add_argument("--warmup", type=int, default=16,
-                    help="warm-up iterations: compile, and policy auto's trial (14 iterations)")
+    ap.add_argument("--warmup", type=int, default=28,
+                    help="warm-up iterations: compile, and policy auto's trial (26 iterations)")
     ap.add_argument("--no-ceiling", action="store_true", help="skip the GEMM-only ceiling")
     ap.add_argument("--profile", action="store_true", help="profile one shape with torch.profiler")
     ap.add_argument("--profile-shape", default="16384x4096x14336", help="MxKxN to profile")

@@ -132,7 +132,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=None, help="override the batch size (all models)")
     ap.add_argument("--batch-1b", type=int, default=None, help="override the 1b model's batch size")
     ap.add_argument("--steps", type=int, default=20, help="timed steps")
-    ap.add_argument("--warmup", type=int, default=16, help="warm-up steps: compile, and policy auto's trial (14 steps)")
+    ap.add_argument("--warmup", type=int, default=28, help="warm-up steps: compile, and policy auto's trial (26 steps)")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--compile-scope", choices=("blocks", "model"), default="blocks",
                     help="torch.compile each transformer block, or the whole model")
@@ -233,8 +233,9 @@ def main() -> int:
                     if fb:
                         row["note"] += f"; {fb} BF16 fallback calls in warm-up (policy)"
                     # policy auto after the warm-up: per layer shape, FP8 or BF16 and how it was decided
-                    verdicts = {}
+                    verdicts, whys = {}, set()
                     for m in model.modules():
+                        whys.update(getattr(m, "fp8_policy_why", {}).values())
                         for k, (wins, speedup) in getattr(m, "fp8_policy", {}).items():
                             how = "loop trial" if k in m.fp8_policy_why else "measured"
                             tag = f"{m.in_features}->{m.out_features} M={k[0]}: {'FP8' if wins else 'BF16'} " \
@@ -242,6 +243,8 @@ def main() -> int:
                             verdicts[tag] = verdicts.get(tag, 0) + 1
                     if verdicts:
                         row["policy_verdicts"] = verdicts
+                    if whys:
+                        row["policy_trials"] = sorted(whys)
                         print("  policy auto: " + "; ".join(f"{n}x {t}" for t, n in sorted(verdicts.items())))
                 # timed steps
                 torch.cuda.synchronize()

@@ -32,7 +32,7 @@ class Fp8Config:
             this GPU: fwd + bwd + the per-step scale update of its shape, timed
             once alone and once GPU-bound, cached; FP8 where both say at least
             1.3x, BF16 where both say under 1.03x, and otherwise a trial of
-            13 steps of your own loop, in blocks of BF16 and FP8, decides, see
+            25 steps of your own loop, in blocks of BF16 and FP8, decides, see
             loop_trial.py) or "always".
             Default "auto".
         fast_accum: Hopper fast accumulation in the forward GEMM (the gradient

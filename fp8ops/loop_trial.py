@@ -13,15 +13,21 @@ One trial per device, for all the layers waiting on it:
   - the first of them to report (decision()) is the anchor; each call of the
     anchor starts a "step" and is marked with a CUDA event and the host time;
   - step 0 (the one that measured the shapes) runs BF16 and is not counted;
-    then four blocks of BLOCK steps run the waiting layers in BF16, FP8, BF16,
-    FP8: alternating blocks cancel a drift of the loop's own speed over its
-    first steps, and the first step of each block is not counted (the launch
+    then eight blocks of BLOCK steps run the waiting layers in BF16 or FP8 in
+    the order B F F B F B B F (Thue-Morse): both sides sit at the same mean
+    position, so a drift of the loop's own speed over its first steps (seen on
+    an H200: steps lengthening ~1 % over the first ten as the GPU warms up)
+    cancels instead of favouring the side that runs first -- with B F B F it
+    kept a 1B model's attention-output layers BF16 although FP8 was 2.5 %
+    faster there. The first step of each block is not counted (the launch
     queue refills or drains after a switch);
   - each counted step lasts max(host time, GPU time) between two marks: the GPU
     time where the host runs ahead of it, the host time where it does not;
   - at the anchor's call that starts step DECIDE_AT (one synchronize): FP8 if
-    the median FP8 step is at least STEP_GAIN shorter than the median BF16
-    step, else BF16, for every layer that waited.
+    the mean FP8 step is at least STEP_GAIN shorter than the mean BF16 step,
+    else BF16, for every layer that waited. Means, because only means cancel
+    the drift; a step over OUTLIER x the median (an evaluation, a checkpoint
+    save) is left out of them.
 A forward that runs inside a backward (activation checkpointing's recomputation)
 takes the path of its step and marks nothing. An anchor not seen for
 STALE_CALLS calls of the other waiting layers (its model is no longer called, or
@@ -39,9 +45,10 @@ import torch
 from . import policy
 
 BLOCK = 3                                  # steps per block; the first of each settles
-SCHEDULE = (False, True, False, True)      # the blocks after step 0: FP8 or not
+SCHEDULE = (False, True, True, False, True, False, False, True)  # the blocks after step 0: FP8 or not
 DECIDE_AT = 1 + BLOCK * len(SCHEDULE)      # the anchor's call that starts this step decides
 STEP_GAIN = 1.005        # FP8 must shorten the step by 0.5 % (timing noise): else the plain path
+OUTLIER = 1.5            # a step this many times the median is not a training step like the others
 STALE_CALLS = 1024       # calls of other waiting layers without the anchor: a new trial
 
 
@@ -106,8 +113,16 @@ def step_ms(marks: list, steps) -> list[float]:
 
 
 def choose(bf16_ms: list[float], fp8_ms: list[float]) -> tuple[bool, str]:
-    b, f = statistics.median(bf16_ms), statistics.median(fp8_ms)
-    return b >= f * STEP_GAIN, f"trial in your loop: step {f:.3f} ms with FP8 vs {b:.3f} ms with BF16"
+    """(FP8, why) from the counted steps of each side: their means, without outliers."""
+    limit = OUTLIER * statistics.median(bf16_ms + fp8_ms)
+    kept_b = [v for v in bf16_ms if v <= limit] or bf16_ms
+    kept_f = [v for v in fp8_ms if v <= limit] or fp8_ms
+    b, f = statistics.fmean(kept_b), statistics.fmean(kept_f)
+    left_out = len(bf16_ms) + len(fp8_ms) - len(kept_b) - len(kept_f)
+    return b >= f * STEP_GAIN, (f"trial in your loop: step {f:.3f} ms with FP8 vs {b:.3f} ms with BF16 "
+                                f"(means of {len(kept_f)} and {len(kept_b)} steps; FP8 "
+                                f"{min(kept_f):.3f}-{max(kept_f):.3f}, BF16 {min(kept_b):.3f}-{max(kept_b):.3f}"
+                                + (f"; {left_out} outlier steps left out" if left_out else "") + ")")
 
 
 def decision(layer, key, timing: policy.Timing) -> tuple[bool, str | None]:

@@ -1,5 +1,5 @@
 """policy="auto": the verdict from the two timings (policy.py) and, where they
-disagree, the trial of the caller's own loop, BF16 then FP8 (loop_trial.py)."""
+disagree, the trial of the caller's own loop, in blocks of BF16 and FP8 steps (loop_trial.py)."""
 import json
 import types
 
@@ -35,6 +35,28 @@ def test_choose_needs_a_gain_beyond_noise():
     assert loop_trial.choose([10.0, 10.0, 10.0], [9.97, 9.96, 9.98])[0] is False   # 0.3 %: BF16
     assert loop_trial.choose([10.0, 10.0, 10.0], [11.0, 11.0, 11.0])[0] is False
     assert "9.000 ms with FP8 vs 10.000 ms with BF16" in loop_trial.choose([10.0] * 3, [9.0] * 3)[1]
+
+
+def test_choose_leaves_out_outlier_steps():
+    """An evaluation or a checkpoint save inside the trial is not a training step:
+    one 40 ms step among 10 ms steps would otherwise make its side lose."""
+    fp8, why = loop_trial.choose([10.0, 10.0, 10.0, 10.0], [9.0, 40.0, 9.0, 9.0])
+    assert fp8 is True and "1 outlier steps left out" in why
+    assert loop_trial.choose([10.0, 40.0, 10.0, 10.0], [10.0, 10.0, 10.0, 10.0])[0] is False
+
+
+@pytest.mark.parametrize("drift", [0.02, 0.1, -0.1])
+@pytest.mark.parametrize("gain, fp8", [(1.0, False), (1.02, True)])
+def test_schedule_cancels_a_drifting_loop(drift, gain, fp8):
+    """Steps that lengthen (or shorten) by `drift` ms each over the trial -- a GPU
+    warming up -- must not decide it: the schedule puts both sides at the same mean
+    step. With B F B F a drift of 0.1 ms per 10 ms step alone made FP8 lose by 3 %."""
+    ms = {s: 10.0 + drift * s for s in range(loop_trial.DECIDE_AT)}
+    b = [ms[s] for s in loop_trial.counted(False)]
+    f = [ms[s] / gain for s in loop_trial.counted(True)]
+    assert len(b) == len(f) == len(loop_trial.SCHEDULE)          # 2 counted steps per block, 4 blocks a side
+    assert sum(loop_trial.counted(False)) == sum(loop_trial.counted(True))
+    assert loop_trial.choose(b, f)[0] is fp8
 
 
 def test_timings_cache_round_trip_and_old_files(tmp_path, monkeypatch):
@@ -105,7 +127,8 @@ def test_trial_runs_bf16_then_fp8_and_keeps_the_faster(monkeypatch, host, gpu, f
         got = sim.step([a, b])
         assert got[0] == got[1] and got[0][1] is None          # both layers take the same path, undecided
         paths.append(got[0][0])
-    assert paths == [False] * 4 + [True] * 3 + [False] * 3 + [True] * 3   # step 0, then BF16/FP8 blocks
+    # step 0, then blocks B F F B F B B F
+    assert paths == [False] * 4 + [True] * 6 + [False] * 3 + [True] * 3 + [False] * 6 + [True] * 3
     (wins_a, why_a), (wins_b, why_b) = sim.step([a, b])
     assert wins_a is wins_b is fp8
     assert "trial in your loop" in why_a and "2 layer shapes waited on it" in why_b
@@ -134,7 +157,7 @@ def test_a_stale_anchor_restarts_the_trial(monkeypatch):
     sim = _SimLoop(monkeypatch, {"bf16": 5.0, "fp8": 6.0}, {"bf16": 10.0, "fp8": 9.0})
     gone, kept = _layer(), _layer()
     sim.step([gone])                  # the anchor, never called again (its model was dropped)
-    for i in range(20):
+    for i in range(2 * loop_trial.DECIDE_AT):
         got = sim.step([kept])[0]
         if got[1] is not None:
             break
@@ -193,9 +216,40 @@ def test_trial_in_a_real_loop(fresh_policy, monkeypatch, shape, gpu_bound):
     why = layer.fp8_policy_why[k]
     assert wins is gpu_bound and speedup == pytest.approx(1.5 if gpu_bound else 0.5), why
     assert "trial in your loop" in why
-    bf16_steps = 1 + 2 * loop_trial.BLOCK                           # step 0 and the two BF16 blocks
+    bf16_steps = 1 + 4 * loop_trial.BLOCK                           # step 0 and the four BF16 blocks
     assert layer.fp8_fallback_calls == (bf16_steps if gpu_bound else bf16_steps + 2)  # + the 2 after, if BF16 won
     assert layer.fp8_amax_history.abs().sum() > 0                     # the FP8 steps of the trial ran FP8
     assert not layer._fp8_pending and not loop_trial._trials[torch.cuda.current_device()].pending
     reason = fp8ops.report(torch.nn.Sequential(layer), print_table=False)[0]["reason"]
     assert (f"M={M}: FP8 (" if gpu_bound else f"M={M}: BF16 (") in reason and "trial in your loop" in reason
+
+
+@requires_fp8
+@pytest.mark.gpu
+@pytest.mark.fp8
+def test_trial_under_activation_checkpointing(fresh_policy, monkeypatch):
+    """A checkpointed block recomputes its forward inside the backward. Through the
+    whole trial each recomputation must take its step's path (checkpoint raises
+    if the recomputed forward saves other tensors than the first did), and the
+    trial must count one step per training step, not two."""
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setattr(policy, "measure", lambda layer, M, cdtype: gpu_only())
+    model = fp8ops.convert(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                                               torch.nn.Linear(512, 256)).cuda(), config=Fp8Config(policy="auto"))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(1024, 256, device="cuda", requires_grad=True)
+    for step in range(loop_trial.DECIDE_AT + 1):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = checkpoint(model, x, use_reentrant=False)
+        y.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        trial = loop_trial._trials[torch.cuda.current_device()]
+        if step < loop_trial.DECIDE_AT:
+            assert len(trial.marks) == step + 1          # one mark per step: recomputations mark nothing
+    k = (1024, torch.bfloat16)
+    for layer in (model[0], model[2]):
+        assert k in layer.fp8_policy and "trial in your loop" in layer.fp8_policy_why[k]
+        assert layer.fp8_fallback_calls >= 2 * (1 + 4 * loop_trial.BLOCK)  # BF16 steps: forward + recomputation
+    assert torch.isfinite(x.grad).all()
