@@ -26,8 +26,8 @@ One trial per device, for all the layers waiting on it:
   - at the anchor's call that starts step DECIDE_AT (one synchronize): FP8 if
     the mean FP8 step is at least STEP_GAIN shorter than the mean BF16 step,
     else BF16, for every layer that waited. Means, because only means cancel
-    the drift; a step over OUTLIER x the median (an evaluation, a checkpoint
-    save) is left out of them.
+    the drift; each side's longest step is left out of them if it is over
+    OUTLIER x the median (an evaluation, a checkpoint save).
 A forward that runs inside a backward (activation checkpointing's recomputation)
 takes the path of its step and marks nothing. An anchor not seen for
 STALE_CALLS calls of the other waiting layers (its model is no longer called, or
@@ -113,10 +113,19 @@ def step_ms(marks: list, steps) -> list[float]:
 
 
 def choose(bf16_ms: list[float], fp8_ms: list[float]) -> tuple[bool, str]:
-    """(FP8, why) from the counted steps of each side: their means, without outliers."""
+    """(FP8, why) from the counted steps of each side: their means, each side's
+    longest step left out if it is an outlier. One at most: an evaluation or a
+    save comes once in a trial, while a stall that recurs is a cost of that side."""
     limit = OUTLIER * statistics.median(bf16_ms + fp8_ms)
-    kept_b = [v for v in bf16_ms if v <= limit] or bf16_ms
-    kept_f = [v for v in fp8_ms if v <= limit] or fp8_ms
+
+    def kept(ms):
+        longest = max(ms)
+        if longest <= limit or len(ms) < 2:
+            return list(ms)
+        out = list(ms)
+        out.remove(longest)
+        return out
+    kept_b, kept_f = kept(bf16_ms), kept(fp8_ms)
     b, f = statistics.fmean(kept_b), statistics.fmean(kept_f)
     left_out = len(bf16_ms) + len(fp8_ms) - len(kept_b) - len(kept_f)
     return b >= f * STEP_GAIN, (f"trial in your loop: step {f:.3f} ms with FP8 vs {b:.3f} ms with BF16 "
