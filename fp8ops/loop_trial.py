@@ -15,12 +15,13 @@ One trial per device, for all the layers waiting on it:
   - step 0 (the one that measured the shapes) runs BF16 and is not counted;
     then eight blocks of BLOCK steps run the waiting layers in BF16 or FP8 in
     the order B F F B F B B F (Thue-Morse): both sides sit at the same mean
-    position, so a drift of the loop's own speed over its first steps (seen on
-    an H200: steps lengthening ~1 % over the first ten as the GPU warms up)
-    cancels instead of favouring the side that runs first -- with B F B F it
-    kept a 1B model's attention-output layers BF16 although FP8 was 2.5 %
-    faster there. The first step of each block is not counted (the launch
-    queue refills or drains after a switch);
+    position, so a drift of the loop's speed over the trial (its first steps:
+    allocator, clocks, data) cancels in the means instead of favouring the
+    side that runs first, as B F B F does. The first step of each block is not
+    counted (the launch queue refills or drains after a switch). The shorter
+    form before it (B F B F, 2 counted steps per block, medians) kept a 1B
+    model's attention-output layers BF16 in both of its runs; this one chose
+    FP8 there in all three, as fast as running every layer FP8 (H200);
   - each counted step lasts max(host time, GPU time) between two marks: the GPU
     time where the host runs ahead of it, the host time where it does not;
   - at the anchor's call that starts step DECIDE_AT (one synchronize): FP8 if

@@ -52,7 +52,7 @@ def test_choose_leaves_out_outlier_steps():
 def test_schedule_cancels_a_drifting_loop(drift, gain, fp8):
     """Steps that lengthen (or shorten) by `drift` ms each over the trial -- a GPU
     warming up -- must not decide it: the schedule puts both sides at the same mean
-    step. With B F B F a drift of 0.1 ms per 10 ms step alone made FP8 lose by 3 %."""
+    step. Under B F B F a drift of 0.1 ms per 10 ms step alone would cost FP8 3 %."""
     ms = {s: 10.0 + drift * s for s in range(loop_trial.DECIDE_AT)}
     b = [ms[s] for s in loop_trial.counted(False)]
     f = [ms[s] / gain for s in loop_trial.counted(True)]
