@@ -467,8 +467,8 @@ def main() -> int:
         print(f"target: {tg['what']}: {tg['value']:.2f}x -> {tg['verdict']}"
               + (f"  (BF16 compiled vs eager: {ctx:.2f}x)" if ctx else ""))
     shown = [v for v in VARIANTS if v in variants]
-    short = {"bf16": "bf16", "bf16_compiled": "bf16 cmp", "fp8ops": "fp8ops", "fp8ops_compiled": "fp8ops cmp", "fp8ops_auto": "fp8ops auto",
-             "torchao_compiled": "ao cmp", "torchao": "ao eager"}
+    short = {"bf16": "bf16", "bf16_compiled": "bf16 cmp", "fp8ops": "fp8ops", "fp8ops_compiled": "fp8ops cmp",
+             "fp8ops_auto": "fp8ops auto", "torchao_compiled": "ao cmp", "torchao": "ao eager"}
     hdr = ["shape MxK->N"] + [f"{short[v]} ms" for v in shown] + \
           [f"{short[v]} x" for v in shown if v != "bf16"] + ["fp8ops TF/s", "GEMM ceil x", "target"]
     rows = []

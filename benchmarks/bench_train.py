@@ -243,9 +243,9 @@ def main() -> int:
                             verdicts[tag] = verdicts.get(tag, 0) + 1
                     if verdicts:
                         row["policy_verdicts"] = verdicts
-                    if whys:
-                        row["policy_trials"] = sorted(whys)
                         print("  policy auto: " + "; ".join(f"{n}x {t}" for t, n in sorted(verdicts.items())))
+                    if whys:
+                        row["policy_trials"] = sorted(whys)  # each trial's step times (loop_trial.choose)
                 # timed steps
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()

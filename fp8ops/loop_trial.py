@@ -120,11 +120,9 @@ def choose(bf16_ms: list[float], fp8_ms: list[float]) -> tuple[bool, str]:
     limit = OUTLIER * statistics.median(bf16_ms + fp8_ms)
 
     def kept(ms):
-        longest = max(ms)
-        if longest <= limit or len(ms) < 2:
-            return list(ms)
         out = list(ms)
-        out.remove(longest)
+        if len(out) > 1 and max(out) > limit:
+            out.remove(max(out))
         return out
     kept_b, kept_f = kept(bf16_ms), kept(fp8_ms)
     b, f = statistics.fmean(kept_b), statistics.fmean(kept_f)
