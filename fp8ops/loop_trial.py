@@ -133,6 +133,17 @@ def choose(bf16_ms: list[float], fp8_ms: list[float]) -> tuple[bool, str]:
                                 + (f"; {left_out} outlier steps left out" if left_out else "") + ")")
 
 
+def progress(layer, key) -> str:
+    """Where the trial that layer's verdict for key waits on stands (fp8ops.report)."""
+    for t in _trials.values():
+        if (id(layer), key) in t.pending:
+            if not t.marks:
+                break
+            return (f"waiting on the trial in your loop: step {len(t.marks) - 1} of {DECIDE_AT}, "
+                    f"BF16 and FP8 in turns ({len(t.pending)} layer shapes wait on it)")
+    return "waiting on the trial in your loop: not started"
+
+
 def decision(layer, key, timing: policy.Timing) -> tuple[bool, str | None]:
     """At each forward of a layer whose verdict for key (its (M, dtype)) waits on
     the trial: (run FP8 now, why) -- why is None while the trial runs, and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from . import loop_trial
 from .conversion import DECISIONS_ATTR
 from .fsdp import fp8_all_gather_enabled
 from .linear import G, W, X, Fp8Linear
@@ -48,6 +49,8 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                 rows[-1]["reason"] += "; policy auto measured FP8 slower for " + ", ".join(slow)
             for k, why in m.fp8_policy_why.items():  # decided beyond the two timings: the loop trial, tune_policy
                 rows[-1]["reason"] += f"; M={k[0]}: {'FP8' if m.fp8_policy[k][0] else 'BF16'} ({why})"
+            for k in m._fp8_pending:  # not decided yet: its first steps run BF16 and FP8 in turns
+                rows[-1]["reason"] += f"; M={k[0]}: {loop_trial.progress(m, k)}"
         elif isinstance(m, nn.Linear):
             backend, reason = decisions.get(name, ("bf16", "not converted (convert() was not called on it)"))
             rows.append({"name": name or "<root>", "backend": "bf16", "reason": reason, "recipe": None,

@@ -154,6 +154,21 @@ def test_a_recomputed_forward_takes_its_steps_path_and_is_no_step(monkeypatch):
     assert sim.step([a])[0] == (True, None)          # step 4, the first FP8 step, is still step 4
 
 
+def test_report_says_where_a_pending_trial_stands(monkeypatch):
+    """While its trial runs, a layer's first steps alternate BF16 and FP8: the
+    report must say so, not show it as converted and nothing more."""
+    sim = _SimLoop(monkeypatch, {"bf16": 5.0, "fp8": 6.0}, {"bf16": 10.0, "fp8": 9.0})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the layer sits on the CPU here
+    layer = Fp8Linear(32, 32, config=Fp8Config(policy="auto"))
+    layer._fp8_pending[KEY] = gpu_only()
+    reason = fp8ops.report(torch.nn.Sequential(layer), print_table=False)[0]["reason"]
+    assert "M=64: waiting on the trial in your loop: not started" in reason
+    for _ in range(5):
+        sim.step([layer])
+    reason = fp8ops.report(torch.nn.Sequential(layer), print_table=False)[0]["reason"]
+    assert f"M=64: waiting on the trial in your loop: step 4 of {loop_trial.DECIDE_AT}" in reason
+
+
 def test_a_stale_anchor_restarts_the_trial(monkeypatch):
     monkeypatch.setattr(loop_trial, "STALE_CALLS", 3)
     sim = _SimLoop(monkeypatch, {"bf16": 5.0, "fp8": 6.0}, {"bf16": 10.0, "fp8": 9.0})
