@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import shutil
@@ -379,6 +380,16 @@ def main(argv=None):
 
     def log(msg):
         (bar.write if bar is not None else print)(msg)
+
+    if dinfo.main:
+        # fp8ops says when policy auto's trial settles (its first ~25 steps run the undecided
+        # layers in BF16 and FP8 in turns): through the same printer as the step lines
+        class _ToLog(logging.Handler):
+            def emit(self, record):
+                log(record.getMessage())
+        fp8_logger = logging.getLogger("fp8ops")
+        fp8_logger.addHandler(_ToLog())
+        fp8_logger.setLevel(logging.INFO)
 
     def flush_losses():
         """Move the per-step loss tensors into metrics (one device sync for all of them)."""

@@ -38,6 +38,7 @@ stay in step, and the caller all-reduces each decision.
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 
@@ -51,6 +52,8 @@ DECIDE_AT = 1 + BLOCK * len(SCHEDULE)      # the anchor's call that starts this 
 STEP_GAIN = 1.005        # FP8 must shorten the step by 0.5 % (timing noise): else the plain path
 OUTLIER = 1.5            # a step this many times the median is not a training step like the others
 STALE_CALLS = 1024       # calls of other waiting layers without the anchor: a new trial
+
+_log = logging.getLogger("fp8ops")
 
 
 def step_fp8(s: int) -> bool:
@@ -165,6 +168,10 @@ def decision(layer, key, timing: policy.Timing) -> tuple[bool, str | None]:
         if len(t.marks) > DECIDE_AT:
             t.marks[-1][1].synchronize()  # every mark's event has completed
             fp8, why = choose(step_ms(t.marks, counted(False)), step_ms(t.marks, counted(True)))
+            from .linear import _distributed  # noqa: PLC0415 -- linear imports this module lazily
+            _log.info("fp8ops policy auto: the trial in your loop chose %s for %d layer shapes (%s)%s",
+                      "FP8" if fp8 else "BF16", len(t.pending), why,
+                      "; across ranks FP8 only where every rank chose it" if _distributed() else "")
             for other, tm in t.pending.items():
                 t.decided[other] = (fp8, f"{why} ({len(t.pending)} layer shapes waited on it; GPU "
                                          f"{tm.gpu_speedup:.2f}x, alone {tm.alone_speedup:.2f}x)")

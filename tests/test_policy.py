@@ -1,6 +1,7 @@
 """policy="auto": the verdict from the two timings (policy.py) and, where they
 disagree, the trial of the caller's own loop, in blocks of BF16 and FP8 steps (loop_trial.py)."""
 import json
+import logging
 import types
 
 import pytest
@@ -121,7 +122,8 @@ def _layer():
     ({"bf16": 10.0, "fp8": 12.0}, {"bf16": 5.0, "fp8": 4.5}, False),  # host-bound: FP8 adds to each step
     ({"bf16": 8.0, "fp8": 9.5}, {"bf16": 9.0, "fp8": 8.0}, False),    # FP8 becomes host-bound: 9.5 > 9.0
 ])
-def test_trial_runs_bf16_then_fp8_and_keeps_the_faster(monkeypatch, host, gpu, fp8):
+def test_trial_runs_bf16_then_fp8_and_keeps_the_faster(monkeypatch, caplog, host, gpu, fp8):
+    caplog.set_level(logging.INFO, logger="fp8ops")
     sim = _SimLoop(monkeypatch, host, gpu)
     a, b = _layer(), _layer()
     paths = []
@@ -134,6 +136,10 @@ def test_trial_runs_bf16_then_fp8_and_keeps_the_faster(monkeypatch, host, gpu, f
     (wins_a, why_a), (wins_b, why_b) = sim.step([a, b])
     assert wins_a is wins_b is fp8
     assert "trial in your loop" in why_a and "2 layer shapes waited on it" in why_b
+    # the decision is logged once (each rank its own; the caller then all-reduces it)
+    said = [r.getMessage() for r in caplog.records if "policy auto" in r.getMessage()]
+    assert said == [f"fp8ops policy auto: the trial in your loop chose {'FP8' if fp8 else 'BF16'} for 2 layer "
+                    f"shapes ({why_a.split(' (2 layer')[0]})"]
     t = loop_trial._trials[0]
     assert not t.pending and not t.decided and t.anchor is None
 
