@@ -266,6 +266,17 @@ def set_deterministic() -> None:
     print("deterministic: on (math attention, deterministic algorithms)")
 
 
+class _ToLog(logging.Handler):
+    """fp8ops' log records through this run's printer (tqdm-safe); `target` is set per run."""
+    target = print
+
+    def emit(self, record):
+        self.target(record.getMessage())
+
+
+_FP8OPS_LOG = _ToLog()
+
+
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.time()
@@ -384,12 +395,9 @@ def main(argv=None):
     if dinfo.main:
         # fp8ops says when policy auto's trial settles (its first ~25 steps run the undecided
         # layers in BF16 and FP8 in turns): through the same printer as the step lines
-        class _ToLog(logging.Handler):
-            def emit(self, record):
-                log(record.getMessage())
-        fp8_logger = logging.getLogger("fp8ops")
-        fp8_logger.addHandler(_ToLog())
-        fp8_logger.setLevel(logging.INFO)
+        _FP8OPS_LOG.target = log
+        logging.getLogger("fp8ops").addHandler(_FP8OPS_LOG)  # once: the same handler object
+        logging.getLogger("fp8ops").setLevel(logging.INFO)
 
     def flush_losses():
         """Move the per-step loss tensors into metrics (one device sync for all of them)."""

@@ -122,7 +122,7 @@ def _layer():
     ({"bf16": 10.0, "fp8": 12.0}, {"bf16": 5.0, "fp8": 4.5}, False),  # host-bound: FP8 adds to each step
     ({"bf16": 8.0, "fp8": 9.5}, {"bf16": 9.0, "fp8": 8.0}, False),    # FP8 becomes host-bound: 9.5 > 9.0
 ])
-def test_trial_runs_bf16_then_fp8_and_keeps_the_faster(monkeypatch, caplog, host, gpu, fp8):
+def test_trial_runs_blocks_of_bf16_and_fp8_and_keeps_the_faster(monkeypatch, caplog, host, gpu, fp8):
     caplog.set_level(logging.INFO, logger="fp8ops")
     sim = _SimLoop(monkeypatch, host, gpu)
     a, b = _layer(), _layer()
