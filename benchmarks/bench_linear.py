@@ -62,7 +62,7 @@ VARIANTS = ("bf16", "bf16_compiled", "fp8ops", "fp8ops_compiled", "fp8ops_auto",
 SQNR_Y, SQNR_GRAD = 25.0, 20.0
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
-DEVICE = "cuda"  # a CPU smoke test of this script's logic sets "cpu" (with CUDA calls stubbed)
+DEVICE = "cuda"  # tests/test_benchmarks.py runs this script's logic with "cpu" (events on the host clock)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ VOCAB = 50304
 VARIANTS = ("bf16", "bf16_compiled", "fp8ops", "fp8ops_compiled", "torchao_compiled", "torchao")
 DEFAULT_VARIANTS = "bf16,bf16_compiled,fp8ops,fp8ops_compiled,torchao_compiled"
 TARGETS = {"small": 1.15, "1b": 1.30}
-DEVICE = "cuda"  # a CPU smoke test of this script's logic sets "cpu" (with CUDA calls stubbed)
+DEVICE = "cuda"
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -202,7 +202,7 @@ def main() -> int:
                     loss.backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-                    return loss
+                    return loss.detach()
 
                 losses = [float(step(i)) for i in range(max(2, args.warmup))]  # .item(): warm-up only
                 row["warmup_losses"] = losses

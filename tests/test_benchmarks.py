@@ -1,0 +1,114 @@
+"""benchmarks/bench_linear.py's own logic on the CPU: variants, validation against
+BF16, the compiled-vs-eager targets, the JSON and the table. The GPU runs it for
+its numbers; CI has no GPU, so here the FP8 layers run on fp8ops' CPU reference
+kernels and CUDA events are stood in for by the host clock."""
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8ops.linear import Fp8Linear
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+class _HostEvent:
+    """torch.cuda.Event on the host clock (ms), enough for the benchmark's timing loops."""
+
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+    def synchronize(self):
+        pass
+
+
+def _convert_on_cpu(model, config=None, **_):
+    """fp8ops.convert as the GPU would do it, with the layer on the CPU kernels."""
+    new = Fp8Linear.from_linear(model, config)
+    new.fp8_on_cpu = True
+    return new
+
+
+@pytest.fixture
+def bench_linear(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    mod = importlib.import_module("bench_linear")
+    monkeypatch.setattr(mod, "DEVICE", "cpu")
+    monkeypatch.setattr(mod, "start", lambda path: {"gpu": "none (CPU test)"})
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    import fp8ops
+    monkeypatch.setattr(fp8ops, "convert", _convert_on_cpu)
+    return mod
+
+
+def test_bench_linear_runs_every_fp8ops_variant_and_reports(bench_linear, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "linear.json"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_linear.py", "--shapes", "64x64x64,64x128x64", "--variants",
+        "bf16,bf16_compiled,fp8ops,fp8ops_compiled,fp8ops_auto", "--no-ceiling", "--reps", "4",
+        "--rounds", "2", "--warmup", "3", "--json", str(out)])
+    assert bench_linear.main() == 0
+    result = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert not result["validation_failures"] and "All results match" in printed
+    assert len(result["rows"]) == 2
+    for row in result["rows"]:
+        assert not row["errors"], row["errors"]
+        for v in ("bf16", "bf16_compiled", "fp8ops", "fp8ops_compiled", "fp8ops_auto"):
+            assert row[f"{v}_ms"] > 0 and row[f"{v}_speedup"] > 0, v
+        # the FP8 layers were validated against BF16 (e4m3/e5m2 on random data: ~25-30 dB)
+        assert 20 < row["validation"]["fp8ops"]["sqnr_y"] < 40
+        assert row["validation"]["bf16_compiled"]["sqnr_y"] > 100   # the same BF16 math, compiled
+    compiled = [t for t in result["targets"] if t["what"].startswith("fp8ops compiled >= fp8ops eager")]
+    assert len(compiled) == 2 and all(t["bf16_compiled_vs_eager"] > 0 for t in compiled)
+    assert "BF16 compiled vs eager:" in printed and "bf16 cmp x" in printed
+
+
+def _convert_model_on_cpu(model, config=None, module_filter_fn=None):
+    """fp8ops.convert of a whole model, every eligible nn.Linear onto the CPU kernels."""
+    for name, parent in list(model.named_modules()):
+        for cname, child in list(parent.named_children()):
+            fqn = f"{name}.{cname}" if name else cname
+            if (type(child) is torch.nn.Linear and child.in_features % 16 == 0 and child.out_features % 16 == 0
+                    and (module_filter_fn is None or module_filter_fn(child, fqn))):
+                setattr(parent, cname, _convert_on_cpu(child, config))
+    return model
+
+
+def test_bench_train_runs_a_tiny_gpt_in_fp8_and_validates_it(monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = importlib.import_module("bench_train")
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "MODELS", {"small": dict(cfg=dict(n_layer=2, n_head=2, n_embd=64, block_size=32),
+                                                        batch=2)})
+    monkeypatch.setattr(bench, "VOCAB", 256)
+    monkeypatch.setattr(bench, "start", lambda path: {"gpu": "none (CPU test)"})
+    for name, stub in (("Event", _HostEvent), ("synchronize", lambda *a, **k: None),
+                       ("reset_peak_memory_stats", lambda *a, **k: None), ("max_memory_allocated", lambda *a, **k: 1)):
+        monkeypatch.setattr(torch.cuda, name, stub)
+    import fp8ops
+    monkeypatch.setattr(fp8ops, "convert", _convert_model_on_cpu)
+    out = tmp_path / "train.json"
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "bf16,fp8ops",
+                                      "--steps", "3", "--warmup", "4", "--fp8-policy", "always",
+                                      "--json", str(out)])
+    assert bench.main() == 0
+    result = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"bf16", "fp8ops"} and not result["validation_failures"]
+    fp8 = rows["fp8ops"]
+    assert fp8["valid"] and fp8["tokens_per_s"] > 0 and fp8["note"].startswith("8/9 linears Fp8Linear")
+    assert fp8["warmup_losses"] != rows["bf16"]["warmup_losses"]   # FP8 numerics, not the BF16 path again
+    assert any(t["what"].startswith("small: fp8ops vs bf16 tokens/s") for t in result["targets"])
+    assert "small |  fp8ops" in capsys.readouterr().out
