@@ -52,12 +52,13 @@ def bench_linear(monkeypatch):
     return mod
 
 
-def test_bench_linear_runs_every_fp8ops_variant_and_reports(bench_linear, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("timing", ["loop", "bursts"])
+def test_bench_linear_runs_every_fp8ops_variant_and_reports(bench_linear, tmp_path, monkeypatch, capsys, timing):
     out = tmp_path / "linear.json"
     monkeypatch.setattr(sys, "argv", [
         "bench_linear.py", "--shapes", "64x64x64,64x128x64", "--variants",
         "bf16,bf16_compiled,fp8ops,fp8ops_compiled,fp8ops_auto", "--no-ceiling", "--reps", "4",
-        "--rounds", "2", "--warmup", "3", "--json", str(out)])
+        "--rounds", "2", "--warmup", "3", "--timing", timing, "--json", str(out)])
     assert bench_linear.main() == 0
     result = json.loads(out.read_text())
     printed = capsys.readouterr().out
