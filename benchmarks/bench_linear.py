@@ -75,8 +75,8 @@ DEVICE = "cuda"  # tests/test_benchmarks.py runs this script's logic with "cpu" 
 
 def bench_interleaved(fns: dict, reps: int, rounds: int, warmup: int = 2, lead_in: int = 8,
                       timing: str = "loop") -> dict:
-    """ms per iteration of each fn; fns take turns in `rounds` rounds, `reps // rounds` timed
-    iterations each per round.
+    """ms per iteration of each fn; fns take turns in `rounds` rounds, max(1, reps // rounds)
+    timed iterations each per round.
     timing "loop": each fn's round is lead_in untimed iterations, then the timed ones back to back
       between two CUDA events with no synchronize in between, the way a training loop runs; the
       mean per iteration, median over rounds. Host-bound where the host is slower than the GPU.
@@ -325,7 +325,7 @@ def main() -> int:
     ap.add_argument("--master", choices=("fp32", "bf16"), default="fp32", help="weight (master) dtype")
     ap.add_argument("--bias", action="store_true", help="layers with bias (default: none, as in Llama)")
     ap.add_argument("--recipe", choices=("delayed", "current"), default="delayed", help="fp8ops recipe")
-    ap.add_argument("--reps", type=int, default=60, help="timed iterations per variant (median)")
+    ap.add_argument("--reps", type=int, default=60, help="timed iterations per variant, split over the rounds")
     ap.add_argument("--rounds", type=int, default=3, help="interleaving rounds")
     ap.add_argument("--timing", choices=("loop", "bursts"), default="loop",
                     help="loop: each round's iterations back to back after a lead-in, as in training; "

@@ -237,7 +237,9 @@ def main() -> int:
                     for m in model.modules():
                         whys.update(getattr(m, "fp8_policy_why", {}).values())
                         for k, (wins, speedup) in getattr(m, "fp8_policy", {}).items():
-                            how = "loop trial" if k in m.fp8_policy_why else "measured"
+                            why = m.fp8_policy_why.get(k)
+                            how = "measured" if why is None else \
+                                ("loop trial" if "trial in your loop" in why else "tune_policy")
                             tag = f"{m.in_features}->{m.out_features} M={k[0]}: {'FP8' if wins else 'BF16'} " \
                                   f"({how}, {speedup:.2f}x)"
                             verdicts[tag] = verdicts.get(tag, 0) + 1
@@ -245,7 +247,9 @@ def main() -> int:
                         row["policy_verdicts"] = verdicts
                         print("  policy auto: " + "; ".join(f"{n}x {t}" for t, n in sorted(verdicts.items())))
                     if whys:
-                        row["policy_trials"] = sorted(whys)  # each trial's step times (loop_trial.choose)
+                        # how each decision beyond the two timings was reached, per layer timing:
+                        # the trial's step times (loop_trial), or tune_policy's GPU-bound verdict
+                        row["policy_trials"] = sorted(whys)
                 # timed steps
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()

@@ -267,7 +267,8 @@ def set_deterministic() -> None:
 
 
 class _ToLog(logging.Handler):
-    """fp8ops' log records through this run's printer (tqdm-safe); `target` is set per run."""
+    """fp8ops' log records through this run's printer (tqdm-safe), attached during the
+    training loop only; `target` is set per run."""
     target = print
 
     def emit(self, record):
@@ -392,13 +393,6 @@ def main(argv=None):
     def log(msg):
         (bar.write if bar is not None else print)(msg)
 
-    if dinfo.main:
-        # fp8ops says when policy auto's trial settles (its first ~25 steps run the undecided
-        # layers in BF16 and FP8 in turns): through the same printer as the step lines
-        _FP8OPS_LOG.target = log
-        logging.getLogger("fp8ops").addHandler(_FP8OPS_LOG)  # once: the same handler object
-        logging.getLogger("fp8ops").setLevel(logging.INFO)
-
     def flush_losses():
         """Move the per-step loss tensors into metrics (one device sync for all of them)."""
         if pending:
@@ -481,6 +475,15 @@ def main(argv=None):
     window_t0, window_steps = time.perf_counter(), 0
     last_saved = None
     model.train()
+    # fp8ops says when policy auto's trial settles (its first steps run the undecided layers in
+    # BF16 and FP8 in turns): through the same printer as the step lines, for this loop only
+    fp8_log = logging.getLogger("fp8ops")
+    fp8_log_saved = fp8_log.level, fp8_log.propagate
+    if dinfo.main:
+        _FP8OPS_LOG.target = log
+        fp8_log.addHandler(_FP8OPS_LOG)
+        fp8_log.setLevel(logging.INFO)
+        fp8_log.propagate = False  # a root handler the user set up would print it twice
     try:
         while step < args.steps:
             if stopper.requested:
@@ -563,6 +566,9 @@ def main(argv=None):
         return 130
     finally:
         stopper.restore()
+        fp8_log.removeHandler(_FP8OPS_LOG)
+        fp8_log.setLevel(fp8_log_saved[0])
+        fp8_log.propagate = fp8_log_saved[1]
     if bar is not None:
         bar.close()
 

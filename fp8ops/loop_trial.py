@@ -14,10 +14,13 @@ One trial per device, for all the layers waiting on it:
     anchor starts a "step" and is marked with a CUDA event and the host time;
   - step 0 (the one that measured the shapes) runs BF16 and is not counted;
     then eight blocks of BLOCK steps run the waiting layers in BF16 or FP8 in
-    the order B F F B F B B F (Thue-Morse): both sides sit at the same mean
-    position, so a drift of the loop's speed over the trial (its first steps:
-    allocator, clocks, data) cancels in the means instead of favouring the
-    side that runs first, as B F B F does. The first step of each block is not
+    the order B F F B F B B F (Thue-Morse): the counted steps of both sides
+    have the same mean position, and the same mean square, so a drift of the
+    loop's speed that is linear or quadratic in the step cancels in the means
+    instead of favouring the side that runs later, as B F B F does. A
+    transient that fades within a step or two lands on step 0 and the
+    uncounted first steps (the runs so far showed none past step 0); a longer
+    one would count against block 0, BF16. The first step of each block is not
     counted (the launch queue refills or drains after a switch). The shorter
     form before it (B F B F, 2 counted steps per block, medians) kept a 1B
     model's attention-output layers BF16 in both of its runs; this one chose
@@ -133,17 +136,20 @@ def choose(bf16_ms: list[float], fp8_ms: list[float]) -> tuple[bool, str]:
     return b >= f * STEP_GAIN, (f"trial in your loop: step {f:.3f} ms with FP8 vs {b:.3f} ms with BF16 "
                                 f"(means of {len(kept_f)} and {len(kept_b)} steps; FP8 "
                                 f"{min(kept_f):.3f}-{max(kept_f):.3f}, BF16 {min(kept_b):.3f}-{max(kept_b):.3f}"
-                                + (f"; {left_out} outlier steps left out" if left_out else "") + ")")
+                                + (f"; outlier steps left out: {left_out}" if left_out else "") + ")")
 
 
 def progress(layer, key) -> str:
     """Where the trial that layer's verdict for key waits on stands (fp8ops.report)."""
     for t in _trials.values():
+        if (id(layer), key) in t.decided:
+            fp8 = t.decided[(id(layer), key)][0]
+            return f"the trial in your loop chose {'FP8' if fp8 else 'BF16'}; applied at its next call"
         if (id(layer), key) in t.pending:
             if not t.marks:
                 break
             return (f"waiting on the trial in your loop: step {len(t.marks) - 1} of {DECIDE_AT}, "
-                    f"BF16 and FP8 in turns ({len(t.pending)} layer shapes wait on it)")
+                    f"BF16 and FP8 in turns ({len(t.pending)} layers wait on it)")
     return "waiting on the trial in your loop: not started"
 
 
@@ -169,11 +175,11 @@ def decision(layer, key, timing: policy.Timing) -> tuple[bool, str | None]:
             t.marks[-1][1].synchronize()  # every mark's event has completed
             fp8, why = choose(step_ms(t.marks, counted(False)), step_ms(t.marks, counted(True)))
             from .linear import _distributed  # noqa: PLC0415 -- linear imports this module lazily
-            _log.info("fp8ops policy auto: the trial in your loop chose %s for %d layer shapes (%s)%s",
+            _log.info("fp8ops policy auto: the trial in your loop chose %s for %d layers (%s)%s",
                       "FP8" if fp8 else "BF16", len(t.pending), why,
                       "; across ranks FP8 only where every rank chose it" if _distributed() else "")
             for other, tm in t.pending.items():
-                t.decided[other] = (fp8, f"{why} ({len(t.pending)} layer shapes waited on it; GPU "
+                t.decided[other] = (fp8, f"{why} ({len(t.pending)} layers waited on it; GPU "
                                          f"{tm.gpu_speedup:.2f}x, alone {tm.alone_speedup:.2f}x)")
             t.pending.clear()
             t.reset()

@@ -1,7 +1,9 @@
-"""benchmarks/bench_linear.py's own logic on the CPU: variants, validation against
-BF16, the compiled-vs-eager targets, the JSON and the table. The GPU runs it for
-its numbers; CI has no GPU, so here the FP8 layers run on fp8ops' CPU reference
-kernels and CUDA events are stood in for by the host clock."""
+"""The benchmark scripts' own logic on the CPU (bench_linear: variants, validation
+against BF16, the compiled-vs-eager targets, the JSON and the table; bench_train: a
+tiny GPT in BF16 and FP8). The GPU runs them for their numbers; CI has no GPU, so
+here the FP8 layers run on fp8ops' CPU reference kernels and CUDA events are stood
+in for by the host clock. Policy "auto" acts on CUDA inputs only: on the CPU the
+fp8ops_auto variant runs the FP8 path like "always", and no verdict is recorded."""
 import importlib
 import json
 import sys
@@ -37,6 +39,16 @@ def _convert_on_cpu(model, config=None, **_):
     new = Fp8Linear.from_linear(model, config)
     new.fp8_on_cpu = True
     return new
+
+
+@pytest.fixture(autouse=True)
+def _keep_dynamo_limit():
+    """bench_train raises torch._dynamo's recompile limit for its process: undone after the test
+    (cache_size_limit is the older name of the same setting)."""
+    cfg = torch._dynamo.config
+    saved = cfg.recompile_limit
+    yield
+    cfg.recompile_limit = saved
 
 
 @pytest.fixture

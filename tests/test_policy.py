@@ -42,7 +42,7 @@ def test_choose_leaves_out_outlier_steps():
     """An evaluation or a checkpoint save inside the trial is not a training step:
     one 40 ms step among 10 ms steps would otherwise make its side lose."""
     fp8, why = loop_trial.choose([10.0, 10.0, 10.0, 10.0], [9.0, 40.0, 9.0, 9.0])
-    assert fp8 is True and "1 outlier steps left out" in why
+    assert fp8 is True and "outlier steps left out: 1" in why
     assert loop_trial.choose([10.0, 40.0, 10.0, 10.0], [10.0, 10.0, 10.0, 10.0])[0] is False
     # a stall that recurs is a cost of its side, not an outlier: one step at most is left out
     assert loop_trial.choose([10.0, 10.0, 10.0, 10.0], [9.0, 40.0, 40.0, 9.0])[0] is False
@@ -135,11 +135,11 @@ def test_trial_runs_blocks_of_bf16_and_fp8_and_keeps_the_faster(monkeypatch, cap
     assert paths == [False] * 4 + [True] * 6 + [False] * 3 + [True] * 3 + [False] * 6 + [True] * 3
     (wins_a, why_a), (wins_b, why_b) = sim.step([a, b])
     assert wins_a is wins_b is fp8
-    assert "trial in your loop" in why_a and "2 layer shapes waited on it" in why_b
+    assert "trial in your loop" in why_a and "2 layers waited on it" in why_b
     # the decision is logged once (each rank its own; the caller then all-reduces it)
     said = [r.getMessage() for r in caplog.records if "policy auto" in r.getMessage()]
-    assert said == [f"fp8ops policy auto: the trial in your loop chose {'FP8' if fp8 else 'BF16'} for 2 layer "
-                    f"shapes ({why_a.split(' (2 layer')[0]})"]
+    assert said == [f"fp8ops policy auto: the trial in your loop chose {'FP8' if fp8 else 'BF16'} for 2 layers "
+                    f"({why_a.split(' (2 layers')[0]})"]
     t = loop_trial._trials[0]
     assert not t.pending and not t.decided and t.anchor is None
 
@@ -165,14 +165,19 @@ def test_report_says_where_a_pending_trial_stands(monkeypatch):
     report must say so, not show it as converted and nothing more."""
     sim = _SimLoop(monkeypatch, {"bf16": 5.0, "fp8": 6.0}, {"bf16": 10.0, "fp8": 9.0})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the layer sits on the CPU here
-    layer = Fp8Linear(32, 32, config=Fp8Config(policy="auto"))
+    layer, anchor = Fp8Linear(32, 32, config=Fp8Config(policy="auto")), _layer()
     layer._fp8_pending[KEY] = gpu_only()
-    reason = fp8ops.report(torch.nn.Sequential(layer), print_table=False)[0]["reason"]
-    assert "M=64: waiting on the trial in your loop: not started" in reason
+
+    def reason():
+        return fp8ops.report(torch.nn.Sequential(layer), print_table=False)[0]["reason"]
+    assert "M=64: waiting on the trial in your loop: not started" in reason()
     for _ in range(5):
-        sim.step([layer])
-    reason = fp8ops.report(torch.nn.Sequential(layer), print_table=False)[0]["reason"]
-    assert f"M=64: waiting on the trial in your loop: step 4 of {loop_trial.DECIDE_AT}" in reason
+        sim.step([anchor, layer])
+    assert f"M=64: waiting on the trial in your loop: step 4 of {loop_trial.DECIDE_AT}" in reason()
+    for _ in range(5, loop_trial.DECIDE_AT):
+        sim.step([anchor, layer])
+    assert loop_trial.decision(anchor, KEY, gpu_only())[1] is not None  # the anchor's call decides
+    assert "M=64: the trial in your loop chose FP8; applied at its next call" in reason()
 
 
 def test_a_stale_anchor_restarts_the_trial(monkeypatch):

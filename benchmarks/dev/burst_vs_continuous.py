@@ -1,5 +1,6 @@
-"""Does bench_linear's timing (short bursts after a synchronize) measure what a
-training loop (one long run, never synchronized) sees? For host-bound layers the
+"""Does timing in short bursts after a synchronize (bench_linear's method in the first six
+sessions, now its --timing bursts) measure what a training loop (one long run, never
+synchronized) sees? For host-bound layers the
 two can differ: after a sync the GPU queue is empty and the host may run faster
 in a short burst. Per shape: BF16 and FP8 (policy "always"), ms per fwd+bwd+step,
 (a) bursts of --burst iterations after a sync, median per-iteration event time
