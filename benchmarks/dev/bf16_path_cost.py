@@ -12,27 +12,13 @@ import time
 import torch
 
 import fp8ops
+from layer_iteration import make_iteration as make  # this folder
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--rounds", type=int, default=10)
 ap.add_argument("--reps", type=int, default=50)
 args = ap.parse_args()
 dev = "cuda"
-
-
-def make(mod, x, g, step):
-    params = list(mod.parameters())
-
-    def it():
-        x.grad = None
-        for p in params:
-            p.grad = None
-        with torch.autocast(dev, dtype=torch.bfloat16):
-            y = mod(x)
-        y.backward(g)
-        if step:
-            fp8ops.step(mod)
-    return it
 
 
 def bench(fns):

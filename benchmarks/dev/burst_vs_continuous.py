@@ -15,6 +15,7 @@ import statistics
 import torch
 
 import fp8ops
+from layer_iteration import make_iteration as make  # this folder
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shapes", default="4096x4096x4096,16384x768x3072")
@@ -23,21 +24,6 @@ ap.add_argument("--long", type=int, default=120)
 ap.add_argument("--rounds", type=int, default=4)
 args = ap.parse_args()
 dev = "cuda"
-
-
-def make(mod, x, g, step):
-    params = list(mod.parameters())
-
-    def it():
-        x.grad = None
-        for p in params:
-            p.grad = None
-        with torch.autocast(dev, dtype=torch.bfloat16):
-            y = mod(x)
-        y.backward(g)
-        if step:
-            fp8ops.step(mod)
-    return it
 
 
 def burst(fn):
