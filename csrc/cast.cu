@@ -869,12 +869,12 @@ extern "C" int fp8ops_cast_accumulate_dbias_cuda(const void* x, fp8ops_hp_dtype 
                  (const void*)amax);
   FP8OPS_REQUIRE(dbias != NULL && aligned(dbias, sizeof(float)),
                  "cast: dbias must be a 4-byte aligned fp32 buffer of cols floats");
-  FP8OPS_REQUIRE(rows >= 0 && cols >= 0 &&
-                     partial_floats >= FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM) * cols &&
-                     (partial != NULL || rows * cols == 0),
+  FP8OPS_REQUIRE(rows >= 0 && cols >= 0, "cast: negative shape [%lld, %lld]", (long long)rows,
+                 (long long)cols);
+  const int64_t need = fp8ops_dbias_workspace_floats(rows, cols);
+  FP8OPS_REQUIRE(partial_floats >= need && (partial != NULL || rows * cols == 0),
                  "cast: the dbias workspace holds %lld floats, fp8ops_dbias_workspace_floats "
-                 "asks %lld", (long long)partial_floats,
-                 (long long)(FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM) * cols));
+                 "asks %lld", (long long)partial_floats, (long long)need);
   return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, true, dbias, partial,
                    stream);
 }

@@ -152,9 +152,8 @@ def _time_queued(fn, host_hint_ms: float, reps: int = 20) -> tuple[float, float]
     """(GPU ms, host ms) per call: a sleep kernel holds the GPU while the host
     enqueues all reps, so the reps then run back to back (pure GPU time) and
     the enqueue loop's own duration is the host's cost. None if the host could
-    not finish enqueueing within even the longest sleep (something synced)."""
-    for _ in range(3):
-        fn()
+    not finish enqueueing within even the longest sleep (something synced).
+    Called right after _time_alone of the same fn, which warmed it up."""
     start, end = _events()
     sleep_ms = 2.0 * host_hint_ms * reps + 1.0
     for _ in range(3):

@@ -8,9 +8,9 @@ import time
 
 import torch
 
-import fp8ops
 from fp8ops import Fp8Config, ops
 from fp8ops.linear import G, V_H, V_S, V_SI, W, X, Fp8Linear
+from layer_iteration import make_iteration  # this folder
 
 M = K = N = 256
 dev = "cuda"
@@ -74,20 +74,14 @@ model = torch.nn.Sequential(Fp8Linear(K, N, bias=False, device=dev, config=Fp8Co
 ref = torch.nn.Linear(K, N, bias=False, device=dev)
 
 
-def train_step(m, step):
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        y = m(x)
-    y.backward(g)
-    if step:
-        fp8ops.step(m)
-
-
+ref_iteration = make_iteration(ref, x, g, step=False)
+fp8_iteration = make_iteration(model, x, g, step=True)
 timeit("linear_bwd alone", bwd)
 for threads in (True, False):
     torch.autograd.set_multithreading_enabled(threads)
     tag = "" if threads else ", engine multithreading off"
     timeit("Function, bare backward" + tag, lambda: Bare.apply(x).backward(g))
     timeit("Function, linear_bwd in its backward" + tag, lambda: WithOp.apply(x).backward(g))
-    timeit("nn.Linear fwd+bwd" + tag, lambda: train_step(ref, False))
-    timeit("Fp8Linear fwd+bwd+step" + tag, lambda: train_step(model, True))
+    timeit("nn.Linear fwd+bwd" + tag, ref_iteration)
+    timeit("Fp8Linear fwd+bwd+step" + tag, fp8_iteration)
 torch.autograd.set_multithreading_enabled(True)
