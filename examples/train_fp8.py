@@ -39,7 +39,7 @@ try:
 except ImportError:  # run from a source checkout that was not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import fp8ops
-from fp8ops.training import add_fp8_args, portable_state_dict, prepare_model
+from fp8ops.training import add_fp8_args, portable_state_dict, prepare_model, run_summary
 
 from gpt2 import GPT, LM_HEAD_FILTER, PRESETS, GPTConfig
 
@@ -592,7 +592,7 @@ def main(argv=None):
     if summary["mean_tokens_per_s"]:
         print(f"  tokens/s        {summary['mean_tokens_per_s']:,.0f} "
               "(without warm-up, evaluation and checkpoint time)")
-    print(f"  FP8             {fp8_info['summary']}")
+    print(f"  FP8             {run_summary(model, fp8_info)}")
     saved = sorted(p.name for p in out_dir.glob("ckpt_*.pt"))
     print(f"  checkpoints     {out_dir}/ {', '.join(saved)}")
     print(f"  continue with   --resume auto --out_dir {out_dir}")

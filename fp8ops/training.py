@@ -231,6 +231,44 @@ def _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision):
     return model, info
 
 
+def run_summary(model, info) -> str:
+    """The FP8 line for the end of a run: what the layers ran by then, not what
+    prepare_model converted. Under policy "auto" a converted layer whose shape
+    FP8 does not speed up runs BF16 from its first forward (or after the trial
+    in the loop), so "48 FP8 layers" at the start can mean none ran FP8; this
+    line says so. Other backends: info["summary"] unchanged."""
+    if info.get("backend") != "fp8ops":
+        return info["summary"]
+    from .linear import Fp8Linear  # noqa: PLC0415 -- the extension may be absent on other paths
+
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    ran = slower = waiting = idle = 0
+    for m in layers:
+        verdicts = [v[0] for v in m.fp8_policy.values()]
+        if any(verdicts):
+            ran += 1            # FP8 for at least one of its input shapes
+        elif verdicts:
+            slower += 1         # policy auto chose BF16 for every shape it saw
+        elif m._fp8_pending:
+            waiting += 1        # the trial in the loop has not finished
+        elif m._fp8_delayed_ready or m._fp8_cast_since_update:
+            ran += 1            # policy "always", or cast without a verdict (compiled, CPU kernels)
+        else:
+            idle += 1           # never cast: e.g. never called, or every call fell back
+    parts = [f"{ran} of {len(layers)} converted layers ran FP8"]
+    if slower:
+        parts.append(f"{slower} ran BF16: policy auto found FP8 not faster for them here "
+                     "(fp8ops.report(model) says why; --fp8_policy always forces FP8)")
+    if waiting:
+        parts.append(f"{waiting} still in policy auto's trial")
+    if idle:
+        parts.append(f"{idle} never ran FP8")
+    kept = sum(type(m) is nn.Linear for m in model.modules())
+    if kept:
+        parts.append(f"{kept} not converted")
+    return f"fp8ops ({'; '.join(parts)})"
+
+
 @contextlib.contextmanager
 def _quiet_convert():
     fp8ops_log = logging.getLogger("fp8ops")

@@ -177,6 +177,28 @@ def test_prepare_model_counts_fp8_layers(monkeypatch):
     assert "excluded by module_filter_fn" in lines[0]
 
 
+def test_run_summary_says_what_ran_at_the_end():
+    """The end-of-run line counts what the layers ran, not what prepare_model converted:
+    policy auto may have sent every converted layer to BF16 by then."""
+    from fp8ops.linear import Fp8Linear
+    from fp8ops.training import run_summary
+
+    k, k8 = (16, torch.bfloat16), (8, torch.bfloat16)
+    layers = [Fp8Linear(16, 16) for _ in range(5)]
+    layers[0].fp8_policy[k] = (False, 0.8)                       # auto chose BF16
+    layers[1].fp8_policy.update({k: (True, 1.5), k8: (False, 0.9)})  # FP8 for one shape
+    layers[2]._fp8_pending[k] = None                             # trial not finished
+    # layers[3]: never cast
+    layers[4]._fp8_delayed_ready = True                          # cast, no verdict (policy always)
+    model = nn.Sequential(*layers, nn.Linear(16, 4))
+    line = run_summary(model, {"backend": "fp8ops", "summary": "fp8ops (5 FP8 layers, 1 BF16)"})
+    assert line.startswith("fp8ops (2 of 5 converted layers ran FP8; 1 ran BF16: policy auto")
+    assert "; 1 still in policy auto's trial; 1 never ran FP8; 1 not converted)" in line
+    layers[1].fp8_policy[k] = (False, 0.7)
+    assert "1 of 5 converted layers ran FP8; 2 ran BF16" in run_summary(model, {"backend": "fp8ops"})
+    assert run_summary(model, {"backend": "bf16", "summary": "bf16 (no GPU)"}) == "bf16 (no GPU)"
+
+
 def _fake_modules(monkeypatch, modules):
     """Install stand-in packages and pretend the GPU can run FP8, to test the plumbing on CPU."""
     import fp8ops.training as training
@@ -401,6 +423,7 @@ def test_fp8_checkpoints_resume_both_ways(fp8_on_cpu, tmp_path, capsys):
     assert train_fp8.main(common + ["--steps", "2", "--use_fp8"]) == 0
     out = capsys.readouterr().out
     assert "FP8: on (fp8ops" in out and "8 linear layers run FP8" in out
+    assert "FP8             fp8ops (8 of 8 converted layers ran FP8; 1 not converted)" in out
     ckpt = torch.load(tmp_path / "ckpt_latest.pt", map_location="cpu", weights_only=True)
     assert ckpt["fp8_backend"] == "fp8ops" and ckpt["fp8_scaling"]
     plain = GPT(GPTConfig(**ckpt["model_config"])).state_dict()
