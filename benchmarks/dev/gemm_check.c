@@ -16,8 +16,9 @@
  * here, so the program itself must; it calls cublasLtGetVersion directly so that the
  * link keeps libcublasLt NEEDED even under --as-needed):
  *   gcc -std=c11 -O2 -I/usr/local/cuda/include -Icsrc benchmarks/dev/gemm_check.c \
- *       csrc/gemm_cuda.c csrc/errors.c -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib64 \
- *       -lcudart_static -lcublasLt -ldl -lpthread -lrt -lm -o gemm_check && ./gemm_check
+ *       csrc/gemm_cuda.c csrc/errors.c csrc/sanitizer_marks.c -L/usr/local/cuda/lib64 \
+ *       -Wl,-rpath,/usr/local/cuda/lib64 -lcudart_static -lcublasLt -ldl -lpthread -lrt -lm \
+ *       -o gemm_check && ./gemm_check
  */
 #define _POSIX_C_SOURCE 200809L
 
