@@ -532,9 +532,9 @@ __global__ void __launch_bounds__(CT_THREADS, DB ? CT_MIN_BLOCKS_DB(DT) : CT_MIN
 // Few threads (one per column) each add up to a few hundred values in a fixed
 // order, so the kernel is bound by load latency, not bandwidth: each thread
 // issues DBIAS_BATCH independent loads before folding them in, in the same
-// order (bit-identical to the one-at-a-time loop). With the compiler's own
-// unrolling by ~4 this kernel took ~25 us per call at 256 tiles on an H200,
-// 1.2 ms of a GPT-2 small step.
+// order (bit-identical to the one-at-a-time loop). The one-at-a-time loop took
+// ~25 us per call at 256 tiles on an H200 (1.2 ms of a GPT-2 small step); this
+// one ~9 us (benchmarks/RESULTS.md, section 5).
 // Block dims: (DBIAS_THREADS). Grid dims: (ceil(cols / DBIAS_THREADS));
 // coalesced reads of one partial row per load.
 #define DBIAS_THREADS 128
