@@ -435,6 +435,7 @@ def main(argv=None):
         # This run's windows after the first (which holds warm-up and any compilation).
         steady = run_tok_s[1:] or run_tok_s
         summary = dict(metrics, label=fp8_info["summary"], backend=fp8_info["backend"],
+                       fp8_ran=run_summary(model, fp8_info),  # what ran by now (policy auto may pick BF16)
                        device=where, dtype=dtype, model_config=dataclasses.asdict(cfg),
                        tokens_per_step=tokens_per_step, last_step=step,
                        world_size=dinfo.world, parallel=dinfo.mode,
@@ -592,7 +593,7 @@ def main(argv=None):
     if summary["mean_tokens_per_s"]:
         print(f"  tokens/s        {summary['mean_tokens_per_s']:,.0f} "
               "(without warm-up, evaluation and checkpoint time)")
-    print(f"  FP8             {run_summary(model, fp8_info)}")
+    print(f"  FP8             {summary['fp8_ran']}")
     saved = sorted(p.name for p in out_dir.glob("ckpt_*.pt"))
     print(f"  checkpoints     {out_dir}/ {', '.join(saved)}")
     print(f"  continue with   --resume auto --out_dir {out_dir}")

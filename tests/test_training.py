@@ -424,6 +424,8 @@ def test_fp8_checkpoints_resume_both_ways(fp8_on_cpu, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "FP8: on (fp8ops" in out and "8 linear layers run FP8" in out
     assert "FP8             fp8ops (8 of 8 converted layers ran FP8; 1 not converted)" in out
+    ran = json.loads((tmp_path / "metrics.json").read_text())["fp8_ran"]
+    assert ran == "fp8ops (8 of 8 converted layers ran FP8; 1 not converted)"
     ckpt = torch.load(tmp_path / "ckpt_latest.pt", map_location="cpu", weights_only=True)
     assert ckpt["fp8_backend"] == "fp8ops" and ckpt["fp8_scaling"]
     plain = GPT(GPTConfig(**ckpt["model_config"])).state_dict()
