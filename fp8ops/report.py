@@ -10,8 +10,33 @@ from .fsdp import fp8_all_gather_enabled
 from .linear import G, W, X, Fp8Linear
 
 
+# what a layer runs now (report's "runs" column)
+RUNS_FP8, RUNS_BF16_POLICY, RUNS_TRIAL, RUNS_NOT_YET, RUNS_BF16 = "FP8", "BF16 (policy)", "trial", "not yet", "BF16"
+
+
+def runs_now(m: Fp8Linear) -> str:
+    """What a converted layer runs at its next call: FP8; BF16 because policy
+    "auto" found FP8 not faster for every input shape it has seen; "trial"
+    while policy auto's trial in the loop is deciding; "not yet" before any
+    FP8 cast (never called, or every call fell back). A converted layer is not
+    the same as a layer running FP8: under policy auto it can be BF16 from its
+    first forward on."""
+    verdicts = [v[0] for v in m.fp8_policy.values()]
+    if any(verdicts):
+        return RUNS_FP8            # FP8 for at least one of its input shapes
+    if verdicts:
+        return RUNS_BF16_POLICY
+    if m._fp8_pending:
+        return RUNS_TRIAL
+    if m._fp8_delayed_ready or m._fp8_cast_since_update:
+        return RUNS_FP8            # policy "always", or cast without a verdict (compiled, CPU kernels)
+    return RUNS_NOT_YET
+
+
 def report(model: nn.Module, print_table: bool = True) -> list[dict]:
-    """One row per linear layer: name, backend ("fp8ops" | "bf16"), reason,
+    """One row per linear layer: name, backend ("fp8ops" | "bf16": converted
+    or not), runs (what it runs now: "FP8", "BF16 (policy)", "trial", "not yet"
+    or, unconverted, "BF16"; see runs_now), reason,
     recipe, scale_x/w/g, amax_x/w/g (the latest completed step's amaxes),
     overflows (amaxes that were NaN/inf, the scale kept each time: per
     optimizer step and tensor under delayed scaling, per cast under current)
@@ -30,7 +55,7 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
             s = m.fp8_scale.detach().float().cpu()
             ovf = m.fp8_overflow_count.detach().cpu().reshape(-1)
             rows.append({
-                "name": name or "<root>", "backend": "fp8ops",
+                "name": name or "<root>", "backend": "fp8ops", "runs": runs_now(m),
                 "reason": decisions.get(name, ("fp8ops", "converted"))[1],
                 "recipe": m.fp8_config.short_str(),
                 "shape": f"{m.in_features}->{m.out_features}",
@@ -53,7 +78,8 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                 rows[-1]["reason"] += f"; M={k[0]}: {loop_trial.progress(m, k)}"
         elif isinstance(m, nn.Linear):
             backend, reason = decisions.get(name, ("bf16", "not converted (convert() was not called on it)"))
-            rows.append({"name": name or "<root>", "backend": "bf16", "reason": reason, "recipe": None,
+            rows.append({"name": name or "<root>", "backend": "bf16", "runs": RUNS_BF16, "reason": reason,
+                         "recipe": None,
                          "shape": f"{m.in_features}->{m.out_features}",
                          "scale_x": None, "scale_w": None, "scale_g": None,
                          "amax_x": None, "amax_w": None, "amax_g": None,
@@ -68,14 +94,29 @@ def _f(v):
     return "-" if v is None else f"{v:.3g}"
 
 
+def headline(rows: list[dict]) -> str:
+    """"n of N converted, k running FP8" and, where some converted layers do
+    not run FP8, how many run BF16 by the policy, wait on its trial or have
+    not cast yet."""
+    conv = [r for r in rows if r["backend"] == "fp8ops"]
+    line = (f"{len(conv)}/{len(rows)} linear layers converted, "
+            f"{sum(r['runs'] == RUNS_FP8 for r in conv)} running FP8")
+    for runs, what in ((RUNS_BF16_POLICY, "BF16 by policy auto (FP8 not faster here)"),
+                       (RUNS_TRIAL, "in policy auto's trial"), (RUNS_NOT_YET, "not cast yet")):
+        n = sum(r["runs"] == runs for r in conv)
+        if n:
+            line += f"; {n} {what}"
+    return line
+
+
 def format_table(rows: list[dict]) -> str:
-    n_fp8 = sum(r["backend"] == "fp8ops" for r in rows)
-    lines = [f"fp8ops report: {n_fp8}/{len(rows)} linear layers in FP8"]
-    hdr = f"{'layer':<32} {'shape':>11} {'backend':>7} {'scale x/w/g':>26} {'amax x/w/g':>26} {'ovf':>4}  reason"
+    lines = [f"fp8ops report: {headline(rows)}"]
+    hdr = (f"{'layer':<32} {'shape':>11} {'backend':>7} {'runs':>13} {'scale x/w/g':>26} {'amax x/w/g':>26} "
+           f"{'ovf':>4}  reason")
     lines += [hdr, "-" * len(hdr)]
     for r in rows:
         scales = "/".join(_f(r[k]) for k in ("scale_x", "scale_w", "scale_g")) if r["backend"] == "fp8ops" else "-"
         amaxes = "/".join(_f(r[k]) for k in ("amax_x", "amax_w", "amax_g")) if r["backend"] == "fp8ops" else "-"
-        lines.append(f"{r['name'][:32]:<32} {r['shape']:>11} {r['backend']:>7} {scales:>26} {amaxes:>26} "
-                     f"{r['overflows']:>4}  {r['reason']}")
+        lines.append(f"{r['name'][:32]:<32} {r['shape']:>11} {r['backend']:>7} {r['runs']:>13} {scales:>26} "
+                     f"{amaxes:>26} {r['overflows']:>4}  {r['reason']}")
     return "\n".join(lines)

@@ -239,30 +239,19 @@ def run_summary(model, info) -> str:
     line says so. Other backends: info["summary"] unchanged."""
     if info.get("backend") != "fp8ops":
         return info["summary"]
-    from .linear import Fp8Linear  # noqa: PLC0415 -- the extension may be absent on other paths
+    # the extension may be absent on the other backends' paths: imported here
+    from .linear import Fp8Linear  # noqa: PLC0415
+    from .report import RUNS_BF16_POLICY, RUNS_FP8, RUNS_NOT_YET, RUNS_TRIAL, runs_now  # noqa: PLC0415
 
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    ran = slower = waiting = idle = 0
-    for m in layers:
-        verdicts = [v[0] for v in m.fp8_policy.values()]
-        if any(verdicts):
-            ran += 1            # FP8 for at least one of its input shapes
-        elif verdicts:
-            slower += 1         # policy auto chose BF16 for every shape it saw
-        elif m._fp8_pending:
-            waiting += 1        # the trial in the loop has not finished
-        elif m._fp8_delayed_ready or m._fp8_cast_since_update:
-            ran += 1            # policy "always", or cast without a verdict (compiled, CPU kernels)
-        else:
-            idle += 1           # never cast: e.g. never called, or every call fell back
-    parts = [f"{ran} of {len(layers)} converted layers ran FP8"]
-    if slower:
-        parts.append(f"{slower} ran BF16: policy auto found FP8 not faster for them here "
-                     "(fp8ops.report(model) says why; --fp8_policy always forces FP8)")
-    if waiting:
-        parts.append(f"{waiting} still in policy auto's trial")
-    if idle:
-        parts.append(f"{idle} never ran FP8")
+    runs = [runs_now(m) for m in model.modules() if isinstance(m, Fp8Linear)]
+    parts = [f"{runs.count(RUNS_FP8)} of {len(runs)} converted layers ran FP8"]
+    if runs.count(RUNS_BF16_POLICY):
+        parts.append(f"{runs.count(RUNS_BF16_POLICY)} ran BF16: policy auto found FP8 not faster for them "
+                     "here (fp8ops.report(model) says why; --fp8_policy always forces FP8)")
+    if runs.count(RUNS_TRIAL):
+        parts.append(f"{runs.count(RUNS_TRIAL)} still in policy auto's trial")
+    if runs.count(RUNS_NOT_YET):
+        parts.append(f"{runs.count(RUNS_NOT_YET)} never ran FP8")
     kept = sum(type(m) is nn.Linear for m in model.modules())
     if kept:
         parts.append(f"{kept} not converted")

@@ -160,6 +160,27 @@ def test_a_recomputed_forward_takes_its_steps_path_and_is_no_step(monkeypatch):
     assert sim.step([a])[0] == (True, None)          # step 4, the first FP8 step, is still step 4
 
 
+def test_report_says_what_each_converted_layer_runs():
+    """Converted is not the same as running FP8: the report's "runs" column and its
+    headline count the layers policy auto sent to BF16, those in its trial, and those
+    that have not cast yet, apart from the ones running FP8."""
+    from fp8ops.report import format_table, headline
+    k = (16, torch.float32)
+    layers = [Fp8Linear(16, 16) for _ in range(5)]
+    layers[0].fp8_policy[k] = (False, 0.8)                                      # auto: BF16
+    layers[1].fp8_policy.update({k: (True, 1.5), (8, torch.float32): (False, 0.9)})  # FP8 at M=16
+    layers[2]._fp8_pending[k] = None                                           # trial running
+    layers[4]._fp8_delayed_ready = True                                        # cast (policy always)
+    rows = fp8ops.report(torch.nn.Sequential(*layers, torch.nn.Linear(16, 4)), print_table=False)
+    assert [r["runs"] for r in rows] == ["BF16 (policy)", "FP8", "trial", "not yet", "FP8", "BF16"]
+    assert headline(rows) == ("5/6 linear layers converted, 2 running FP8; 1 BF16 by policy auto (FP8 not "
+                              "faster here); 1 in policy auto's trial; 1 not cast yet")
+    table = format_table(rows).splitlines()
+    assert table[0] == "fp8ops report: " + headline(rows)
+    col = table[1].index("runs") + len("runs")
+    assert [line[col - 13:col].strip() for line in table[3:]] == [r["runs"] for r in rows]
+
+
 def test_report_says_where_a_pending_trial_stands(monkeypatch):
     """While its trial runs, a layer's first steps alternate BF16 and FP8: the
     report must say so, not show it as converted and nothing more."""
