@@ -107,7 +107,7 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, swap(name, mod))
     n_fp8 = sum(1 for b, _ in decisions.values() if b == "fp8ops")
-    log.info("fp8ops: %d of %d linear layers run FP8 (%s)", n_fp8, len(decisions), config.short_str())
+    log.info("fp8ops: %d of %d linear layers converted to FP8 (%s)", n_fp8, len(decisions), config.short_str())
     if n_fp8 == 0 and decisions:
         warnings.warn("fp8ops: no layer was converted to FP8; see fp8ops.report(model) for the reasons", stacklevel=2)
     _store(model, decisions)

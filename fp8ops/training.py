@@ -215,19 +215,22 @@ def _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision):
 
     info["backend"] = "fp8ops"
     # policy "auto" settles per shape at a layer's first CUDA forward, after this call.
-    later = ""
+    later, runs = "", "run FP8"
     if config.policy == "auto" and not config.gemm_emulated:
+        # converted is not yet running FP8: the policy decides per shape on the GPU
+        runs = "converted to FP8"
         later = (". Policy auto: a layer FP8 does not speed up on this GPU switches to BF16 at its "
-                 "first forward (fp8ops.report shows which)")
+                 "first forward or after a trial of a few steps (fp8ops.report shows which; the "
+                 "summary at the end counts what ran)")
     detail = "; ".join(f"{n} x {why}" for why, n in sorted(bf16_reasons.items(), key=lambda kv: -kv[1]))
     if n_bf16:
         info["reason"] = detail or "see fp8ops.report(model)"
         info["summary"] = f"fp8ops ({n_fp8} FP8 layers, {n_bf16} {precision})"
-        logger(f"FP8: on (fp8ops, {recipe}): {n_fp8} linear layers run FP8, {n_bf16} run {precision}"
+        logger(f"FP8: on (fp8ops, {recipe}): {n_fp8} linear layers {runs}, {n_bf16} run {precision}"
                f" ({info['reason']}){later}")
     else:
         info["summary"] = f"fp8ops ({n_fp8} FP8 layers)"
-        logger(f"FP8: on (fp8ops, {recipe}): all {n_fp8} linear layers run FP8{later}")
+        logger(f"FP8: on (fp8ops, {recipe}): all {n_fp8} linear layers {runs}{later}")
     return model, info
 
 

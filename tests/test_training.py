@@ -173,7 +173,7 @@ def test_prepare_model_counts_fp8_layers(monkeypatch):
     _, info = prepare_model(tiny_gpt(), parse("--use_fp8"), logger=lines.append,
                             module_filter_fn=LM_HEAD_FILTER)
     assert info["backend"] == "fp8ops" and info["fp8_layers"] == 8
-    assert "8 linear layers run FP8, 1 run BF16" in lines[0]
+    assert "8 linear layers converted to FP8, 1 run BF16" in lines[0]  # policy auto: converted, not yet running
     assert "excluded by module_filter_fn" in lines[0]
 
 
@@ -422,7 +422,7 @@ def test_fp8_checkpoints_resume_both_ways(fp8_on_cpu, tmp_path, capsys):
                           "--eval_every", "2", "--save_every", "2"]
     assert train_fp8.main(common + ["--steps", "2", "--use_fp8"]) == 0
     out = capsys.readouterr().out
-    assert "FP8: on (fp8ops" in out and "8 linear layers run FP8" in out
+    assert "FP8: on (fp8ops" in out and "8 linear layers converted to FP8" in out
     assert "FP8             fp8ops (8 of 8 converted layers ran FP8; 1 not converted)" in out
     ran = json.loads((tmp_path / "metrics.json").read_text())["fp8_ran"]
     assert ran == "fp8ops (8 of 8 converted layers ran FP8; 1 not converted)"
