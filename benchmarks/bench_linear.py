@@ -37,9 +37,9 @@ The BF16 baseline also pays autocast's fp32->bf16 weight cast (read 4NK, write 2
 Timing (--timing loop, the default): the variants take turns in interleaved rounds; in each,
 a variant runs a few untimed iterations and then reps/rounds iterations back to back between
 two CUDA events (no synchronize inside: the pace of a training loop); the mean per iteration,
-median over the rounds. --timing bursts is the method of the first six sessions (an event per
+median over the rounds. --timing bursts is the method of the first seven sessions (an event per
 iteration right after a synchronize, median over iterations), which reads host-heavy variants
-slower (see bench_interleaved). Compile happens in the warm-up, outside the timed region.
+slower and the large GPU-bound shapes ~10 % faster for FP8 (see bench_interleaved). Compile happens in the warm-up, outside the timed region.
 Validation (once per shape, before timing, on the 3rd iteration after two scale updates): output
 and grads of each FP8 variant vs BF16 eager: SQNR >= 25 dB (y), >= 20 dB (dx, dW).
 Note: torchao >= 0.18 patches inductor's min/max codegen when convert_to_float8_training runs;
@@ -80,11 +80,12 @@ def bench_interleaved(fns: dict, reps: int, rounds: int, warmup: int = 2, lead_i
     timing "loop": each fn's round is lead_in untimed iterations, then the timed ones back to back
       between two CUDA events with no synchronize in between, the way a training loop runs; the
       mean per iteration, median over rounds. Host-bound where the host is slower than the GPU.
-    timing "bursts" (the method of the first six sessions): right after a synchronize, an event
-      after every iteration; the median of the per-iteration times. On the lent hosts the first
-      iterations after a synchronize cost the host more, so this reads host-heavy variants slow:
-      fp8ops at 4096^3 on an H200, 1.11-1.32x in bursts of 6 vs 1.43-1.55x back to back
-      (benchmarks/dev/burst_vs_continuous.py)."""
+    timing "bursts" (the method of the first seven sessions): right after a synchronize, an event
+      after every iteration; the median of the per-iteration times. It is biased both ways
+      (benchmarks/dev/burst_vs_continuous.py, one H200): the first iterations after a synchronize
+      cost the host more, so host-heavy variants read slow (fp8ops at 4096^3: 1.11-1.32x in bursts
+      of 6 vs 1.43-1.55x back to back), and at large shapes BF16 reads slower and FP8 faster than
+      in a loop that runs on (16384x4096->14336: 1.92x vs 1.75x)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -329,7 +330,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaving rounds")
     ap.add_argument("--timing", choices=("loop", "bursts"), default="loop",
                     help="loop: each round's iterations back to back after a lead-in, as in training; "
-                         "bursts: per-iteration events right after a synchronize (sessions 1-6)")
+                         "bursts: per-iteration events right after a synchronize (sessions 1-7; biased, see bench_interleaved)")
     ap.add_argument("--warmup", type=int, default=28,
                     help="warm-up iterations: compile, and policy auto's trial (26 iterations)")
     ap.add_argument("--no-ceiling", action="store_true", help="skip the GEMM-only ceiling")

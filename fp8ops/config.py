@@ -36,7 +36,7 @@ class Fp8Config:
             loop_trial.py) or "always".
             Default "auto".
         fast_accum: Hopper fast accumulation in the forward GEMM (the gradient
-            GEMMs always accumulate exactly). Default True.
+            GEMMs always keep full-precision accumulation). Default True.
     """
 
     recipe: str = "delayed"
