@@ -50,7 +50,8 @@ MODELS = {
     "1b": dict(cfg=dict(n_layer=16, n_head=16, n_embd=2048, block_size=2048), batch=4),
 }
 VOCAB = 50304
-VARIANTS = ("bf16", "bf16_compiled", "fp8ops", "fp8ops_compiled", "torchao_compiled", "torchao")
+# fp8ops_unfused: fp8ops with Fp8Config(fuse_gelu=False), the MLP's GELU left to torch (what the fusion saves)
+VARIANTS = ("bf16", "bf16_compiled", "fp8ops", "fp8ops_compiled", "fp8ops_unfused", "torchao_compiled", "torchao")
 DEFAULT_VARIANTS = "bf16,bf16_compiled,fp8ops,fp8ops_compiled,torchao_compiled"
 TARGETS = {"small": 1.15, "1b": 1.30}
 DEVICE = "cuda"
@@ -85,7 +86,8 @@ def build(variant: str, GPT, GPTConfig, lm_filter, mcfg: dict, args, fp8ops, exa
     model = GPT(cfg).to(DEVICE)  # fp32 master weights
     note = ""
     if variant.startswith("fp8ops"):
-        fp8ops.convert(model, config=fp8ops.Fp8Config(policy=args.fp8_policy, recipe=args.fp8_recipe),
+        fp8ops.convert(model, config=fp8ops.Fp8Config(policy=args.fp8_policy, recipe=args.fp8_recipe,
+                                                      fuse_gelu=variant != "fp8ops_unfused"),
                        module_filter_fn=lm_filter)
         n_fp8 = sum(type(m).__name__ == "Fp8Linear" for m in model.modules())
         n_lin = sum(isinstance(m, torch.nn.Linear) for m in model.modules())

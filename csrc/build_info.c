@@ -51,6 +51,11 @@ int fp8ops_cast_accumulate_dbias_cuda(const void* x, fp8ops_hp_dtype x_dtype, in
   (void)dbias; (void)partial; (void)partial_floats;
   return fp8ops_cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, stream);
 }
+int fp8ops_gelu_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                     int64_t cols, const float* scale, fp8ops_fp8_format fmt,
+                                     uint8_t* out, uint8_t* out_t, float* amax, void* stream) {
+  return fp8ops_cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, stream);
+}
 int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax, void* stream) {
   (void)x; (void)x_dtype; (void)n; (void)amax; (void)stream;
   return NO_CUDA("amax");

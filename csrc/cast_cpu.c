@@ -8,6 +8,7 @@
 
 #include "common.h"
 #include "fp8_convert.h"
+#include "gelu.h"
 
 // ----------------------------------------------------------------------------
 // helpers
@@ -20,6 +21,16 @@ static inline float load_hp(const void* x, fp8ops_hp_dtype dt, int64_t i) {
   }
 }
 
+/* gelu_tanh(v) rounded to dt: what torch's GELU writes for a tensor of dtype dt */
+static inline float gelu_hp(float v, fp8ops_hp_dtype dt) {
+  const float g = fp8ops_gelu_tanh(v);
+  switch (dt) {
+    case FP8OPS_BF16: return fp8ops_bf16_to_f32(fp8ops_f32_to_bf16(g));
+    case FP8OPS_F16: return fp8ops_f16_to_f32(fp8ops_f32_to_f16(g));
+    default: return g;
+  }
+}
+
 /* |v| as ordered bits: for non-negative floats the uint32 order is the value
  * order and any NaN sorts above +inf, so max over these bits propagates NaN. */
 static inline uint32_t abs_bits(float v) { return fp8ops_f32_bits(v) & 0x7FFFFFFFu; }
@@ -29,7 +40,7 @@ static inline uint32_t abs_bits(float v) { return fp8ops_f32_bits(v) & 0x7FFFFFF
 
 static int cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
                     const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
-                    float* amax, int accumulate) {
+                    float* amax, int accumulate, int gelu) {
   FP8OPS_REQUIRE(rows >= 0 && cols >= 0, "cast: negative shape [%lld, %lld]", (long long)rows,
                  (long long)cols);
   FP8OPS_REQUIRE(scale && amax && (rows * cols == 0 || (x && out)), "cast: null pointer");
@@ -42,7 +53,7 @@ static int cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t i = r * cols + c;
-      const float v = load_hp(x, x_dtype, i);
+      const float v = gelu ? gelu_hp(load_hp(x, x_dtype, i), x_dtype) : load_hp(x, x_dtype, i);
       const uint32_t a = abs_bits(v);
       if (a > amax_bits) amax_bits = a;
       float y = v * s;
@@ -62,13 +73,19 @@ static int cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_
 int fp8ops_cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
                     const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
                     float* amax) {
-  return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 0);
+  return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 0, 0);
 }
 
 int fp8ops_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
                                int64_t cols, const float* scale, fp8ops_fp8_format fmt,
                                uint8_t* out, uint8_t* out_t, float* amax) {
-  return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 1);
+  return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 1, 0);
+}
+
+int fp8ops_gelu_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                    int64_t cols, const float* scale, fp8ops_fp8_format fmt,
+                                    uint8_t* out, uint8_t* out_t, float* amax) {
+  return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 1, 1);
 }
 
 /* Row by row, keeping the running 8-row block sums, 128-row tile sums and

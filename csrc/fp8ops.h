@@ -93,6 +93,17 @@ int fp8ops_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t 
                                 int64_t cols, const float* scale, fp8ops_fp8_format fmt,
                                 uint8_t* out, uint8_t* out_t, float* amax, void* stream);
 
+/* The fused GELU of an FP8 linear whose input is gelu_tanh(x): cast_accumulate
+ * of g = gelu_tanh(x) rounded to x's dtype (the tensor torch's GELU writes;
+ * gelu.h has the formula), amax of g. x is the GELU's input, the linear's
+ * pre-activation. CPU and CUDA agree to tanhf's rounding (gelu.h). */
+int fp8ops_gelu_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                    int64_t cols, const float* scale, fp8ops_fp8_format fmt,
+                                    uint8_t* out, uint8_t* out_t, float* amax);
+int fp8ops_gelu_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                     int64_t cols, const float* scale, fp8ops_fp8_format fmt,
+                                     uint8_t* out, uint8_t* out_t, float* amax, void* stream);
+
 /* dbias: the column sums of x [rows, cols] (Fp8Linear's bias gradient: the
  * sum of dy over the tokens) into dbias[cols], fp32, in one fixed order that
  * CPU and CUDA share bit for bit: x padded with +0 rows to a multiple of 128;

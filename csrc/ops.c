@@ -601,7 +601,7 @@ static void boxed_gemm(StableIValue* stack, uint64_t nargs, uint64_t nret) {
 // linear_fwd(Tensor x, Tensor w, Tensor x_scale, Tensor(a!) x_amax, Tensor x_scale_inv,
 //            Tensor w_scale, Tensor(b!) w_amax, Tensor w_scale_inv, Tensor bias,
 //            ScalarType x_fp8_dtype, ScalarType w_fp8_dtype, ScalarType out_dtype,
-//            bool use_fast_accum, bool save_xt, bool save_wt)
+//            bool use_fast_accum, bool save_xt, bool save_wt, bool gelu_input=False)
 //     -> (Tensor y, Tensor x8t, Tensor w8, Tensor w8t)
 //
 // Fp8Linear's forward in one call: x8 (, x8t) = cast(x * x_scale) with x's
@@ -610,14 +610,17 @@ static void boxed_gemm(StableIValue* stack, uint64_t nargs, uint64_t nret) {
 // high precision: then it is cast here first, w8 (, w8t when save_wt) =
 // cast(w * w_scale) with its amax folded into w_amax, and returned for reuse
 // until the next optimizer step. x8 is a temporary; x8t (the transpose, for
-// the weight gradient) is returned when save_xt, else empty. One dispatcher
+// the weight gradient) is returned when save_xt, else empty. gelu_input: x is
+// the input h of a GELU and the layer's input is gelu_tanh(h): the cast reads
+// h and casts its GELU (amax and x8t are the GELU's; cast_cpu.c / cast.cu). One dispatcher
 // call instead of up to five: small layers are bound by the host's per-op
 // cost, not by the GPU.
 
 #define LFWD_NIN 9
 static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t w_fp8,
                           int32_t out_dtype, bool fast_accum, bool save_xt, bool save_wt,
-                          AtenTensorHandle outs[4], AtenTensorHandle* x8, gemm_scratch* scratch) {
+                          bool gelu, AtenTensorHandle outs[4], AtenTensorHandle* x8,
+                          gemm_scratch* scratch) {
   const char* op = "fp8ops::linear_fwd";
   tinfo x, w, xs, xa, xsi, ws, wa, wsi, bias;
   fp8ops_hp_dtype xd = FP8OPS_F32, od = FP8OPS_BF16, wd = FP8OPS_F32;
@@ -688,7 +691,12 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
                                                       wa.data, stream)
                        : fp8ops_cast_accumulate_cpu(w.data, wd, N, K, ws.data, wf, pw8, pw8t,
                                                      wa.data);
-    if (rc == FP8OPS_OK)
+    if (rc == FP8OPS_OK && gelu)
+      rc = is_cuda(&x) ? fp8ops_gelu_cast_accumulate_cuda(x.data, xd, M, K, xs.data, xf, p8, p8t,
+                                                           xa.data, stream)
+                       : fp8ops_gelu_cast_accumulate_cpu(x.data, xd, M, K, xs.data, xf, p8, p8t,
+                                                          xa.data);
+    else if (rc == FP8OPS_OK)
       rc = is_cuda(&x) ? fp8ops_cast_accumulate_cuda(x.data, xd, M, K, xs.data, xf, p8, p8t,
                                                       xa.data, stream)
                        : fp8ops_cast_accumulate_cpu(x.data, xd, M, K, xs.data, xf, p8, p8t,
@@ -707,8 +715,8 @@ static void boxed_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
   AtenTensorHandle outs[4] = {NULL, NULL, NULL, NULL}, x8 = NULL;
   gemm_scratch scratch = {0};
   int rc = run_linear_fwd(in, sv_i32(stack[9]), sv_i32(stack[10]), sv_i32(stack[11]),
-                          sv_bool(stack[12]), sv_bool(stack[13]), sv_bool(stack[14]), outs, &x8,
-                          &scratch);
+                          sv_bool(stack[12]), sv_bool(stack[13]), sv_bool(stack[14]),
+                          sv_bool(stack[15]), outs, &x8, &scratch);
   release(in, LFWD_NIN);
   release(&x8, 1); /* stream-ordered, after the GEMM that reads it */
   scratch_release(&scratch);
@@ -892,7 +900,8 @@ static const op_row k_ops[] = {
     {"linear_fwd", "linear_fwd(Tensor x, Tensor w, Tensor x_scale, Tensor(a!) x_amax, "
                    "Tensor x_scale_inv, Tensor w_scale, Tensor(b!) w_amax, Tensor w_scale_inv, "
                    "Tensor bias, ScalarType x_fp8_dtype, ScalarType w_fp8_dtype, "
-                   "ScalarType out_dtype, bool use_fast_accum, bool save_xt, bool save_wt) -> "
+                   "ScalarType out_dtype, bool use_fast_accum, bool save_xt, bool save_wt, "
+                   "bool gelu_input=False) -> "
                    "(Tensor y, Tensor x8t, Tensor w8, Tensor w8t)", boxed_linear_fwd},
     {"linear_bwd", "linear_bwd(Tensor gy, Tensor w8t, Tensor x8t, Tensor g_scale, "
                    "Tensor(a!) g_amax, Tensor g_scale_inv, Tensor w_scale_inv, "

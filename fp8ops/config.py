@@ -37,6 +37,12 @@ class Fp8Config:
             Default "auto".
         fast_accum: Hopper fast accumulation in the forward GEMM (the gradient
             GEMMs always keep full-precision accumulation). Default True.
+        fuse_gelu: move each tanh-GELU module whose output only feeds one
+            converted linear (GPT-2's MLP: c_proj(gelu(c_fc(x)))) into that
+            linear, which then applies it in its input cast and its gradient
+            in its dgrad GEMM: the GELU's own forward and backward passes no
+            longer run. The module becomes nn.Identity; state_dict keys do not
+            change (see gelu_fusion.py). Default True.
     """
 
     recipe: str = "delayed"
@@ -47,6 +53,7 @@ class Fp8Config:
     amax_compute_algo: str = "max"
     policy: str = "auto"
     fast_accum: bool = True
+    fuse_gelu: bool = True
 
     def __post_init__(self):
         def need(cond, what):

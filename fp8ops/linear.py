@@ -110,7 +110,7 @@ def _scaled_grad_output(ctx, gy: torch.Tensor) -> torch.Tensor:
     """Backward's first step for both autograd functions: dy made contiguous and,
     under current scaling (or delayed scaling's first step), its scale set from
     its own amax before the cast."""
-    *_, current, margin, _need_wgrad, _need_dgrad, delayed = ctx.static
+    *_, current, margin, _need_wgrad, _need_dgrad, delayed, _gelu = ctx.static
     g2 = gy.contiguous()
     if current:
         _current_scale(g2, ctx.views, G, margin, overflow=_overflow(ctx.views, delayed), keep_history=delayed)
@@ -122,11 +122,17 @@ class _Fp8LinearFn(torch.autograd.Function):
     per-tensor slices); static: the call's constant settings (see forward).
     w_in is the weight's FP8 cast from this step's cache (w8t its transpose),
     or, when w8t is None, the weight itself: linear_fwd then casts it in the
-    same C call and store(w8, w8t) keeps the cast for the step's later calls."""
+    same C call and store(w8, w8t) keeps the cast for the step's later calls.
+    gelu (static): x2 is a GELU's input h and the layer computes
+    linear(gelu_tanh(h)): the GELU is fused into x's cast; backward applies its
+    gradient to dx with torch's gelu_backward (h is kept for it, as torch's
+    GELU would keep it)."""
 
     @staticmethod
     def forward(ctx, x2, weight, bias, w_in, w8t, b_lp, views, static, store):
-        x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed = static
+        x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed, gelu = \
+            static
+        assert not (gelu and current), "the fused GELU casts with a known scale (Fp8Linear.forward unfuses it)"
         if current:
             _current_scale(x2, views, X, margin, overflow=_overflow(views, delayed), keep_history=delayed)
         if b_lp is None:
@@ -134,7 +140,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         # one C call: [cast the weight,] cast x (amaxes folded into history row 0), GEMM
         y, x8t, w8_new, w8t_new = ops._linear_fwd_raw(
             x2, w_in, views[V_S + X], views[V_H + X], views[V_SI + X], views[V_S + W], views[V_H + W],
-            views[V_SI + W], b_lp, x_dtype, w_dtype, out_dtype, fast_accum, need_wgrad, need_dgrad)
+            views[V_SI + W], b_lp, x_dtype, w_dtype, out_dtype, fast_accum, need_wgrad, need_dgrad, gelu)
         if w8t is None:
             w8t = w8t_new
             if store is not None:
@@ -143,7 +149,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         if current:
             # another micro-batch's forward may rescale x before this backward runs
             sx_inv = sx_inv.clone()
-        ctx.save_for_backward(x8t, w8t, sx_inv)
+        ctx.save_for_backward(x8t, w8t, sx_inv, x2 if gelu and need_dgrad else None)
         ctx.views = views
         ctx.static = static
         ctx.w_dtype = weight.dtype
@@ -153,8 +159,8 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        x8t, w8t, sx_inv = ctx.saved_tensors
-        x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed = ctx.static
+        x8t, w8t, sx_inv, h = ctx.saved_tensors
+        g_dtype, need_wgrad, need_dgrad = ctx.static[2], ctx.static[7], ctx.static[8]
         views = ctx.views
         g2 = _scaled_grad_output(ctx, gy)
         need_dx = need_dgrad and ctx.needs_input_grad[0]
@@ -166,6 +172,10 @@ class _Fp8LinearFn(torch.autograd.Function):
         dx, dw, db = ops._linear_bwd_raw(g2, w8t, x8t, views[V_S + G], views[V_H + G], views[V_SI + G],
                                          views[V_SI + W], sx_inv, g_dtype, ctx.x2_dtype, w_out, need_dx,
                                          need_dw, need_db)
+        if h is not None and need_dx:
+            # cuBLASLt's FP8 DGELU epilogue runs as a separate pass (measured on an H200), so
+            # torch's own kernel does the same pass here
+            dx = torch.ops.aten.gelu_backward(dx, h, approximate="tanh")
         db = db.to(ctx.b_dtype) if need_db else None
         return (dx if need_dx else None), (dw if need_dw else None), db, None, None, None, None, None, None
 
@@ -212,6 +222,9 @@ class Fp8Linear(nn.Linear):
         self._w_cache = None            # (key, w8, w8t, bias in the GEMM's bias dtype)
         self._fp8_cast_since_update = False  # update_scales skips layers that cast nothing
         self.fp8_on_cpu = False         # tests: run the FP8 path on CPU with the C reference kernels
+        # the layer computes linear(gelu_tanh(x)): conversion moved the model's GELU in here
+        # (conversion.fuse_gelu), fused into x's cast and the dgrad GEMM on the FP8 path
+        self.fp8_gelu_input = False
         self.fp8_policy_measuring = False  # policy.py's throwaway layers skip the policy
         self.fp8_policy = {}            # (M, dtype) -> (fp8 wins, speedup): policy="auto" verdicts for this layer
         self.fp8_policy_why = {}        # (M, dtype) -> how the trial in the loop decided it (loop_trial.py)
@@ -241,7 +254,8 @@ class Fp8Linear(nn.Linear):
         return new
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", fp8={self.fp8_config.short_str()}"
+        gelu = ", input=gelu_tanh(x) (fused)" if self.fp8_gelu_input else ""
+        return super().extra_repr() + f", fp8={self.fp8_config.short_str()}{gelu}"
 
     # ------------------------------------------------------------------ scales
 
@@ -353,6 +367,8 @@ class Fp8Linear(nn.Linear):
         w, b = self._param("weight"), self._param("bias")
         if getattr(w, "_fp8ops_gathered", None) is not None:
             w = _DequantGathered.apply(w, self._buffers["fp8_scale_inv"][W:W + 1])
+        if self.__dict__["fp8_gelu_input"]:
+            x = F.gelu(x, approximate="tanh")
         return F.linear(x, w, b)
 
     def _fp8_pays(self, M: int, cdtype: torch.dtype, compiling: bool = False) -> bool:
@@ -468,6 +484,11 @@ class Fp8Linear(nn.Linear):
         # flag's flip at the first update costs one recompile)
         delayed = cfg.recipe == "delayed"
         current = not delayed or not d["_fp8_delayed_ready"]
+        gelu = d["fp8_gelu_input"]
+        if gelu and (current or d["_fp8_fn"] is not _Fp8LinearFn):
+            # a current scale needs the GELU's amax before the cast, and the emulated
+            # GEMMs have no fused GELU: the GELU runs first, as it did in the model
+            x2, gelu = F.gelu(x2, approximate="tanh"), False
         d["_fp8_cast_since_update"] = True
         grad = torch.is_grad_enabled()
         need_wgrad = grad and weight.requires_grad
@@ -476,6 +497,6 @@ class Fp8Linear(nn.Linear):
         w_in, w8t, b_lp, store = self._weight_fp8(cdtype, need_dgrad, views, compiling, current)
         x_dt, w_dt, g_dt = d["fp8_dtypes"]
         static = (x_dt, w_dt, g_dt, cdtype, cfg.fast_accum, current, float(cfg.margin), need_wgrad, need_dgrad,
-                  delayed)
+                  delayed, gelu)
         y = d["_fp8_fn"].apply(x2, weight, bias, w_in, w8t, b_lp, views, static, store)
         return y.reshape(*x.shape[:-1], self.out_features)

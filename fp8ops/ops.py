@@ -275,13 +275,16 @@ def _cast_accumulate_fake(x, scale, amax, out_dtype, transpose):
 
 def linear_fwd(x, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
                x_fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, use_fast_accum=False,
-               save_xt=True, w_scale=None, w_amax=None, w_fp8_dtype=torch.float8_e4m3fn, save_wt=False):
+               save_xt=True, w_scale=None, w_amax=None, w_fp8_dtype=torch.float8_e4m3fn, save_wt=False,
+               gelu_input=False):
     """Fp8Linear's forward: x8 = cast(x * x_scale) (x's amax folded into
     x_amax), y = (x8 @ w8.T) * x_scale_inv * w_scale_inv + bias. x [M, K] hp.
     w [N, K] is FP8 (used as is) or high precision: then w8 = cast(w * w_scale)
-    in the same call (its amax folded into w_amax). Returns (y [M, N], x8t
-    [K, M] if save_xt, w8 [N, K] and w8t [K, N] if save_wt when w was cast
-    here); what was not made comes back empty."""
+    in the same call (its amax folded into w_amax). gelu_input: x is a GELU's
+    input h and the layer computes linear(gelu_tanh(h)); the cast reads h and
+    casts its GELU (rounded to x's dtype), whose amax and x8t come back. Returns
+    (y [M, N], x8t [K, M] if save_xt, w8 [N, K] and w8t [K, N] if save_wt when
+    w was cast here); what was not made comes back empty."""
     _require()
     if bias is None:
         bias = x.new_empty((0,), dtype=_bias_dtype(out_dtype))
@@ -294,11 +297,11 @@ def linear_fwd(x, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
         w_amax = x.new_zeros((1,), dtype=torch.float32)
     return torch.ops.fp8ops.linear_fwd.default(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv,
                                                bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_xt,
-                                               save_wt)
+                                               save_wt, gelu_input)
 
 
 def _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv, bias, x_fp8_dtype,
-                     w_fp8_dtype, out_dtype, use_fast_accum, save_xt, save_wt):
+                     w_fp8_dtype, out_dtype, use_fast_accum, save_xt, save_wt, gelu_input=False):
     op = "fp8ops::linear_fwd"
     _chk(x.dtype in HP_DTYPES, f"{op}: x must be float32, bfloat16 or float16, found {_dname(x.dtype)}")
     cast_w = w.dtype not in FP8_DTYPES

@@ -80,9 +80,10 @@ def _save() -> None:
 _KEY_VERSION = 3
 
 
-def key(device: torch.device, M: int, K: int, N: int, dtype: torch.dtype, bias: bool) -> str:
+def key(device: torch.device, M: int, K: int, N: int, dtype: torch.dtype, bias: bool, gelu: bool = False) -> str:
+    """gelu: the layer's input is a fused GELU's (Fp8Linear.fp8_gelu_input): timed with it on both sides."""
     return (f"v{_KEY_VERSION}|{torch.cuda.get_device_name(device)}|torch{torch.__version__}|"
-            f"{M}x{K}->{N}|{str(dtype).replace('torch.', '')}|bias{int(bias)}")
+            f"{M}x{K}->{N}|{str(dtype).replace('torch.', '')}|bias{int(bias)}" + ("|gelu" if gelu else ""))
 
 
 def cached(k: str) -> Timing | None:
@@ -179,7 +180,8 @@ def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
     from . import ops  # noqa: PLC0415
 
     dev = layer.weight.device
-    k = key(dev, M, layer.in_features, layer.out_features, cdtype, layer.bias is not None)
+    gelu = layer.fp8_gelu_input
+    k = key(dev, M, layer.in_features, layer.out_features, cdtype, layer.bias is not None, gelu)
     with _lock:
         hit = _load().get(k)
         if hit is not None:
@@ -189,6 +191,7 @@ def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
         fp8 = Fp8Linear(K, N, bias=layer.bias is not None, device=dev, dtype=layer.weight.dtype,
                         config=layer.fp8_config)
         fp8.fp8_policy_measuring = True
+        fp8.fp8_gelu_input = gelu
         # time the steady state: delayed casts from the history's scales (not the
         # first step's current scaling, which costs an extra amax pass per cast)
         fp8._fp8_delayed_ready = True
@@ -199,7 +202,10 @@ def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
         def run(mod):
             def step():
                 with torch.autocast("cuda", dtype=cdtype, enabled=cdtype != torch.float32):
-                    y = mod(x) if mod is fp8 else F.linear(x, mod.weight, mod.bias)
+                    if mod is fp8:
+                        y = mod(x)
+                    else:  # what the model ran before conversion: its GELU, then the linear
+                        y = F.linear(F.gelu(x, approximate="tanh") if gelu else x, mod.weight, mod.bias)
                 y.backward(g)
                 if mod is fp8:
                     # what an optimizer step costs FP8: the scale update (one

@@ -1,0 +1,269 @@
+"""The fused GELU: conversion moves a tanh-GELU module into the Fp8Linear that
+consumes it (gelu_fusion.py); that linear casts gelu(h) from h (linear_fwd
+with gelu_input) and applies the GELU's gradient to its dx.
+
+CPU tests run the C reference kernels; the CUDA parametrisations run the
+cast kernels on the device."""
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fp8ops
+from fp8ops import Fp8Config, ops
+from fp8ops._reference import sqnr
+from fp8ops.gelu_fusion import fuse_gelu
+from fp8ops.linear import Fp8Linear
+
+from conftest import FP8_DEVICES, requires_fp8
+
+E4 = torch.float8_e4m3fn
+
+
+class MLP(nn.Module):
+    """GPT-2's MLP: c_proj(gelu(c_fc(x)))."""
+
+    def __init__(self, d=32, approximate="tanh"):
+        super().__init__()
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.gelu = nn.GELU(approximate=approximate)
+        self.c_proj = nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.drop(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.mlp = MLP(d)
+
+    def forward(self, x):
+        return x + self.mlp(self.ln(x))
+
+
+def _convert(model, monkeypatch, device="cpu", **cfg):
+    """fp8ops.convert as on an FP8 GPU; on CPU the layers run the C reference kernels."""
+    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
+    fp8ops.convert(model, config=Fp8Config(policy="always", **cfg))
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.fp8_on_cpu = device == "cpu"
+    return model
+
+
+def _gelu_calls(monkeypatch):
+    """Records the gelu_input flag of every linear_fwd call."""
+    seen = []
+    fwd = ops._linear_fwd_raw
+    monkeypatch.setattr(ops, "_linear_fwd_raw", lambda *a: (seen.append(a[-1]), fwd(*a))[1])
+    return seen
+
+
+# ------------------------------------------------------------------ conversion
+
+def test_convert_fuses_gpt2_mlp_gelu(monkeypatch):
+    model = nn.Sequential(Block(), Block())
+    keys = list(model.state_dict())
+    _convert(model, monkeypatch)
+    for blk in model:
+        assert isinstance(blk.mlp.gelu, nn.Identity)
+        assert blk.mlp.c_proj.fp8_gelu_input and not blk.mlp.c_fc.fp8_gelu_input
+    assert list(model.state_dict()) == keys
+    reasons = {r["name"]: r["reason"] for r in fp8ops.report(model, print_table=False)}
+    assert reasons["0.mlp.c_proj"] == "converted; GELU 0.mlp.gelu fused into it"
+    assert reasons["0.mlp.c_fc"] == "converted"
+    assert "gelu_tanh(x) (fused)" in repr(model[0].mlp.c_proj)
+
+
+def test_fuse_gelu_off_keeps_the_gelu(monkeypatch):
+    model = _convert(Block(), monkeypatch, fuse_gelu=False)
+    assert type(model.mlp.gelu) is nn.GELU and not model.mlp.c_proj.fp8_gelu_input
+
+
+class GeluTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.gelu, self.b = nn.Linear(32, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.b(self.gelu(self.a(x))) + self.gelu(x).sum()
+
+
+class GeluAlsoResidual(GeluTwice):
+    def forward(self, x):
+        g = self.gelu(self.a(x))
+        return self.b(g) + g.mean()
+
+
+class GeluFunctional(GeluTwice):
+    def forward(self, x):
+        return self.b(F.gelu(self.a(x), approximate="tanh"))
+
+
+class GeluBranching(GeluTwice):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent: torch.fx cannot read it
+            x = -x
+        return self.b(self.gelu(self.a(x)))
+
+
+class LinearTwice(GeluTwice):
+    def forward(self, x):
+        return self.b(self.gelu(self.a(x))) + self.b(self.a(x))
+
+
+@pytest.mark.parametrize("cls", [GeluTwice, GeluAlsoResidual, GeluFunctional, GeluBranching, LinearTwice])
+def test_gelu_not_fused_where_unsafe(cls, monkeypatch):
+    torch.manual_seed(0)
+    model = cls()
+    ref = copy.deepcopy(model)
+    _convert(model, monkeypatch)
+    assert not model.b.fp8_gelu_input
+    assert type(model.gelu) is nn.GELU
+    x = torch.randn(16, 32)
+    x = -x.abs() if cls is GeluBranching else x
+    torch.testing.assert_close(model(x), ref(x), rtol=0.1, atol=0.1)  # FP8, but the same function
+
+
+def test_gelu_not_fused_erf_shared_or_hooked(monkeypatch):
+    erf = _convert(MLP(approximate="none"), monkeypatch)
+    assert type(erf.gelu) is nn.GELU and not erf.c_proj.fp8_gelu_input
+    shared = MLP()
+    holder = nn.ModuleList([shared, nn.ModuleDict({"g": shared.gelu})])
+    _convert(holder, monkeypatch)
+    assert type(shared.gelu) is nn.GELU and not shared.c_proj.fp8_gelu_input
+    hooked = MLP()
+    hooked.c_proj.register_forward_pre_hook(lambda m, a: None)  # would see h instead of gelu(h)
+    _convert(hooked, monkeypatch)
+    assert type(hooked.gelu) is nn.GELU and not hooked.c_proj.fp8_gelu_input
+
+
+def test_fuse_gelu_logs_untraceable_parent(caplog):
+    model = GeluBranching()
+    model.b = Fp8Linear.from_linear(model.b, Fp8Config())
+    with caplog.at_level(logging.DEBUG, logger="fp8ops"):
+        assert fuse_gelu(model) == {}
+    assert "torch.fx cannot read GeluBranching.forward" in caplog.text
+
+
+# ------------------------------------------------------------------ numerics
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_mlp_trains_like_unfused(device, dtype, monkeypatch):
+    """Three optimizer steps (the first casts with current scales and runs the GELU
+    unfused, the next two fused): the fused model's losses, outputs and gradients
+    match the same FP8 model with its GELU left alone, to FP8 rounding."""
+    torch.manual_seed(0)
+    base = Block(64).to(device)
+    fused = _convert(copy.deepcopy(base), monkeypatch, device)
+    plain = _convert(copy.deepcopy(base), monkeypatch, device, fuse_gelu=False)
+    assert fused.mlp.c_proj.fp8_gelu_input and not plain.mlp.c_proj.fp8_gelu_input
+    seen = _gelu_calls(monkeypatch)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (fused, plain)]
+    x = torch.randn(4, 32, 64, device=device)
+    for step in range(3):
+        outs = []
+        for m, opt in zip((fused, plain), opts):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                y = m(x)
+            (y.float() ** 2).mean().backward()
+            outs.append((y.detach().float(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+        (y_f, g_f), (y_p, g_p) = outs
+        assert sqnr(y_p, y_f) >= 35, step
+        for n in g_p:
+            assert sqnr(g_p[n], g_f[n]) >= 25, (step, n, sqnr(g_p[n], g_f[n]))
+    # steps 2 and 3 of the fused model ran c_proj's forward fused (and nothing else did)
+    assert sum(seen) == 2
+
+
+def test_current_recipe_runs_the_gelu_first(monkeypatch):
+    """Current scaling needs gelu(h)'s amax before the cast: the GELU runs unfused,
+    so the result is bit for bit the unfused model's."""
+    torch.manual_seed(0)
+    base = MLP()
+    fused = _convert(copy.deepcopy(base), monkeypatch, recipe="current")
+    plain = _convert(copy.deepcopy(base), monkeypatch, recipe="current", fuse_gelu=False)
+    x = torch.randn(16, 32, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = fused(x), plain(x2)
+    torch.testing.assert_close(y, y2, rtol=0, atol=0)
+    y.sum().backward()
+    y2.sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
+
+
+def test_bf16_fallback_applies_the_gelu(monkeypatch):
+    """A layer that runs BF16 (here: input on the CPU without the reference kernels)
+    still computes linear(gelu(h)): the same as the model before conversion."""
+    torch.manual_seed(0)
+    base = MLP()
+    model = _convert(copy.deepcopy(base), monkeypatch)
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.fp8_on_cpu = False
+    x = torch.randn(8, 32)
+    torch.testing.assert_close(model(x), base(x), rtol=0, atol=0)
+    assert model.c_proj.fp8_fallback_calls == 1
+
+
+# ------------------------------------------------------------------ the ops
+
+def _scales(device):
+    s = torch.tensor([0.5], device=device)
+    return s, torch.zeros(1, device=device), 1 / s
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("save_xt", [True, False])
+def test_linear_fwd_gelu_input_is_linear_of_gelu(device, dtype, save_xt):
+    """linear_fwd(h, gelu_input=True) == linear_fwd(gelu_tanh(h) in h's dtype), to
+    tanhf's rounding: few FP8 codes differ, each by one step."""
+    torch.manual_seed(0)
+    M, K, N = 256, 128, 64
+    h = (torch.randn(M, K, device=device) * 3).to(dtype)
+    w8 = (torch.randn(N, K, device=device) * 0.1).to(E4)
+    sx, amax, sx_inv = _scales(device)
+    amax2 = amax.clone()
+    sw_inv = torch.ones(1, device=device)
+    y, x8t, _, _ = ops.linear_fwd(h, w8, sx, amax, sx_inv, sw_inv, save_xt=save_xt, gelu_input=True)
+    g = F.gelu(h.float(), approximate="tanh").to(dtype)
+    y_ref, x8t_ref, _, _ = ops.linear_fwd(g, w8, sx, amax2, sx_inv, sw_inv, save_xt=save_xt)
+    torch.testing.assert_close(amax, amax2, rtol=1e-2, atol=0)
+    assert sqnr(y_ref.float(), y.float()) >= 40
+    if save_xt:
+        a, b = x8t.view(torch.uint8).int(), x8t_ref.view(torch.uint8).int()
+        assert (a != b).float().mean() <= 0.01
+        assert (a - b).abs().max() <= 1
+
+
+@requires_fp8
+@pytest.mark.gpu
+@pytest.mark.fp8
+def test_fused_gelu_cuda_matches_cpu_reference():
+    """The CUDA kernels (fast transposing path, both FP8 formats) against the C
+    reference: tanhf differs by an fp32 ulp at most, so nearly every byte agrees."""
+    torch.manual_seed(0)
+    M, K, N = 512, 256, 128
+    for dtype in (torch.bfloat16, torch.float32):
+        h = (torch.randn(M, K) * 4).to(dtype)
+        w8 = (torch.randn(N, K) * 0.1).to(E4)
+        outs = []
+        for dev in ("cpu", "cuda"):
+            sx, amax, sx_inv = _scales(dev)
+            y, x8t, _, _ = ops.linear_fwd(h.to(dev), w8.to(dev), sx, amax, sx_inv, torch.ones(1, device=dev),
+                                          gelu_input=True)
+            outs.append((y.float().cpu(), x8t.view(torch.uint8).cpu().int(), amax.cpu()))
+        (y0, t0, a0), (y1, t1, a1) = outs
+        assert (t0 != t1).float().mean() <= 1e-3 and (t0 - t1).abs().max() <= 1
+        torch.testing.assert_close(a0, a1, rtol=1e-5, atol=0)
+        assert sqnr(y0, y1) >= 40
