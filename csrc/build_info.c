@@ -56,6 +56,25 @@ int fp8ops_gelu_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int
                                      uint8_t* out, uint8_t* out_t, float* amax, void* stream) {
   return fp8ops_cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, stream);
 }
+int fp8ops_gelu_grad_cuda(const void* x, const void* aux, fp8ops_hp_dtype dtype, int64_t n,
+                          void* out, void* stream) {
+  (void)x; (void)aux; (void)dtype; (void)n; (void)out; (void)stream;
+  return NO_CUDA("gelu_grad");
+}
+int fp8ops_dgelu_cast_fusable(const void* x, const void* aux, int64_t rows, int64_t cols,
+                              const uint8_t* out, const uint8_t* out_t) {
+  (void)x; (void)aux; (void)rows; (void)cols; (void)out; (void)out_t;
+  return 0;
+}
+int fp8ops_dgelu_cast_accumulate_cuda(const void* x, const void* aux, fp8ops_hp_dtype x_dtype,
+                                      int64_t rows, int64_t cols, const float* scale,
+                                      fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
+                                      float* amax, float* dbias, float* partial,
+                                      int64_t partial_floats, void* stream) {
+  (void)x; (void)aux; (void)x_dtype; (void)rows; (void)cols; (void)scale; (void)fmt; (void)out;
+  (void)out_t; (void)amax; (void)dbias; (void)partial; (void)partial_floats; (void)stream;
+  return NO_CUDA("dgelu_cast");
+}
 int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax, void* stream) {
   (void)x; (void)x_dtype; (void)n; (void)amax; (void)stream;
   return NO_CUDA("amax");

@@ -29,7 +29,11 @@
  * GELU instances (fp8ops_gelu_cast_accumulate_cuda) cast gelu_tanh(x) instead
  * of x: each element is replaced right after its load by its GELU rounded to
  * x's dtype, the tensor torch's GELU kernel would have written, so the rest of
- * each kernel is unchanged and the model's GELU pass disappears.
+ * each kernel is unchanged and the model's GELU pass disappears. DGELU
+ * instances of the transposing kernel (fp8ops_dgelu_cast_accumulate_cuda)
+ * likewise replace each element x of the output gradient by
+ * x * gelu_tanh'(h) (h read from a second input of the same shape), rounded
+ * to x's dtype: what torch's GELU backward would have written.
  * Nothing here allocates, synchronises or reads device memory from the host,
  * so every launcher can be captured in a CUDA graph.
  */
@@ -185,6 +189,39 @@ __device__ __forceinline__ uint4 gelu_vec(const uint4& v) {
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
+
+// One 16-byte vector of the gradient g (dtype DT) times gelu_tanh'(h), h the
+// matching vector of the GELU's input, rounded to DT.
+template <int DT>
+__device__ __forceinline__ uint4 dgelu_vec(const uint4& g, const uint4& h) {
+  uint32_t w[4] = {g.x, g.y, g.z, g.w};
+  const uint32_t a[4] = {h.x, h.y, h.z, h.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (DT == FP8OPS_F32) {
+      w[k] = fp8ops_f32_bits(fp8ops_bits_f32(w[k]) * fp8ops_gelu_tanh_grad(fp8ops_bits_f32(a[k])));
+    } else {
+      float lo, hi;
+      if constexpr (DT == FP8OPS_BF16) {
+        lo = fp8ops_bf16_to_f32((uint16_t)w[k]) * fp8ops_gelu_tanh_grad(fp8ops_bf16_to_f32((uint16_t)a[k]));
+        hi = fp8ops_bf16_to_f32((uint16_t)(w[k] >> 16)) *
+             fp8ops_gelu_tanh_grad(fp8ops_bf16_to_f32((uint16_t)(a[k] >> 16)));
+        w[k] = fp8ops_f32_to_bf16(lo) | ((uint32_t)fp8ops_f32_to_bf16(hi) << 16);
+      } else {
+        lo = fp8ops_f16_to_f32((uint16_t)w[k]) * fp8ops_gelu_tanh_grad(fp8ops_f16_to_f32((uint16_t)a[k]));
+        hi = fp8ops_f16_to_f32((uint16_t)(w[k] >> 16)) *
+             fp8ops_gelu_tanh_grad(fp8ops_f16_to_f32((uint16_t)(a[k] >> 16)));
+        w[k] = fp8ops_f32_to_f16(lo) | ((uint32_t)fp8ops_f32_to_f16(hi) << 16);
+      }
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The elementwise prologue of a cast kernel instance (ACT template argument)
+#define ACT_NONE 0
+#define ACT_GELU 1   // cast gelu_tanh(x)
+#define ACT_DGELU 2  // cast x * gelu_tanh'(aux)
 
 // ----------------------------------------------------------------------------
 // CUDA helpers (amax, packing)
@@ -423,7 +460,8 @@ __device__ __forceinline__ void cast_batch(const uint4 (&v)[N], float scale, Abs
 // The GELU instances (never with DB) fit the same budget as the plain ones
 // with gelu.h's exp form (no spills; at 2 blocks per SM, the first version,
 // the GELU cast of GPT-2's 32768 x 3072 took 0.173 ms on an H200 against the
-// plain cast's 0.109 ms).
+// plain cast's 0.109 ms); so do the DGELU ones, but for fp16 without DB,
+// which spills at 4 blocks and gets DB's budget.
 
 // cast + transpose + amax, fast path (rows % 16 == 0, cols % 16 == 0, x / out
 // / out_t 16-byte aligned).
@@ -454,12 +492,14 @@ __device__ __forceinline__ void cast_batch(const uint4 (&v)[N], float scale, Abs
 // the tile's column sums go to partial[blockIdx.y][col]; dbias_reduce_kernel
 // then adds the tiles in row order (the order fp8ops_dbias_cpu defines). A
 // row past the end of the last tile counts as +0 (the loads there are 0).
-template <int DT, int FMT, bool DB, bool GELU>
-__global__ void __launch_bounds__(CT_THREADS, DB ? CT_MIN_BLOCKS_DB(DT) : CT_MIN_BLOCKS(DT))
+template <int DT, int FMT, bool DB, int ACT>
+__global__ void __launch_bounds__(CT_THREADS, DB || (ACT == ACT_DGELU && DT == FP8OPS_F16)
+                                                  ? CT_MIN_BLOCKS_DB(DT)
+                                                  : CT_MIN_BLOCKS(DT))
     cast_transpose_kernel(const void* __restrict__ x, const float* __restrict__ scale_p,
                           uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
                           float* __restrict__ amax, int64_t rows, int64_t cols,
-                          float* __restrict__ partial) {
+                          float* __restrict__ partial, const void* __restrict__ aux) {
   constexpr int ESZ = VecInfo<DT>::esz;
   constexpr int VEC = CT_VEC(DT);
   constexpr int TN = CT_TN(DT);
@@ -486,9 +526,17 @@ __global__ void __launch_bounds__(CT_THREADS, DB ? CT_MIN_BLOCKS_DB(DT) : CT_MIN
     const int64_t stride = cols * ESZ / 16;  // one row in uint4
 #pragma unroll
     for (int i = 0; i < CT_RB; ++i) v[i] = __ldcs(src + i * stride);
-    if constexpr (GELU) {
+    if constexpr (ACT == ACT_GELU) {
 #pragma unroll
       for (int i = 0; i < CT_RB; ++i) v[i] = gelu_vec<DT>(v[i]);
+    } else if constexpr (ACT == ACT_DGELU) {
+      // aux (the GELU's input) has x's shape and dtype: the same offsets
+      const uint4* src_h = (const uint4*)((const char*)aux + off * ESZ);
+      uint4 hv[CT_RB];
+#pragma unroll
+      for (int i = 0; i < CT_RB; ++i) hv[i] = __ldcs(src_h + i * stride);
+#pragma unroll
+      for (int i = 0; i < CT_RB; ++i) v[i] = dgelu_vec<DT>(v[i], hv[i]);
     }
   } else {
 #pragma unroll
@@ -828,28 +876,34 @@ static int launch_colsum(const void* x, int64_t rows, int64_t cols, float* dbias
   return FP8OPS_OK;
 }
 
+// The transposing fast path's conditions (cast_transpose_kernel).
+static bool ct_fast(const void* x, int64_t rows, int64_t cols, const void* out, const void* out_t) {
+  return out_t != NULL && rows % 16 == 0 && cols % 16 == 0 && aligned(x, 16) && aligned(out, 16) &&
+         aligned(out_t, 16) && FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM) <= 65535 &&
+         FP8OPS_CEIL_DIV(cols, (int64_t)64) <= INT32_MAX;
+}
+
 // dbias != NULL: also the column sums of x (fused into the fast transposing
 // path, whose per-tile sums go to partial; else a separate colsum pass).
 // GELU: cast gelu_tanh(x) (never with dbias: cast_cuda refuses the pair).
+// (The DGELU instances have their own launcher, launch_dgelu_cast.)
 template <int DT, int FMT, bool GELU>
 static int launch_cast(const void* x, int64_t rows, int64_t cols, const float* scale,
                        uint8_t* out, uint8_t* out_t, float* amax, float* dbias, float* partial,
                        cudaStream_t stream) {
-  const bool fast = out_t != NULL && rows % 16 == 0 && cols % 16 == 0 && aligned(x, 16) &&
-                    aligned(out, 16) && aligned(out_t, 16);
   const int64_t ct_tiles_m = FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM);
   const int64_t ct_tiles_n = FP8OPS_CEIL_DIV(cols, (int64_t)CT_TN(DT));
-  if (fast && ct_tiles_m <= 65535 && ct_tiles_n <= INT32_MAX) {
+  if (ct_fast(x, rows, cols, out, out_t)) {
     const dim3 grid((unsigned)ct_tiles_n, (unsigned)ct_tiles_m);
     if (!GELU && dbias != NULL) {
-      cast_transpose_kernel<DT, FMT, true, false><<<grid, CT_THREADS, 0, stream>>>(
-          x, scale, out, out_t, amax, rows, cols, partial);
+      cast_transpose_kernel<DT, FMT, true, ACT_NONE><<<grid, CT_THREADS, 0, stream>>>(
+          x, scale, out, out_t, amax, rows, cols, partial, NULL);
       FP8OPS_CHECK_CUDA(cudaGetLastError());
       dbias_reduce_kernel<<<(unsigned)FP8OPS_CEIL_DIV(cols, (int64_t)DBIAS_THREADS), DBIAS_THREADS,
                             0, stream>>>(partial, dbias, ct_tiles_m, cols);
     } else {
-      cast_transpose_kernel<DT, FMT, false, GELU><<<grid, CT_THREADS, 0, stream>>>(
-          x, scale, out, out_t, amax, rows, cols, NULL);
+      cast_transpose_kernel<DT, FMT, false, GELU ? ACT_GELU : ACT_NONE><<<grid, CT_THREADS, 0, stream>>>(
+          x, scale, out, out_t, amax, rows, cols, NULL, NULL);
     }
     FP8OPS_CHECK_CUDA(cudaGetLastError());
     return FP8OPS_OK;
@@ -973,6 +1027,108 @@ extern "C" int fp8ops_cast_accumulate_dbias_cuda(const void* x, fp8ops_hp_dtype 
                  "asks %lld", (long long)partial_floats, (long long)need);
   return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, true, dbias, partial,
                    false, stream);
+}
+
+// The DGELU cast (fast path only; fp8ops_dgelu_cast_fusable says when):
+// x * gelu_tanh'(aux) cast and transposed, amax folded in, column sums of the
+// product into dbias when given.
+template <int DT, int FMT>
+static int launch_dgelu_cast(const void* x, const void* aux, int64_t rows, int64_t cols,
+                             const float* scale, uint8_t* out, uint8_t* out_t, float* amax,
+                             float* dbias, float* partial, cudaStream_t stream) {
+  const int64_t tiles_m = FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM);
+  const dim3 grid((unsigned)FP8OPS_CEIL_DIV(cols, (int64_t)CT_TN(DT)), (unsigned)tiles_m);
+  if (dbias != NULL) {
+    cast_transpose_kernel<DT, FMT, true, ACT_DGELU><<<grid, CT_THREADS, 0, stream>>>(
+        x, scale, out, out_t, amax, rows, cols, partial, aux);
+    FP8OPS_CHECK_CUDA(cudaGetLastError());
+    dbias_reduce_kernel<<<(unsigned)FP8OPS_CEIL_DIV(cols, (int64_t)DBIAS_THREADS), DBIAS_THREADS, 0,
+                          stream>>>(partial, dbias, tiles_m, cols);
+  } else {
+    cast_transpose_kernel<DT, FMT, false, ACT_DGELU><<<grid, CT_THREADS, 0, stream>>>(
+        x, scale, out, out_t, amax, rows, cols, NULL, aux);
+  }
+  FP8OPS_CHECK_CUDA(cudaGetLastError());
+  return FP8OPS_OK;
+}
+
+extern "C" int fp8ops_dgelu_cast_fusable(const void* x, const void* aux, int64_t rows,
+                                         int64_t cols, const uint8_t* out, const uint8_t* out_t) {
+  return rows > 0 && cols > 0 && aligned(aux, 16) && ct_fast(x, rows, cols, out, out_t);
+}
+
+extern "C" int fp8ops_dgelu_cast_accumulate_cuda(const void* x, const void* aux,
+                                                 fp8ops_hp_dtype x_dtype, int64_t rows,
+                                                 int64_t cols, const float* scale,
+                                                 fp8ops_fp8_format fmt, uint8_t* out,
+                                                 uint8_t* out_t, float* amax, float* dbias,
+                                                 float* partial, int64_t partial_floats,
+                                                 void* stream) {
+  FP8OPS_REQUIRE(fp8ops_dgelu_cast_fusable(x, aux, rows, cols, out, out_t),
+                 "cast: the fused GELU-gradient cast needs out_t, rows and cols multiples of 16 "
+                 "and 16-byte aligned pointers (fp8ops_dgelu_cast_fusable)");
+  FP8OPS_REQUIRE(x_dtype == FP8OPS_F32 || x_dtype == FP8OPS_BF16 || x_dtype == FP8OPS_F16,
+                 "cast: unknown input dtype code %d", (int)x_dtype);
+  FP8OPS_REQUIRE(fmt == FP8OPS_E4M3 || fmt == FP8OPS_E5M2, "cast: unknown fp8 format %d", (int)fmt);
+  FP8OPS_REQUIRE(scale && amax && aligned(amax, sizeof(float)), "cast: bad scale / amax pointer");
+  FP8OPS_REQUIRE(dbias == NULL || (partial != NULL &&
+                                   partial_floats >= fp8ops_dbias_workspace_floats(rows, cols)),
+                 "cast: the dbias workspace holds %lld floats, fp8ops_dbias_workspace_floats "
+                 "asks %lld", (long long)partial_floats,
+                 (long long)fp8ops_dbias_workspace_floats(rows, cols));
+  cudaStream_t s = (cudaStream_t)stream;
+#define FP8OPS_DGELU_LAUNCH(DT)                                                               \
+  return fmt == FP8OPS_E4M3                                                                    \
+             ? launch_dgelu_cast<DT, FP8OPS_E4M3>(x, aux, rows, cols, scale, out, out_t, amax, \
+                                                  dbias, partial, s)                          \
+             : launch_dgelu_cast<DT, FP8OPS_E5M2>(x, aux, rows, cols, scale, out, out_t, amax, \
+                                                  dbias, partial, s)
+  switch (x_dtype) {
+    case FP8OPS_F32: FP8OPS_DGELU_LAUNCH(FP8OPS_F32);
+    case FP8OPS_BF16: FP8OPS_DGELU_LAUNCH(FP8OPS_BF16);
+    default: FP8OPS_DGELU_LAUNCH(FP8OPS_F16);
+  }
+#undef FP8OPS_DGELU_LAUNCH
+}
+
+// out[i] = x[i] * gelu_tanh'(aux[i]) rounded to DT: the GELU's gradient as a
+// pass of its own, for the casts fp8ops_dgelu_cast_accumulate_cuda cannot take.
+// Block dims: (256). Grid dims: (min(ceil(n / 256), SMs * 8)), grid-stride.
+template <int DT>
+__global__ void __launch_bounds__(256)
+    gelu_grad_kernel(const void* __restrict__ x, const void* __restrict__ aux,
+                     void* __restrict__ out, int64_t n) {
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float v = load_elem<DT>(x, i) * fp8ops_gelu_tanh_grad(load_elem<DT>(aux, i));
+    if constexpr (DT == FP8OPS_F32) {
+      ((float*)out)[i] = v;
+    } else if constexpr (DT == FP8OPS_BF16) {
+      ((uint16_t*)out)[i] = fp8ops_f32_to_bf16(v);
+    } else {
+      ((uint16_t*)out)[i] = fp8ops_f32_to_f16(v);
+    }
+  }
+}
+
+extern "C" int fp8ops_gelu_grad_cuda(const void* x, const void* aux, fp8ops_hp_dtype dtype,
+                                     int64_t n, void* out, void* stream) {
+  FP8OPS_REQUIRE(n >= 0 && (n == 0 || (x && aux && out)), "gelu_grad: bad arguments");
+  FP8OPS_REQUIRE(dtype == FP8OPS_F32 || dtype == FP8OPS_BF16 || dtype == FP8OPS_F16,
+                 "gelu_grad: unknown dtype code %d", (int)dtype);
+  if (n == 0) return FP8OPS_OK;
+  int sms = 0;
+  FP8OPS_TRY(num_sms(&sms));
+  const int64_t blocks = FP8OPS_CEIL_DIV(n, (int64_t)256), cap = (int64_t)sms * 8;
+  const unsigned grid = (unsigned)(blocks < cap ? blocks : cap);
+  cudaStream_t s = (cudaStream_t)stream;
+  switch (dtype) {
+    case FP8OPS_F32: gelu_grad_kernel<FP8OPS_F32><<<grid, 256, 0, s>>>(x, aux, out, n); break;
+    case FP8OPS_BF16: gelu_grad_kernel<FP8OPS_BF16><<<grid, 256, 0, s>>>(x, aux, out, n); break;
+    default: gelu_grad_kernel<FP8OPS_F16><<<grid, 256, 0, s>>>(x, aux, out, n);
+  }
+  FP8OPS_CHECK_CUDA(cudaGetLastError());
+  return FP8OPS_OK;
 }
 
 extern "C" int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax,

@@ -88,6 +88,22 @@ int fp8ops_gelu_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int6
   return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 1, 1);
 }
 
+int fp8ops_gelu_grad_cpu(const void* x, const void* aux, fp8ops_hp_dtype dtype, int64_t n,
+                         void* out) {
+  FP8OPS_REQUIRE(n >= 0 && (n == 0 || (x && aux && out)), "gelu_grad: bad arguments");
+  FP8OPS_REQUIRE(dtype == FP8OPS_F32 || dtype == FP8OPS_BF16 || dtype == FP8OPS_F16,
+                 "gelu_grad: unknown dtype code %d", (int)dtype);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = load_hp(x, dtype, i) * fp8ops_gelu_tanh_grad(load_hp(aux, dtype, i));
+    switch (dtype) {
+      case FP8OPS_BF16: ((uint16_t*)out)[i] = fp8ops_f32_to_bf16(v); break;
+      case FP8OPS_F16: ((uint16_t*)out)[i] = fp8ops_f32_to_f16(v); break;
+      default: ((float*)out)[i] = v;
+    }
+  }
+  return FP8OPS_OK;
+}
+
 /* Row by row, keeping the running 8-row block sums, 128-row tile sums and
  * totals per column (the order fp8ops.h defines; cache-friendly on the CPU). */
 int fp8ops_dbias_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,

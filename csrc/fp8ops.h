@@ -103,6 +103,26 @@ int fp8ops_gelu_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int6
 int fp8ops_gelu_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
                                      int64_t cols, const float* scale, fp8ops_fp8_format fmt,
                                      uint8_t* out, uint8_t* out_t, float* amax, void* stream);
+/* The fused GELU's backward, in the layer that produced the GELU's input h:
+ * out[i] = x[i] * gelu_tanh'(aux[i]) rounded to `dtype` (x the gradient of
+ * gelu(h), aux = h; n elements each). */
+int fp8ops_gelu_grad_cpu(const void* x, const void* aux, fp8ops_hp_dtype dtype, int64_t n,
+                         void* out);
+int fp8ops_gelu_grad_cuda(const void* x, const void* aux, fp8ops_hp_dtype dtype, int64_t n,
+                          void* out, void* stream);
+/* The same product fused into cast_accumulate (with the product's column sums
+ * into dbias unless dbias is NULL; partial as for
+ * fp8ops_cast_accumulate_dbias_cuda): one pass over x and aux instead of
+ * three. Needs out_t, rows and cols multiples of 16 and x, aux, out, out_t
+ * 16-byte aligned: fp8ops_dgelu_cast_fusable says whether they are; else
+ * fp8ops_gelu_grad_cuda into a buffer, then the plain cast. */
+int fp8ops_dgelu_cast_fusable(const void* x, const void* aux, int64_t rows, int64_t cols,
+                              const uint8_t* out, const uint8_t* out_t);
+int fp8ops_dgelu_cast_accumulate_cuda(const void* x, const void* aux, fp8ops_hp_dtype x_dtype,
+                                      int64_t rows, int64_t cols, const float* scale,
+                                      fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
+                                      float* amax, float* dbias, float* partial,
+                                      int64_t partial_floats, void* stream);
 
 /* dbias: the column sums of x [rows, cols] (Fp8Linear's bias gradient: the
  * sum of dy over the tokens) into dbias[cols], fp32, in one fixed order that

@@ -730,7 +730,7 @@ static void boxed_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
 
 // ----------------------------------------------------------------------------
 // linear_bwd(Tensor gy, Tensor w8t, Tensor x8t, Tensor g_scale, Tensor(a!) g_amax,
-//            Tensor g_scale_inv, Tensor w_scale_inv, Tensor x_scale_inv,
+//            Tensor g_scale_inv, Tensor w_scale_inv, Tensor x_scale_inv, Tensor gelu_input,
 //            ScalarType g_fp8_dtype, ScalarType dx_dtype, ScalarType dw_dtype,
 //            bool need_dx, bool need_dw, bool need_db=False) -> (Tensor dx, Tensor dw, Tensor db)
 //
@@ -740,14 +740,19 @@ static void boxed_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
 // when need_dw; db = the column sums of gy [N], fp32 (the bias gradient, in
 // fp8ops_dbias_cpu's order; on CUDA fused into the cast's pass over gy) when
 // need_db. gy is [M, N], w8t [K, N], x8t [K, M]; an output (and the operand
-// it alone reads) that is not needed is empty.
+// it alone reads) that is not needed is empty. gelu_input (empty: none) is the
+// layer's output h [M, N] when a GELU of it was fused into the next layer:
+// gy is then the gradient of gelu_tanh(h), and everything above uses
+// dy = gy * gelu_tanh'(h) instead, computed in the cast's pass (CUDA fast
+// path) or in a pass of its own (fp8ops_gelu_grad_*).
 
-static int run_linear_bwd(AtenTensorHandle in[8], int32_t g_fp8, int32_t dx_dtype,
+#define LBWD_NIN 9
+static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t dx_dtype,
                           int32_t dw_dtype, bool need_dx, bool need_dw, bool need_db,
-                          AtenTensorHandle outs[3], AtenTensorHandle tmp[3],
+                          AtenTensorHandle outs[3], AtenTensorHandle tmp[4],
                           gemm_scratch* scratch) {
   const char* op = "fp8ops::linear_bwd";
-  tinfo g, wt, xt, gs, ga, gsi, wsi, xsi;
+  tinfo g, wt, xt, gs, ga, gsi, wsi, xsi, gi;
   fp8ops_hp_dtype gd = FP8OPS_F32, dxd = FP8OPS_BF16, dwd = FP8OPS_F32;
   fp8ops_fp8_format gf = FP8OPS_E5M2, wf = FP8OPS_E4M3, xf = FP8OPS_E4M3;
   char sh1[96], sh2[96];
@@ -759,6 +764,7 @@ static int run_linear_bwd(AtenTensorHandle in[8], int32_t g_fp8, int32_t dx_dtyp
   FP8OPS_TRY(describe(op, "g_scale_inv", in[5], &gsi));
   FP8OPS_TRY(describe(op, "w_scale_inv", in[6], &wsi));
   FP8OPS_TRY(describe(op, "x_scale_inv", in[7], &xsi));
+  FP8OPS_TRY(describe(op, "gelu_input", in[8], &gi));
   FP8OPS_TRY(hp_code(op, "gy", g.dtype, &gd));
   FP8OPS_TRY(fp8_code(op, "g_fp8_dtype", g_fp8, &gf));
   FP8OPS_REQUIRE(g.ndim == 2, "%s: gy must be 2-D [M, N], found %lld dims; reshape it to "
@@ -816,18 +822,45 @@ static int run_linear_bwd(AtenTensorHandle in[8], int32_t g_fp8, int32_t dx_dtyp
   float* partial = tmp[2] ? (float*)data_of(tmp[2]) : NULL;
   uint8_t* p8 = (uint8_t*)data_of(tmp[0]);
   uint8_t* p8t = need_dw ? (uint8_t*)data_of(tmp[1]) : NULL;
+  /* the fused GELU's gradient: in the cast's pass, or first into tmp[3] */
+  const bool gelu = gi.numel > 0;
+  bool gelu_fused = false;
+  const void* gx = g.data; /* what is cast: gy, or gy * gelu'(h) in tmp[3] */
+  if (gelu) {
+    shape_str(&gi, sh2, sizeof sh2);
+    FP8OPS_REQUIRE(gi.ndim == 2 && gi.sizes[0] == M && gi.sizes[1] == N, "%s: gelu_input must be "
+                   "[M, N] = %s like gy (the layer's output, the fused GELU's input), found %s",
+                   op, sh1, sh2);
+    FP8OPS_REQUIRE(gi.dtype == g.dtype, "%s: gelu_input must have gy's dtype %s, found %s", op,
+                   dtype_name(g.dtype), dtype_name(gi.dtype));
+    FP8OPS_TRY(require_contiguous(op, "gelu_input", &gi));
+    FP8OPS_TRY(require_same_device(op, "gelu_input", &gi, "gy", &g));
+    gelu_fused = is_cuda(&g) && fp8ops_dgelu_cast_fusable(g.data, gi.data, M, N, p8, p8t);
+    if (!gelu_fused) {
+      FP8OPS_TRY(new_tensor(op, 2, g.sizes, g.dtype, &g, &tmp[3]));
+      gx = data_of(tmp[3]);
+    }
+  }
   const gemm_operand a_dx = {tmp[0], p8, gf}, b_dx = {in[1], wt.data, wf};
   const gemm_operand a_dw = {tmp[1], p8t, gf}, b_dw = {in[2], xt.data, xf};
   int rc;
   CUDA_BODY(op, &g, need_dx || need_dw, rc, {
-    if (is_cuda(&g)) {
-      rc = need_db ? fp8ops_cast_accumulate_dbias_cuda(g.data, gd, M, N, gs.data, gf, p8, p8t,
-                                                       ga.data, db, partial, partial_floats, stream)
-                   : fp8ops_cast_accumulate_cuda(g.data, gd, M, N, gs.data, gf, p8, p8t, ga.data,
-                                                 stream);
+    if (gelu_fused) {
+      rc = fp8ops_dgelu_cast_accumulate_cuda(g.data, gi.data, gd, M, N, gs.data, gf, p8, p8t,
+                                             ga.data, db, partial, partial_floats, stream);
+    } else if (is_cuda(&g)) {
+      if (gelu) rc = fp8ops_gelu_grad_cuda(g.data, gi.data, gd, M * N, (void*)gx, stream);
+      if (rc == FP8OPS_OK)
+        rc = need_db ? fp8ops_cast_accumulate_dbias_cuda(gx, gd, M, N, gs.data, gf, p8, p8t,
+                                                         ga.data, db, partial, partial_floats,
+                                                         stream)
+                     : fp8ops_cast_accumulate_cuda(gx, gd, M, N, gs.data, gf, p8, p8t, ga.data,
+                                                   stream);
     } else {
-      rc = fp8ops_cast_accumulate_cpu(g.data, gd, M, N, gs.data, gf, p8, p8t, ga.data);
-      if (rc == FP8OPS_OK && need_db) rc = fp8ops_dbias_cpu(g.data, gd, M, N, db);
+      if (gelu) rc = fp8ops_gelu_grad_cpu(g.data, gi.data, gd, M * N, (void*)gx);
+      if (rc == FP8OPS_OK)
+        rc = fp8ops_cast_accumulate_cpu(gx, gd, M, N, gs.data, gf, p8, p8t, ga.data);
+      if (rc == FP8OPS_OK && need_db) rc = fp8ops_dbias_cpu(gx, gd, M, N, db);
     }
     if (rc == FP8OPS_OK && need_dx)
       rc = gemm_into(op, a_dx, b_dx, M, K, N, gsi.data, wsi.data, NULL, NULL, dx_dtype, dxd, false,
@@ -841,15 +874,15 @@ static int run_linear_bwd(AtenTensorHandle in[8], int32_t g_fp8, int32_t dx_dtyp
 
 static void boxed_linear_bwd(StableIValue* stack, uint64_t nargs, uint64_t nret) {
   (void)nargs; (void)nret;
-  AtenTensorHandle in[8];
-  for (int i = 0; i < 8; ++i) in[i] = sv_tensor(stack[i]);
-  AtenTensorHandle outs[3] = {NULL, NULL, NULL}, tmp[3] = {NULL, NULL, NULL};
+  AtenTensorHandle in[LBWD_NIN];
+  for (int i = 0; i < LBWD_NIN; ++i) in[i] = sv_tensor(stack[i]);
+  AtenTensorHandle outs[3] = {NULL, NULL, NULL}, tmp[4] = {NULL, NULL, NULL, NULL};
   gemm_scratch scratch = {0};
-  int rc = run_linear_bwd(in, sv_i32(stack[8]), sv_i32(stack[9]), sv_i32(stack[10]),
-                          sv_bool(stack[11]), sv_bool(stack[12]), sv_bool(stack[13]), outs, tmp,
+  int rc = run_linear_bwd(in, sv_i32(stack[9]), sv_i32(stack[10]), sv_i32(stack[11]),
+                          sv_bool(stack[12]), sv_bool(stack[13]), sv_bool(stack[14]), outs, tmp,
                           &scratch);
-  release(in, 8);
-  release(tmp, 3); /* stream-ordered, after the kernels that read them */
+  release(in, LBWD_NIN);
+  release(tmp, 4); /* stream-ordered, after the kernels that read them */
   scratch_release(&scratch);
   if (rc != FP8OPS_OK) {
     release(outs, 3);
@@ -905,8 +938,9 @@ static const op_row k_ops[] = {
                    "(Tensor y, Tensor x8t, Tensor w8, Tensor w8t)", boxed_linear_fwd},
     {"linear_bwd", "linear_bwd(Tensor gy, Tensor w8t, Tensor x8t, Tensor g_scale, "
                    "Tensor(a!) g_amax, Tensor g_scale_inv, Tensor w_scale_inv, "
-                   "Tensor x_scale_inv, ScalarType g_fp8_dtype, ScalarType dx_dtype, "
-                   "ScalarType dw_dtype, bool need_dx, bool need_dw, bool need_db=False) -> "
+                   "Tensor x_scale_inv, Tensor gelu_input, ScalarType g_fp8_dtype, "
+                   "ScalarType dx_dtype, ScalarType dw_dtype, bool need_dx, bool need_dw, "
+                   "bool need_db=False) -> "
                    "(Tensor dx, Tensor dw, Tensor db)",
      boxed_linear_bwd},
 };

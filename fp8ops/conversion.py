@@ -108,9 +108,12 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
         setattr(parent, child, swap(name, mod))
     if config.fuse_gelu:
         from .gelu_fusion import fuse_gelu  # noqa: PLC0415 -- gelu_fusion imports torch.fx
-        for lin, gelu in fuse_gelu(model).items():
-            backend, reason = decisions.get(lin, ("fp8ops", "converted"))
-            decisions[lin] = (backend, f"{reason}; GELU {gelu} fused into it")
+        for f in fuse_gelu(model):
+            for lin, what in ((f.consumer, f"GELU {f.gelu} fused into its input cast"),
+                              (f.producer, f"GELU {f.gelu}'s gradient fused into its gradient cast")):
+                if lin is not None:
+                    backend, reason = decisions.get(lin, ("fp8ops", "converted"))
+                    decisions[lin] = (backend, f"{reason}; {what}")
     n_fp8 = sum(1 for b, _ in decisions.values() if b == "fp8ops")
     log.info("fp8ops: %d of %d linear layers converted to FP8 (%s)", n_fp8, len(decisions), config.short_str())
     if n_fp8 == 0 and decisions:

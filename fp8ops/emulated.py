@@ -39,7 +39,7 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, weight, bias, w_in, w8t, b_lp, views, static, store):
-        x_dtype, w_dtype, g_dtype, out_dtype, _fast, current, margin, need_wgrad, _need_dgrad, delayed, _gelu = static
+        x_dtype, w_dtype, g_dtype, out_dtype, _fast, current, margin, need_wgrad, _need_dgrad, delayed, *_gelu = static
         if current:
             _current_scale(x2, views, X, margin, overflow=_overflow(views, delayed), keep_history=delayed)
         if w_in.dtype == w_dtype:
@@ -69,7 +69,7 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x8, w8, sx_inv = ctx.saved_tensors
-        x_dtype, w_dtype, g_dtype, out_dtype, _fast, current, margin, need_wgrad, need_dgrad, delayed, _gelu = \
+        x_dtype, w_dtype, g_dtype, out_dtype, _fast, current, margin, need_wgrad, need_dgrad, delayed, *_gelu = \
             ctx.static
         views = ctx.views
         g2 = _scaled_grad_output(ctx, gy)

@@ -1,22 +1,28 @@
-"""Moving a model's GELU into the FP8 linear that consumes it.
+"""Moving a model's GELU into the FP8 linears around it.
 
 In a GPT-style MLP, c_proj(gelu(c_fc(x))), the GELU is two memory passes of the
-widest activation (its forward and its backward) between two GEMMs. An
-Fp8Linear with fp8_gelu_input computes linear(gelu_tanh(h)) from h itself: the
-GELU is applied as its cast loads h, and its gradient is applied by the dgrad
-GEMM's epilogue, so neither pass runs (see linear.py, csrc/gelu.h).
+widest activation (its forward and its backward) between two GEMMs. After
+fuse_gelu() neither runs:
+  - c_proj (fp8_gelu_input) computes linear(gelu_tanh(h)) from h itself: the
+    GELU is applied as its input cast loads h;
+  - c_fc (fp8_gelu_output) applies the GELU's gradient as its gradient cast
+    loads dL/dgelu(h), reading h beside it. Per call, c_fc offers this with a
+    box on its output tensor and c_proj takes it (Fp8Linear.forward); a call
+    where either side runs another path (BF16 by policy, current scaling's
+    first step, torch.compile) applies the GELU's gradient the usual way.
 
-fuse_gelu() does that move where the model's own forward shows it is safe: a
+fuse_gelu() makes that move where the model's own forward shows it is safe,
+read with torch.fx (which never runs it) in both train and eval mode: a
 tanh-approximate nn.GELU module whose output goes to exactly one converted
-Fp8Linear and nowhere else, both called once in their parent's forward (read
-with torch.fx, which never runs it), and neither shared nor hooked. The GELU
-module is replaced by nn.Identity (it has no state, so state_dict keys are
-unchanged) and the linear applies the GELU; a forward fx cannot read keeps its
-GELU.
+Fp8Linear and nowhere else (and, for c_fc's part, whose input is exactly one
+converted Fp8Linear's output, used nowhere else), each called once, none
+shared or hooked. The GELU module becomes nn.Identity (it has no state: the
+state_dict keys do not change). A forward fx cannot read keeps its GELU.
 """
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch.fx
 import torch.nn as nn
@@ -24,6 +30,12 @@ import torch.nn as nn
 from .linear import Fp8Linear
 
 log = logging.getLogger("fp8ops")
+
+
+class Fused(NamedTuple):
+    gelu: str              # the GELU module's fqn (now nn.Identity)
+    consumer: str          # the Fp8Linear that applies the GELU (fp8_gelu_input)
+    producer: str | None   # the Fp8Linear that applies its gradient (fp8_gelu_output), if any
 
 
 class _Tracer(torch.fx.Tracer):
@@ -38,41 +50,86 @@ def _hooked(m: nn.Module) -> bool:
                 or getattr(m, "_backward_pre_hooks", None))
 
 
-def fuse_gelu(model: nn.Module) -> dict[str, str]:
-    """Fuse every eligible GELU of `model` into its consumer, in place.
-    Returns {linear fqn: GELU fqn} of what was fused."""
+def _trace(parent: nn.Module):
+    """{module target: its call nodes} of parent.forward in train and in eval mode (a
+    branch on self.training may route the GELU differently), or None if fx cannot read it."""
+    was_training = parent.training
+    graphs = []
+    try:
+        for mode in (True, False):
+            parent.train(mode)
+            graphs.append(_Tracer().trace(parent))
+    finally:
+        parent.train(was_training)
+    calls = []
+    for graph in graphs:
+        c: dict[str, list[torch.fx.Node]] = {}
+        for node in graph.nodes:
+            if node.op == "call_module":
+                c.setdefault(node.target, []).append(node)
+        calls.append(c)
+    return calls
+
+
+def _single(calls: dict, target: str) -> torch.fx.Node | None:
+    nodes = calls.get(target, [])
+    return nodes[0] if len(nodes) == 1 else None
+
+
+def _roles(calls: dict, parent: nn.Module, name: str, uses: dict) -> tuple[str, str | None] | None:
+    """(consumer, producer or None) of the GELU child `name` in one traced graph."""
+    g = _single(calls, name)
+    if g is None or len(g.users) != 1:
+        return None
+    user = next(iter(g.users))
+    if user.op != "call_module" or user.args != (g,) or user.kwargs or _single(calls, user.target) is None:
+        return None
+    consumer = parent.get_submodule(user.target)
+    # (a hook on the consumer would see h instead of gelu(h))
+    if not isinstance(consumer, Fp8Linear) or uses[id(consumer)] != 1 or _hooked(consumer):
+        return None
+    producer = None
+    src = g.args[0] if len(g.args) == 1 and not g.kwargs else None
+    if (isinstance(src, torch.fx.Node) and src.op == "call_module" and len(src.users) == 1
+            and _single(calls, src.target) is not None):
+        p = parent.get_submodule(src.target)
+        # (a forward hook on the producer would see h where it expects gelu(h)'s input: fine; but a
+        # backward hook would see the gradient of gelu(h), not of h)
+        if isinstance(p, Fp8Linear) and uses[id(p)] == 1 and not _hooked(p):
+            producer = src.target
+    return user.target, producer
+
+
+def fuse_gelu(model: nn.Module) -> list[Fused]:
+    """Fuse every eligible GELU of `model` into the linears around it, in place."""
     uses: dict[int, int] = {}
     for _, m in model.named_modules(remove_duplicate=False):
         uses[id(m)] = uses.get(id(m), 0) + 1
-    fused: dict[str, str] = {}
+    fused: list[Fused] = []
     for parent_name, parent in list(model.named_modules()):
         gelus = {n: m for n, m in parent.named_children() if type(m) is nn.GELU and m.approximate == "tanh"}
         if not gelus:
             continue
         prefix = parent_name + "." if parent_name else ""
         try:
-            graph = _Tracer().trace(parent)
+            calls = _trace(parent)
         except Exception as e:  # noqa: BLE001 -- any forward fx cannot read keeps its GELU
             log.debug("fp8ops: GELU of %s not fused: torch.fx cannot read %s.forward (%s)",
                       prefix + next(iter(gelus)), type(parent).__name__, e)
             continue
-        calls: dict[str, list[torch.fx.Node]] = {}
-        for node in graph.nodes:
-            if node.op == "call_module":
-                calls.setdefault(node.target, []).append(node)
         for name, gelu in gelus.items():
-            nodes = calls.get(name, [])
-            if len(nodes) != 1 or len(nodes[0].users) != 1 or uses[id(gelu)] != 1 or _hooked(gelu):
+            if uses[id(gelu)] != 1 or _hooked(gelu):
                 continue
-            user = next(iter(nodes[0].users))
-            if user.op != "call_module" or user.args != (nodes[0],) or user.kwargs:
+            roles = {_roles(c, parent, name, uses) for c in calls}
+            if len(roles) != 1 or None in roles:
+                continue  # not eligible, or routed differently in train and eval mode
+            consumer, producer = roles.pop()
+            c = parent.get_submodule(consumer)
+            if c.fp8_gelu_input:
                 continue
-            lin = parent.get_submodule(user.target)
-            # (a hook on the linear would see h instead of gelu(h))
-            if (not isinstance(lin, Fp8Linear) or lin.fp8_gelu_input or len(calls[user.target]) != 1
-                    or uses[id(lin)] != 1 or _hooked(lin)):
-                continue
-            lin.fp8_gelu_input = True
+            c.fp8_gelu_input = True
+            if producer is not None:
+                parent.get_submodule(producer).fp8_gelu_output = True
             setattr(parent, name, nn.Identity())
-            fused[prefix + user.target] = prefix + name
+            fused.append(Fused(prefix + name, prefix + consumer, None if producer is None else prefix + producer))
     return fused

@@ -29,6 +29,10 @@ from ._reference import FP8_MAX
 from .config import Fp8Config
 
 X, W, G = 0, 1, 2
+# _Fp8LinearFn's gelu_in: where the fused GELU's gradient is applied (see there)
+GELU_GRAD_HERE, GELU_GRAD_PRODUCER = 1, 2
+# the attribute of a layer output whose GELU a consumer may take over (Fp8Linear.forward)
+GELU_BOX = "_fp8ops_gelu_box"
 # Fp8Linear._fp8_views(): one flat tuple, indexed by these offsets (+ X / W / G)
 V_S, V_SI, V_H = 0, 3, 6   # scale[i:i+1], scale_inv[i:i+1], history[0, i]: per-tensor views
 V_OVERFLOW = 9             # fp8_overflow_count
@@ -110,7 +114,7 @@ def _scaled_grad_output(ctx, gy: torch.Tensor) -> torch.Tensor:
     """Backward's first step for both autograd functions: dy made contiguous and,
     under current scaling (or delayed scaling's first step), its scale set from
     its own amax before the cast."""
-    *_, current, margin, _need_wgrad, _need_dgrad, delayed, _gelu = ctx.static
+    *_, current, margin, _need_wgrad, _need_dgrad, delayed, _gelu_in, _gelu_out = ctx.static
     g2 = gy.contiguous()
     if current:
         _current_scale(g2, ctx.views, G, margin, overflow=_overflow(ctx.views, delayed), keep_history=delayed)
@@ -123,16 +127,22 @@ class _Fp8LinearFn(torch.autograd.Function):
     w_in is the weight's FP8 cast from this step's cache (w8t its transpose),
     or, when w8t is None, the weight itself: linear_fwd then casts it in the
     same C call and store(w8, w8t) keeps the cast for the step's later calls.
-    gelu (static): x2 is a GELU's input h and the layer computes
-    linear(gelu_tanh(h)): the GELU is fused into x's cast; backward applies its
-    gradient to dx with torch's gelu_backward (h is kept for it, as torch's
-    GELU would keep it)."""
+    The fused GELU (gelu_fusion.py), two static fields:
+    gelu_in: x2 is a GELU's input h and the layer computes linear(gelu_tanh(h)),
+      the GELU fused into x's cast. GELU_GRAD_HERE: backward applies the GELU's
+      gradient to dx with torch's gelu_backward (h is kept for it, as torch's
+      GELU would keep it); GELU_GRAD_PRODUCER: dx is the gradient of gelu(h),
+      and h's producer (a layer with gelu_out) applies the GELU's gradient.
+    gelu_out: None, or the box of this output's GELU (see Fp8Linear.forward):
+      when the consumer marked it taken, gy is the gradient of gelu(y) and the
+      cast of gy applies the GELU's gradient in its own pass (linear_bwd's
+      gelu_input: y is kept for it, as the consumer keeps it anyway)."""
 
     @staticmethod
     def forward(ctx, x2, weight, bias, w_in, w8t, b_lp, views, static, store):
-        x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed, gelu = \
-            static
-        assert not (gelu and current), "the fused GELU casts with a known scale (Fp8Linear.forward unfuses it)"
+        (x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed,
+         gelu_in, gelu_out) = static
+        assert not ((gelu_in or gelu_out) and current), "the fused GELU needs known scales (forward unfuses it)"
         if current:
             _current_scale(x2, views, X, margin, overflow=_overflow(views, delayed), keep_history=delayed)
         if b_lp is None:
@@ -140,7 +150,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         # one C call: [cast the weight,] cast x (amaxes folded into history row 0), GEMM
         y, x8t, w8_new, w8t_new = ops._linear_fwd_raw(
             x2, w_in, views[V_S + X], views[V_H + X], views[V_SI + X], views[V_S + W], views[V_H + W],
-            views[V_SI + W], b_lp, x_dtype, w_dtype, out_dtype, fast_accum, need_wgrad, need_dgrad, gelu)
+            views[V_SI + W], b_lp, x_dtype, w_dtype, out_dtype, fast_accum, need_wgrad, need_dgrad, gelu_in != 0)
         if w8t is None:
             w8t = w8t_new
             if store is not None:
@@ -149,7 +159,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         if current:
             # another micro-batch's forward may rescale x before this backward runs
             sx_inv = sx_inv.clone()
-        ctx.save_for_backward(x8t, w8t, sx_inv, x2 if gelu and need_dgrad else None)
+        ctx.save_for_backward(x8t, w8t, sx_inv, x2 if gelu_in == GELU_GRAD_HERE and need_dgrad else None,
+                              y if gelu_out is not None else None)
         ctx.views = views
         ctx.static = static
         ctx.w_dtype = weight.dtype
@@ -159,8 +170,10 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        x8t, w8t, sx_inv, h = ctx.saved_tensors
-        g_dtype, need_wgrad, need_dgrad = ctx.static[2], ctx.static[7], ctx.static[8]
+        x8t, w8t, sx_inv, h, y = ctx.saved_tensors
+        g_dtype, need_wgrad, need_dgrad, gelu_out = ctx.static[2], ctx.static[7], ctx.static[8], ctx.static[11]
+        if y is None or not gelu_out[0]:  # no consumer applied this output's GELU with the gradient passed on
+            y = ops._empty_bias_for(gy, gy.dtype)  # (any empty tensor: no GELU gradient here)
         views = ctx.views
         g2 = _scaled_grad_output(ctx, gy)
         need_dx = need_dgrad and ctx.needs_input_grad[0]
@@ -170,14 +183,38 @@ class _Fp8LinearFn(torch.autograd.Function):
         # one C call: cast gy (amax folded into history row 0; with the bias gradient, gy's
         # column sums, in the same pass), dgrad and wgrad GEMMs
         dx, dw, db = ops._linear_bwd_raw(g2, w8t, x8t, views[V_S + G], views[V_H + G], views[V_SI + G],
-                                         views[V_SI + W], sx_inv, g_dtype, ctx.x2_dtype, w_out, need_dx,
+                                         views[V_SI + W], sx_inv, y, g_dtype, ctx.x2_dtype, w_out, need_dx,
                                          need_dw, need_db)
         if h is not None and need_dx:
-            # cuBLASLt's FP8 DGELU epilogue runs as a separate pass (measured on an H200), so
-            # torch's own kernel does the same pass here
+            # no producer to pass the gradient to (cuBLASLt's FP8 DGELU epilogue runs as a
+            # separate pass, measured on an H200: torch's own kernel does the same pass here)
             dx = torch.ops.aten.gelu_backward(dx, h, approximate="tanh")
         db = db.to(ctx.b_dtype) if need_db else None
         return (dx if need_dx else None), (dw if need_dw else None), db, None, None, None, None, None, None
+
+
+class _GeluGradToProducer(torch.autograd.Function):
+    """gelu_tanh(h) whose backward passes the gradient on unchanged: h's producer
+    (an Fp8Linear with fp8_gelu_output) applies gelu_tanh'(h) in its own
+    gradient cast. The consumer's paths that do not fuse the GELU use it."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return F.gelu(h, approximate="tanh")
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _gelu_of_input(x: torch.Tensor, box: list | None) -> torch.Tensor:
+    """A fused-GELU consumer's unfused GELU of its input x: if x's producer offers
+    to apply the gradient (box: the one the layer input carried), it is told so
+    and gets the gradient of gelu(x)."""
+    if box is not None and torch.is_grad_enabled():
+        box[0] = True
+        return _GeluGradToProducer.apply(x)
+    return F.gelu(x, approximate="tanh")
 
 
 class _DequantGathered(torch.autograd.Function):
@@ -222,9 +259,12 @@ class Fp8Linear(nn.Linear):
         self._w_cache = None            # (key, w8, w8t, bias in the GEMM's bias dtype)
         self._fp8_cast_since_update = False  # update_scales skips layers that cast nothing
         self.fp8_on_cpu = False         # tests: run the FP8 path on CPU with the C reference kernels
-        # the layer computes linear(gelu_tanh(x)): conversion moved the model's GELU in here
-        # (conversion.fuse_gelu), fused into x's cast and the dgrad GEMM on the FP8 path
+        # the fused GELU (gelu_fusion.py). fp8_gelu_input: the layer computes
+        # linear(gelu_tanh(x)), the GELU fused into x's cast on the FP8 path.
+        # fp8_gelu_output: this layer's output feeds only such a layer, which may leave
+        # the GELU's gradient to this layer's gradient cast (see forward).
         self.fp8_gelu_input = False
+        self.fp8_gelu_output = False
         self.fp8_policy_measuring = False  # policy.py's throwaway layers skip the policy
         self.fp8_policy = {}            # (M, dtype) -> (fp8 wins, speedup): policy="auto" verdicts for this layer
         self.fp8_policy_why = {}        # (M, dtype) -> how the trial in the loop decided it (loop_trial.py)
@@ -255,6 +295,7 @@ class Fp8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         gelu = ", input=gelu_tanh(x) (fused)" if self.fp8_gelu_input else ""
+        gelu += ", output feeds a fused GELU" if self.fp8_gelu_output else ""
         return super().extra_repr() + f", fp8={self.fp8_config.short_str()}{gelu}"
 
     # ------------------------------------------------------------------ scales
@@ -368,7 +409,7 @@ class Fp8Linear(nn.Linear):
         if getattr(w, "_fp8ops_gathered", None) is not None:
             w = _DequantGathered.apply(w, self._buffers["fp8_scale_inv"][W:W + 1])
         if self.__dict__["fp8_gelu_input"]:
-            x = F.gelu(x, approximate="tanh")
+            x = _gelu_of_input(x, getattr(x, GELU_BOX, None))
         return F.linear(x, w, b)
 
     def _fp8_pays(self, M: int, cdtype: torch.dtype, compiling: bool = False) -> bool:
@@ -484,11 +525,25 @@ class Fp8Linear(nn.Linear):
         # flag's flip at the first update costs one recompile)
         delayed = cfg.recipe == "delayed"
         current = not delayed or not d["_fp8_delayed_ready"]
-        gelu = d["fp8_gelu_input"]
-        if gelu and (current or d["_fp8_fn"] is not _Fp8LinearFn):
-            # a current scale needs the GELU's amax before the cast, and the emulated
-            # GEMMs have no fused GELU: the GELU runs first, as it did in the model
-            x2, gelu = F.gelu(x2, approximate="tanh"), False
+        # the fused GELU needs known scales (a current scale needs the GELU's amax, or the
+        # GELU-gradient's, before the cast) and the real GEMMs (the emulated ones have no
+        # fused GELU); otherwise the GELU runs on its own, as it did in the model
+        fusable = not current and not cfg.gemm_emulated
+        gelu_in = 0
+        if d["fp8_gelu_input"]:
+            box = None if compiling else getattr(x, GELU_BOX, None)
+            if not fusable:
+                x2 = _gelu_of_input(x2, box)
+            elif box is not None and torch.is_grad_enabled():
+                box[0] = True  # the producer applies the GELU's gradient
+                gelu_in = GELU_GRAD_PRODUCER
+            else:
+                gelu_in = GELU_GRAD_HERE
+        # this output's GELU may be applied by its consumer: a box it marks when it also
+        # leaves the GELU's gradient to this layer's backward (never under compile: no
+        # tensor attributes there)
+        gelu_out = [False] if d["fp8_gelu_output"] and fusable and not compiling and torch.is_grad_enabled() \
+            else None
         d["_fp8_cast_since_update"] = True
         grad = torch.is_grad_enabled()
         need_wgrad = grad and weight.requires_grad
@@ -497,6 +552,9 @@ class Fp8Linear(nn.Linear):
         w_in, w8t, b_lp, store = self._weight_fp8(cdtype, need_dgrad, views, compiling, current)
         x_dt, w_dt, g_dt = d["fp8_dtypes"]
         static = (x_dt, w_dt, g_dt, cdtype, cfg.fast_accum, current, float(cfg.margin), need_wgrad, need_dgrad,
-                  delayed, gelu)
+                  delayed, gelu_in, gelu_out)
         y = d["_fp8_fn"].apply(x2, weight, bias, w_in, w8t, b_lp, views, static, store)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        if gelu_out is not None:
+            setattr(y, GELU_BOX, gelu_out)
+        return y

@@ -339,17 +339,22 @@ def _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scal
 
 def linear_bwd(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv,
                g_fp8_dtype=torch.float8_e5m2, dx_dtype=torch.bfloat16, dw_dtype=torch.float32,
-               need_dx=True, need_dw=True, need_db=False):
+               need_dx=True, need_dw=True, need_db=False, gelu_input=None):
     """Fp8Linear's backward: g8, g8t = cast(gy * g_scale) (gy's amax folded
     into g_amax); dx = (g8 @ w8t.T) * g_scale_inv * w_scale_inv [M, K],
     dw = (g8t @ x8t.T) * g_scale_inv * x_scale_inv [N, K], db = gy.sum(0) in
     fp32 [N] (the bias gradient, summed in one fixed order on CPU and CUDA; on
     CUDA in the same pass over gy as the cast). gy [M, N], w8t [K, N], x8t
-    [K, M]. Returns (dx, dw, db); an output not asked for comes back empty."""
+    [K, M]. gelu_input: the layer's output h [M, N] (gy's dtype) when its GELU
+    was fused into the next layer (gy is then the gradient of gelu_tanh(h)):
+    all of the above use dy = gy * gelu_tanh'(h), formed in the cast's pass.
+    Returns (dx, dw, db); an output not asked for comes back empty."""
     _require()
+    if gelu_input is None:
+        gelu_input = gy.new_empty((0,))
     return torch.ops.fp8ops.linear_bwd.default(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv,
-                                               x_scale_inv, g_fp8_dtype, dx_dtype, dw_dtype, need_dx, need_dw,
-                                               need_db)
+                                               x_scale_inv, gelu_input, g_fp8_dtype, dx_dtype, dw_dtype, need_dx,
+                                               need_dw, need_db)
 
 
 def _chk_bwd_operand(op, name, t, g_fp8_dtype, out_name, out_dtype, gy):
@@ -362,8 +367,8 @@ def _chk_bwd_operand(op, name, t, g_fp8_dtype, out_name, out_dtype, gy):
          f"float8_e4m3fn operand")
 
 
-def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv, g_fp8_dtype,
-                     dx_dtype, dw_dtype, need_dx, need_dw, need_db=False):
+def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv, gelu_input,
+                     g_fp8_dtype, dx_dtype, dw_dtype, need_dx, need_dw, need_db=False):
     op = "fp8ops::linear_bwd"
     _chk(gy.dtype in HP_DTYPES, f"{op}: gy must be float32, bfloat16 or float16, found {_dname(gy.dtype)}")
     _chk(g_fp8_dtype in FP8_DTYPES,
@@ -373,6 +378,13 @@ def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_
     for name, t in (("g_scale", g_scale), ("g_amax", g_amax), ("g_scale_inv", g_scale_inv)):
         _chk_scalar_f32(op, name, t, "gy", gy)
     M, N = gy.shape
+    if gelu_input.numel() > 0:
+        _chk(tuple(gelu_input.shape) == (M, N), f"{op}: gelu_input must be [M, N] = {list(gy.shape)} like gy (the "
+                                                f"layer's output, the fused GELU's input), found {list(gelu_input.shape)}")
+        _chk(gelu_input.dtype == gy.dtype,
+             f"{op}: gelu_input must have gy's dtype {_dname(gy.dtype)}, found {_dname(gelu_input.dtype)}")
+        _chk_contig(op, "gelu_input", gelu_input)
+        _chk_device(op, "gelu_input", gelu_input, "gy", gy)
     K = 0
     if need_dx:
         _chk_bwd_operand(op, "w8t", w8t, g_fp8_dtype, "dx_dtype", dx_dtype, gy)

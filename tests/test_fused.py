@@ -285,15 +285,17 @@ def test_fused_opcheck_and_compile(device):
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")  # see test_gemm
     slot = torch.zeros(1, device=device)
     for w in (w8, torch.randn(16, 48, device=device)):  # already FP8 / cast in the call
-        torch.library.opcheck(torch.ops.fp8ops.linear_fwd.default,
-                              (x, w, sx, slot, sx_inv, sx, slot.clone(), sw_inv, bias, E4, E4, torch.bfloat16, False,
-                               True, True), test_utils=utils)
+        for gelu in (False, True):
+            torch.library.opcheck(torch.ops.fp8ops.linear_fwd.default,
+                                  (x, w, sx, slot, sx_inv, sx, slot.clone(), sw_inv, bias, E4, E4, torch.bfloat16,
+                                   False, True, True, gelu), test_utils=utils)
     gy = torch.randn(32, 16, device=device, dtype=torch.bfloat16)
     w8t, x8t = w8.t().contiguous(), ops.cast(x, sx, E4, True)[1]
     for need_db in (False, True):
-        torch.library.opcheck(torch.ops.fp8ops.linear_bwd.default,
-                              (gy, w8t, x8t, sx, slot, sx_inv, sw_inv, sx_inv, E5, torch.bfloat16, torch.float32, True,
-                               True, need_db), test_utils=utils)
+        for h in (gy.new_empty(0), torch.randn_like(gy)):  # without / with the fused GELU's gradient
+            torch.library.opcheck(torch.ops.fp8ops.linear_bwd.default,
+                                  (gy, w8t, x8t, sx, slot, sx_inv, sw_inv, sx_inv, h, E5, torch.bfloat16,
+                                   torch.float32, True, True, need_db), test_utils=utils)
     torch.library.opcheck(torch.ops.fp8ops.cast_accumulate.default, (x, sx, slot, E4, True), test_utils=utils)
 
     def f(x, slot):

@@ -1,6 +1,7 @@
 """The fused GELU: conversion moves a tanh-GELU module into the Fp8Linear that
-consumes it (gelu_fusion.py); that linear casts gelu(h) from h (linear_fwd
-with gelu_input) and applies the GELU's gradient to its dx.
+consumes it (gelu_fusion.py): that linear casts gelu(h) from h (linear_fwd
+with gelu_input), and the linear that produced h applies the GELU's gradient in
+its gradient cast (linear_bwd with gelu_input).
 
 CPU tests run the C reference kernels; the CUDA parametrisations run the
 cast kernels on the device."""
@@ -20,7 +21,7 @@ from fp8ops.linear import Fp8Linear
 
 from conftest import FP8_DEVICES, requires_fp8
 
-E4 = torch.float8_e4m3fn
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 class MLP(nn.Module):
@@ -58,10 +59,11 @@ def _convert(model, monkeypatch, device="cpu", **cfg):
 
 
 def _gelu_calls(monkeypatch):
-    """Records the gelu_input flag of every linear_fwd call."""
+    """Records which linear_fwd calls fused a GELU and which linear_bwd calls its gradient."""
     seen = []
-    fwd = ops._linear_fwd_raw
-    monkeypatch.setattr(ops, "_linear_fwd_raw", lambda *a: (seen.append(a[-1]), fwd(*a))[1])
+    fwd, bwd = ops._linear_fwd_raw, ops._linear_bwd_raw
+    monkeypatch.setattr(ops, "_linear_fwd_raw", lambda *a: (seen.append(("fwd", a[-1])), fwd(*a))[1])
+    monkeypatch.setattr(ops, "_linear_bwd_raw", lambda *a: (seen.append(("bwd", a[8].numel() > 0)), bwd(*a))[1])
     return seen
 
 
@@ -74,16 +76,19 @@ def test_convert_fuses_gpt2_mlp_gelu(monkeypatch):
     for blk in model:
         assert isinstance(blk.mlp.gelu, nn.Identity)
         assert blk.mlp.c_proj.fp8_gelu_input and not blk.mlp.c_fc.fp8_gelu_input
+        assert blk.mlp.c_fc.fp8_gelu_output and not blk.mlp.c_proj.fp8_gelu_output
     assert list(model.state_dict()) == keys
     reasons = {r["name"]: r["reason"] for r in fp8ops.report(model, print_table=False)}
-    assert reasons["0.mlp.c_proj"] == "converted; GELU 0.mlp.gelu fused into it"
-    assert reasons["0.mlp.c_fc"] == "converted"
+    assert reasons["0.mlp.c_proj"] == "converted; GELU 0.mlp.gelu fused into its input cast"
+    assert reasons["0.mlp.c_fc"] == "converted; GELU 0.mlp.gelu's gradient fused into its gradient cast"
     assert "gelu_tanh(x) (fused)" in repr(model[0].mlp.c_proj)
+    assert "output feeds a fused GELU" in repr(model[0].mlp.c_fc)
 
 
 def test_fuse_gelu_off_keeps_the_gelu(monkeypatch):
     model = _convert(Block(), monkeypatch, fuse_gelu=False)
     assert type(model.mlp.gelu) is nn.GELU and not model.mlp.c_proj.fp8_gelu_input
+    assert not model.mlp.c_fc.fp8_gelu_output
 
 
 class GeluTwice(nn.Module):
@@ -118,13 +123,22 @@ class LinearTwice(GeluTwice):
         return self.b(self.gelu(self.a(x))) + self.b(self.a(x))
 
 
-@pytest.mark.parametrize("cls", [GeluTwice, GeluAlsoResidual, GeluFunctional, GeluBranching, LinearTwice])
+class TrainOnlyDropout(GeluTwice):
+    def forward(self, x):
+        g = self.gelu(self.a(x))
+        if self.training:  # traced in both modes: routed differently, so left alone
+            g = F.dropout(g, 0.0)
+        return self.b(g)
+
+
+@pytest.mark.parametrize("cls", [GeluTwice, GeluAlsoResidual, GeluFunctional, GeluBranching, LinearTwice,
+                                 TrainOnlyDropout])
 def test_gelu_not_fused_where_unsafe(cls, monkeypatch):
     torch.manual_seed(0)
     model = cls()
     ref = copy.deepcopy(model)
     _convert(model, monkeypatch)
-    assert not model.b.fp8_gelu_input
+    assert not model.b.fp8_gelu_input and not model.a.fp8_gelu_output
     assert type(model.gelu) is nn.GELU
     x = torch.randn(16, 32)
     x = -x.abs() if cls is GeluBranching else x
@@ -148,7 +162,7 @@ def test_fuse_gelu_logs_untraceable_parent(caplog):
     model = GeluBranching()
     model.b = Fp8Linear.from_linear(model.b, Fp8Config())
     with caplog.at_level(logging.DEBUG, logger="fp8ops"):
-        assert fuse_gelu(model) == {}
+        assert fuse_gelu(model) == []
     assert "torch.fx cannot read GeluBranching.forward" in caplog.text
 
 
@@ -181,8 +195,35 @@ def test_fused_mlp_trains_like_unfused(device, dtype, monkeypatch):
         assert sqnr(y_p, y_f) >= 35, step
         for n in g_p:
             assert sqnr(g_p[n], g_f[n]) >= 25, (step, n, sqnr(g_p[n], g_f[n]))
-    # steps 2 and 3 of the fused model ran c_proj's forward fused (and nothing else did)
-    assert sum(seen) == 2
+    # steps 2 and 3 of the fused model ran c_proj's forward and c_fc's gradient cast fused
+    assert sum(1 for kind, on in seen if kind == "fwd" and on) == 2
+    assert sum(1 for kind, on in seen if kind == "bwd" and on) == 2
+
+
+def test_fused_mlp_compiles(monkeypatch):
+    """torch.compile(fullgraph=True) of a fused MLP: compiled code fuses the GELU into
+    c_proj's cast and applies its gradient with torch's kernel (no tensor attributes
+    there); outputs and gradients match eager's, to FP8 rounding."""
+    torch.manual_seed(0)
+    base = MLP()
+    runs = []
+    for compiled in (False, True):
+        model = _convert(copy.deepcopy(base), monkeypatch)
+        fn = torch.compile(model, fullgraph=True) if compiled else model
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        outs = []
+        for _ in range(3):
+            y = fn(torch.randn(48, 32))
+            y.square().mean().backward()
+            outs.append((y.detach(), [p.grad.clone() for p in model.parameters()]))
+            fp8ops.step(model)
+            model.zero_grad()
+        runs.append(outs)
+    for (y1, g1), (y2, g2) in zip(*runs):
+        assert sqnr(y1, y2) >= 40
+        for a, b in zip(g1, g2):
+            assert sqnr(a, b) >= 30
 
 
 def test_current_recipe_runs_the_gelu_first(monkeypatch):
@@ -215,6 +256,67 @@ def test_bf16_fallback_applies_the_gelu(monkeypatch):
     assert model.c_proj.fp8_fallback_calls == 1
 
 
+class ProducerAlsoResidual(GeluTwice):
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(self.gelu(h)) + h.mean()
+
+
+def _grads_match(fused, plain, x, steps=3, min_sqnr=25):
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (fused, plain)]
+    for step in range(steps):
+        grads = []
+        for m, opt in zip((fused, plain), opts):
+            (m(x) ** 2).mean().backward()
+            grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+        for n in grads[1]:
+            assert sqnr(grads[1][n], grads[0][n]) >= min_sqnr, (step, n, sqnr(grads[1][n], grads[0][n]))
+
+
+def test_producer_used_elsewhere_keeps_its_gradient(monkeypatch):
+    """c_fc's output also feeds a residual: c_proj still fuses the GELU, but the GELU's
+    gradient is applied by torch in c_proj's backward, not by c_fc."""
+    torch.manual_seed(0)
+    base = ProducerAlsoResidual()
+    fused = _convert(copy.deepcopy(base), monkeypatch)
+    plain = _convert(copy.deepcopy(base), monkeypatch, fuse_gelu=False)
+    assert fused.b.fp8_gelu_input and not fused.a.fp8_gelu_output
+    _grads_match(fused, plain, torch.randn(32, 32))
+
+
+def test_producer_called_alone_gets_its_own_gradient(monkeypatch):
+    """c_fc called directly (no consumer takes its box) backpropagates dL/dh as a plain layer does."""
+    torch.manual_seed(0)
+    base = MLP()
+    fused = _convert(copy.deepcopy(base), monkeypatch)
+    plain = _convert(copy.deepcopy(base), monkeypatch, fuse_gelu=False)
+    x = torch.randn(16, 32)
+    for m in (fused, plain):  # past the first (current-scaled) step
+        m(x).sum().backward()
+        fp8ops.step(m)
+        m.zero_grad()
+    for m in (fused, plain):
+        m.c_fc(x).pow(2).sum().backward()
+    torch.testing.assert_close(fused.c_fc.weight.grad, plain.c_fc.weight.grad, rtol=0, atol=0)
+
+
+def test_consumer_in_bf16_producer_in_fp8(monkeypatch):
+    """Policy may run the two layers differently: c_proj's plain path passes the
+    gradient of gelu(h) to c_fc, which applies the GELU's gradient itself."""
+    torch.manual_seed(0)
+    base = MLP()
+    fused = _convert(copy.deepcopy(base), monkeypatch)
+    plain = _convert(copy.deepcopy(base), monkeypatch, fuse_gelu=False)
+    for m in (fused, plain):
+        m.c_proj.fp8_on_cpu = False  # CPU input without the reference kernels: the nn.Linear path
+    seen = _gelu_calls(monkeypatch)
+    _grads_match(fused, plain, torch.randn(32, 32))
+    assert sum(1 for kind, on in seen if kind == "bwd" and on) == 2  # c_fc applied it (steps 2, 3)
+    assert fused.c_proj.fp8_fallback_calls == 3
+
+
 # ------------------------------------------------------------------ the ops
 
 def _scales(device):
@@ -244,6 +346,46 @@ def test_linear_fwd_gelu_input_is_linear_of_gelu(device, dtype, save_xt):
         a, b = x8t.view(torch.uint8).int(), x8t_ref.view(torch.uint8).int()
         assert (a != b).float().mean() <= 0.01
         assert (a - b).abs().max() <= 1
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("need_dw", [True, False])
+def test_linear_bwd_gelu_input_casts_the_gelu_gradient(device, dtype, need_dw):
+    """linear_bwd(gy, gelu_input=h) == linear_bwd(gy * gelu_tanh'(h) in gy's dtype): dx, dw,
+    the bias gradient and the amax (CUDA: the fused cast with need_dw, a separate pass without)."""
+    torch.manual_seed(0)
+    M, N, K = 256, 128, 64
+    gy = torch.randn(M, N, device=device).to(dtype)
+    h = (torch.randn(M, N, device=device) * 3).to(dtype)
+    w8t = (torch.randn(K, N, device=device) * 0.1).to(E4)
+    x8t = torch.randn(K, M, device=device).to(E4)
+    one = torch.ones(1, device=device)
+    amax, amax_ref = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    scale = torch.tensor([64.0], device=device)
+    dy = torch.ops.aten.gelu_backward(gy.float(), h.float(), approximate="tanh").to(dtype)
+    out = ops.linear_bwd(gy, w8t, x8t, scale, amax, one, one, one, E5, torch.bfloat16, torch.float32,
+                         need_dw=need_dw, need_db=True, gelu_input=h)
+    ref = ops.linear_bwd(dy, w8t, x8t, scale, amax_ref, one, one, one, E5, torch.bfloat16, torch.float32,
+                         need_dw=need_dw, need_db=True)
+    torch.testing.assert_close(amax, amax_ref, rtol=1e-3, atol=0)
+    torch.testing.assert_close(out[2], ref[2], rtol=1e-3, atol=1e-3)   # bias gradient
+    for a, b in zip(out[:2], ref[:2]):
+        if b.numel():
+            assert sqnr(b.float(), a.float()) >= 35
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_linear_bwd_gelu_input_is_checked(device):
+    M, N, K = 32, 16, 48
+    one = torch.ones(1, device=device)
+    gy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+    w8t, x8t = torch.zeros(K, N, device=device, dtype=E4), torch.zeros(K, M, device=device, dtype=E4)
+    args = (gy, w8t, x8t, one, torch.zeros(1, device=device), one, one, one, E5, torch.bfloat16, torch.float32)
+    with pytest.raises(RuntimeError, match=r"gelu_input must be \[M, N\]"):
+        ops.linear_bwd(*args, gelu_input=torch.zeros(M, K, device=device, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="gelu_input must have gy's dtype"):
+        ops.linear_bwd(*args, gelu_input=torch.zeros(M, N, device=device))
 
 
 @requires_fp8
