@@ -77,11 +77,30 @@ if torch.cuda.get_device_capability() >= (8, 9):
     odd = torch.empty(1 + 64 * 256, device=dev, dtype=torch.uint8).view(e4)[1:].view(64, 256)
     odd.copy_(w8)
     ops.linear_fwd(x, odd, one, slot, one, one)
+    # the fused GELU: its cast (transposing, elementwise, unaligned), its gradient fused into
+    # the gradient cast (400 rows: a partial last tile; with and without the bias gradient), and
+    # the separate gradient pass (no transpose wanted; gy at a misaligned offset)
+    print("--- fused GELU", flush=True)
+    ops.linear_fwd(x, w8, one, slot, one, one, gelu_input=True)
+    ops.linear_fwd(x, w8, one, slot, one, one, save_xt=False, gelu_input=True)
+    xo = torch.randn(1 + 128 * 256, device=dev, dtype=torch.bfloat16)[1:].view(128, 256)
+    ops.linear_fwd(xo, w8, one, slot, one, one, gelu_input=True)
+    h4 = torch.randn(400, 64, device=dev, dtype=torch.bfloat16)
+    for db in (False, True):
+        ops.linear_bwd(gy4, w8t, x8t4, one, slot, one, one, one, e5, torch.bfloat16, torch.float32, True, True,
+                       db, gelu_input=h4)[0].sum().item()
+    ops.linear_bwd(gy, w8t, x8t, one, slot, one, one, one, e5, torch.bfloat16, torch.float32, True, False,
+                   True, gelu_input=torch.randn_like(gy))[0].sum().item()
+    ops.linear_bwd(gyo, w8t, x8t, one, slot, one, one, one, e5, torch.bfloat16, torch.float32, True, True,
+                   True, gelu_input=torch.randn_like(gy))[0].sum().item()
     print("--- Fp8Linear", flush=True)
-    lin = fp8ops.convert(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to(dev),
-                         config=fp8ops.Fp8Config(policy="always"))
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU("tanh"), torch.nn.Linear(512, 256))
+    lin = fp8ops.convert(mlp.to(dev), config=fp8ops.Fp8Config(policy="always"))
+    assert lin[2].fp8_gelu_input and lin[0].fp8_gelu_output
     x = torch.randn(64, 256, device=dev, requires_grad=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        lin(x).float().sum().backward()
+    for _ in range(2):  # the second step runs the fused GELU
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            lin(x).float().sum().backward()
+        fp8ops.step(lin)
 torch.cuda.synchronize()
 print("OK")
