@@ -8,6 +8,8 @@ Data flow (hybrid format; DESIGN.md):
     backward  dy -cast(e5m2, s_g, transpose)-> g8, g8t
               dx = gemm(g8, W8t) / (s_g s_w)
               dW = gemm(g8t, x8t) / (s_g s_x)            (weight's dtype: fp32 or bf16 master)
+    fused GELU (gelu_fusion.py): a consumer with fp8_gelu_input casts gelu(x) from x;
+              a producer with fp8_gelu_output casts dy * gelu'(y) from dy and its output y
 
 Scaling state lives in non-persistent buffers (never in state_dict):
     fp8_amax_history [H, 3]   columns: 0 input, 1 weight, 2 grad_output; row 0 = this step
