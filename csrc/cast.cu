@@ -201,18 +201,18 @@ __device__ __forceinline__ uint4 dgelu_vec(const uint4& g, const uint4& h) {
     if constexpr (DT == FP8OPS_F32) {
       w[k] = fp8ops_f32_bits(fp8ops_bits_f32(w[k]) * fp8ops_gelu_tanh_grad(fp8ops_bits_f32(a[k])));
     } else {
-      float lo, hi;
-      if constexpr (DT == FP8OPS_BF16) {
-        lo = fp8ops_bf16_to_f32((uint16_t)w[k]) * fp8ops_gelu_tanh_grad(fp8ops_bf16_to_f32((uint16_t)a[k]));
-        hi = fp8ops_bf16_to_f32((uint16_t)(w[k] >> 16)) *
-             fp8ops_gelu_tanh_grad(fp8ops_bf16_to_f32((uint16_t)(a[k] >> 16)));
-        w[k] = fp8ops_f32_to_bf16(lo) | ((uint32_t)fp8ops_f32_to_bf16(hi) << 16);
-      } else {
-        lo = fp8ops_f16_to_f32((uint16_t)w[k]) * fp8ops_gelu_tanh_grad(fp8ops_f16_to_f32((uint16_t)a[k]));
-        hi = fp8ops_f16_to_f32((uint16_t)(w[k] >> 16)) *
-             fp8ops_gelu_tanh_grad(fp8ops_f16_to_f32((uint16_t)(a[k] >> 16)));
-        w[k] = fp8ops_f32_to_f16(lo) | ((uint32_t)fp8ops_f32_to_f16(hi) << 16);
+      // element j of the word: bits 16j..16j+15
+      float r[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const uint16_t gj = (uint16_t)(w[k] >> (16 * j)), hj = (uint16_t)(a[k] >> (16 * j));
+        r[j] = DT == FP8OPS_BF16
+                   ? fp8ops_bf16_to_f32(gj) * fp8ops_gelu_tanh_grad(fp8ops_bf16_to_f32(hj))
+                   : fp8ops_f16_to_f32(gj) * fp8ops_gelu_tanh_grad(fp8ops_f16_to_f32(hj));
       }
+      w[k] = DT == FP8OPS_BF16
+                 ? fp8ops_f32_to_bf16(r[0]) | ((uint32_t)fp8ops_f32_to_bf16(r[1]) << 16)
+                 : fp8ops_f32_to_f16(r[0]) | ((uint32_t)fp8ops_f32_to_f16(r[1]) << 16);
     }
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
@@ -858,8 +858,8 @@ static int launch_elementwise(const void* x, const float* scale, uint8_t* out, f
                                                                       nvec);
   } else {
     // amax alone: the format is unused, one instance per dtype
-    cast_kernel<DT, FP8OPS_E4M3, false, false><<<grid, EW_THREADS, 0, stream>>>(x, scale, out, amax, n,
-                                                                         head, nvec);
+    cast_kernel<DT, FP8OPS_E4M3, false, false><<<grid, EW_THREADS, 0, stream>>>(
+        x, scale, out, amax, n, head, nvec);
   }
   FP8OPS_CHECK_CUDA(cudaGetLastError());
   return FP8OPS_OK;
@@ -902,7 +902,8 @@ static int launch_cast(const void* x, int64_t rows, int64_t cols, const float* s
       dbias_reduce_kernel<<<(unsigned)FP8OPS_CEIL_DIV(cols, (int64_t)DBIAS_THREADS), DBIAS_THREADS,
                             0, stream>>>(partial, dbias, ct_tiles_m, cols);
     } else {
-      cast_transpose_kernel<DT, FMT, false, GELU ? ACT_GELU : ACT_NONE><<<grid, CT_THREADS, 0, stream>>>(
+      constexpr int act = GELU ? ACT_GELU : ACT_NONE;
+      cast_transpose_kernel<DT, FMT, false, act><<<grid, CT_THREADS, 0, stream>>>(
           x, scale, out, out_t, amax, rows, cols, NULL, NULL);
     }
     FP8OPS_CHECK_CUDA(cudaGetLastError());

@@ -612,9 +612,9 @@ static void boxed_gemm(StableIValue* stack, uint64_t nargs, uint64_t nret) {
 // until the next optimizer step. x8 is a temporary; x8t (the transpose, for
 // the weight gradient) is returned when save_xt, else empty. gelu_input: x is
 // the input h of a GELU and the layer's input is gelu_tanh(h): the cast reads
-// h and casts its GELU (amax and x8t are the GELU's; cast_cpu.c / cast.cu). One dispatcher
-// call instead of up to five: small layers are bound by the host's per-op
-// cost, not by the GPU.
+// h and casts its GELU (amax and x8t are the GELU's; cast_cpu.c / cast.cu).
+// One dispatcher call instead of up to five: small layers are bound by the
+// host's per-op cost, not by the GPU.
 
 #define LFWD_NIN 9
 static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t w_fp8,

@@ -93,8 +93,7 @@ def _roles(calls: dict, parent: nn.Module, name: str, uses: dict) -> tuple[str, 
     if (isinstance(src, torch.fx.Node) and src.op == "call_module" and len(src.users) == 1
             and _single(calls, src.target) is not None):
         p = parent.get_submodule(src.target)
-        # (a forward hook on the producer would see h where it expects gelu(h)'s input: fine; but a
-        # backward hook would see the gradient of gelu(h), not of h)
+        # (a hook on its output's gradient would see the gradient of gelu(h), not of h)
         if isinstance(p, Fp8Linear) and uses[id(p)] == 1 and not _hooked(p):
             producer = src.target
     return user.target, producer
