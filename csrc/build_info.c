@@ -75,6 +75,19 @@ int fp8ops_dgelu_cast_accumulate_cuda(const void* x, const void* aux, fp8ops_hp_
   (void)out_t; (void)amax; (void)dbias; (void)partial; (void)partial_floats; (void)stream;
   return NO_CUDA("dgelu_cast");
 }
+int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
+                                float eps, float* mean, float* rstd, void* stream) {
+  (void)x; (void)dtype; (void)rows; (void)cols; (void)eps; (void)mean; (void)rstd; (void)stream;
+  return NO_CUDA("layernorm_stats");
+}
+int fp8ops_ln_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                   int64_t cols, const fp8ops_ln_params* ln, const float* scale,
+                                   fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t, float* amax,
+                                   void* stream) {
+  (void)x; (void)x_dtype; (void)rows; (void)cols; (void)ln; (void)scale; (void)fmt; (void)out;
+  (void)out_t; (void)amax; (void)stream;
+  return NO_CUDA("ln_cast");
+}
 int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax, void* stream) {
   (void)x; (void)x_dtype; (void)n; (void)amax; (void)stream;
   return NO_CUDA("amax");

@@ -156,72 +156,52 @@ __device__ __forceinline__ float vec_elem(const uint4& v, int j) {
   }
 }
 
-// gelu_tanh(v) rounded to dtype DT (the fused GELU of Fp8Linear's input cast).
+// f(x) rounded to dtype DT: what a torch kernel computing f on a tensor of
+// dtype DT writes (the fused prologues below replace such a kernel).
 template <int DT>
-__device__ __forceinline__ float gelu_elem(float v) {
-  const float g = fp8ops_gelu_tanh(v);
+__device__ __forceinline__ float round_to(float f) {
   if constexpr (DT == FP8OPS_BF16) {
-    return fp8ops_bf16_to_f32(fp8ops_f32_to_bf16(g));
+    return fp8ops_bf16_to_f32(fp8ops_f32_to_bf16(f));
   } else if constexpr (DT == FP8OPS_F16) {
-    return fp8ops_f16_to_f32(fp8ops_f32_to_f16(g));
+    return fp8ops_f16_to_f32(fp8ops_f32_to_f16(f));
   } else {
-    return g;
+    return f;
   }
 }
 
-// One 16-byte vector of dtype DT with every element replaced by gelu_elem.
-template <int DT>
-__device__ __forceinline__ uint4 gelu_vec(const uint4& v) {
+// One 16-byte vector of dtype DT with element j (memory order) replaced by
+// f(j, element) rounded to DT.
+template <int DT, class F>
+__device__ __forceinline__ uint4 map_vec(const uint4& v, F f) {
   uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     if constexpr (DT == FP8OPS_F32) {
-      w[k] = fp8ops_f32_bits(fp8ops_gelu_tanh(fp8ops_bits_f32(w[k])));
-    } else if constexpr (DT == FP8OPS_BF16) {
-      const float lo = fp8ops_gelu_tanh(fp8ops_bf16_to_f32((uint16_t)w[k]));
-      const float hi = fp8ops_gelu_tanh(fp8ops_bf16_to_f32((uint16_t)(w[k] >> 16)));
-      w[k] = fp8ops_f32_to_bf16(lo) | ((uint32_t)fp8ops_f32_to_bf16(hi) << 16);
+      w[k] = fp8ops_f32_bits(f(k, fp8ops_bits_f32(w[k])));
     } else {
-      const float lo = fp8ops_gelu_tanh(fp8ops_f16_to_f32((uint16_t)w[k]));
-      const float hi = fp8ops_gelu_tanh(fp8ops_f16_to_f32((uint16_t)(w[k] >> 16)));
-      w[k] = fp8ops_f32_to_f16(lo) | ((uint32_t)fp8ops_f32_to_f16(hi) << 16);
+      const float lo = f(2 * k, vec_elem<DT>(v, 2 * k)), hi = f(2 * k + 1, vec_elem<DT>(v, 2 * k + 1));
+      w[k] = DT == FP8OPS_BF16 ? fp8ops_f32_to_bf16(lo) | ((uint32_t)fp8ops_f32_to_bf16(hi) << 16)
+                               : fp8ops_f32_to_f16(lo) | ((uint32_t)fp8ops_f32_to_f16(hi) << 16);
     }
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// One 16-byte vector of the gradient g (dtype DT) times gelu_tanh'(h), h the
-// matching vector of the GELU's input, rounded to DT.
-template <int DT>
-__device__ __forceinline__ uint4 dgelu_vec(const uint4& g, const uint4& h) {
-  uint32_t w[4] = {g.x, g.y, g.z, g.w};
-  const uint32_t a[4] = {h.x, h.y, h.z, h.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    if constexpr (DT == FP8OPS_F32) {
-      w[k] = fp8ops_f32_bits(fp8ops_bits_f32(w[k]) * fp8ops_gelu_tanh_grad(fp8ops_bits_f32(a[k])));
-    } else {
-      // element j of the word: bits 16j..16j+15
-      float r[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const uint16_t gj = (uint16_t)(w[k] >> (16 * j)), hj = (uint16_t)(a[k] >> (16 * j));
-        r[j] = DT == FP8OPS_BF16
-                   ? fp8ops_bf16_to_f32(gj) * fp8ops_gelu_tanh_grad(fp8ops_bf16_to_f32(hj))
-                   : fp8ops_f16_to_f32(gj) * fp8ops_gelu_tanh_grad(fp8ops_f16_to_f32(hj));
-      }
-      w[k] = DT == FP8OPS_BF16
-                 ? fp8ops_f32_to_bf16(r[0]) | ((uint32_t)fp8ops_f32_to_bf16(r[1]) << 16)
-                 : fp8ops_f32_to_f16(r[0]) | ((uint32_t)fp8ops_f32_to_f16(r[1]) << 16);
-    }
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
+// The operands of a cast kernel's prologue (ACT): the GELU's input for
+// ACT_DGELU; per-row mean / rstd and per-column gamma / beta for ACT_LN.
+struct Prologue {
+  const void* aux;
+  const float* mean;
+  const float* rstd;
+  const float* gamma;
+  const float* beta;
+};
 
 // The elementwise prologue of a cast kernel instance (ACT template argument)
 #define ACT_NONE 0
 #define ACT_GELU 1   // cast gelu_tanh(x)
 #define ACT_DGELU 2  // cast x * gelu_tanh'(aux)
+#define ACT_LN 3     // cast LayerNorm(x): gamma * (rstd * (x - mean)) + beta, per row / column
 
 // ----------------------------------------------------------------------------
 // CUDA helpers (amax, packing)
@@ -499,7 +479,7 @@ __global__ void __launch_bounds__(CT_THREADS, DB || (ACT == ACT_DGELU && DT == F
     cast_transpose_kernel(const void* __restrict__ x, const float* __restrict__ scale_p,
                           uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
                           float* __restrict__ amax, int64_t rows, int64_t cols,
-                          float* __restrict__ partial, const void* __restrict__ aux) {
+                          float* __restrict__ partial, Prologue pro) {
   constexpr int ESZ = VecInfo<DT>::esz;
   constexpr int VEC = CT_VEC(DT);
   constexpr int TN = CT_TN(DT);
@@ -528,15 +508,34 @@ __global__ void __launch_bounds__(CT_THREADS, DB || (ACT == ACT_DGELU && DT == F
     for (int i = 0; i < CT_RB; ++i) v[i] = __ldcs(src + i * stride);
     if constexpr (ACT == ACT_GELU) {
 #pragma unroll
-      for (int i = 0; i < CT_RB; ++i) v[i] = gelu_vec<DT>(v[i]);
+      for (int i = 0; i < CT_RB; ++i)
+        v[i] = map_vec<DT>(v[i], [](int, float x) { return fp8ops_gelu_tanh(x); });
     } else if constexpr (ACT == ACT_DGELU) {
       // aux (the GELU's input) has x's shape and dtype: the same offsets
-      const uint4* src_h = (const uint4*)((const char*)aux + off * ESZ);
+      const uint4* src_h = (const uint4*)((const char*)pro.aux + off * ESZ);
       uint4 hv[CT_RB];
 #pragma unroll
       for (int i = 0; i < CT_RB; ++i) hv[i] = __ldcs(src_h + i * stride);
 #pragma unroll
-      for (int i = 0; i < CT_RB; ++i) v[i] = dgelu_vec<DT>(v[i], hv[i]);
+      for (int i = 0; i < CT_RB; ++i) {
+        const uint4 h = hv[i];
+        v[i] = map_vec<DT>(v[i], [&](int j, float g) {
+          return g * fp8ops_gelu_tanh_grad(vec_elem<DT>(h, j));
+        });
+      }
+    } else if constexpr (ACT == ACT_LN) {
+      const int64_t r0 = row0 + h * CT_RB, c0 = col0 + l * VEC;
+      float gam[VEC], bet[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        gam[j] = __ldg(pro.gamma + c0 + j);
+        bet[j] = __ldg(pro.beta + c0 + j);
+      }
+#pragma unroll
+      for (int i = 0; i < CT_RB; ++i) {
+        const float m = __ldg(pro.mean + r0 + i), r = __ldg(pro.rstd + r0 + i);
+        v[i] = map_vec<DT>(v[i], [&](int j, float x) { return gam[j] * (r * (x - m)) + bet[j]; });
+      }
     }
   } else {
 #pragma unroll
@@ -685,12 +684,12 @@ __global__ void __launch_bounds__(256)
 // with scalar loads (a warp reads 32 consecutive elements of one row), stores
 // the byte to `out` and to the shared tile; after the barrier it writes
 // out_t[col0 + ty + 8i][row0 + tx] (a warp writes 32 consecutive bytes).
-template <int DT, int FMT, bool GELU>
+template <int DT, int FMT, int ACT>
 __global__ void __launch_bounds__(256)
     cast_transpose_general_kernel(const void* __restrict__ x, const float* __restrict__ scale_p,
                                   uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
                                   float* __restrict__ amax, int64_t rows, int64_t cols,
-                                  int tiles_n) {
+                                  int tiles_n, Prologue pro) {
   __shared__ uint8_t tile[32][33];  // +1: column reads spread over banks
   __shared__ uint32_t red[8];
   const int tx = threadIdx.x, ty = threadIdx.y;
@@ -703,7 +702,9 @@ __global__ void __launch_bounds__(256)
     const int64_t rr = row0 + ty + 8 * i, cc = col0 + tx;
     if (rr < rows && cc < cols) {
       float v = load_elem<DT>(x, rr * cols + cc);
-      if constexpr (GELU) v = gelu_elem<DT>(v);
+      if constexpr (ACT == ACT_GELU) v = round_to<DT>(fp8ops_gelu_tanh(v));
+      if constexpr (ACT == ACT_LN)
+        v = round_to<DT>(pro.gamma[cc] * (pro.rstd[rr] * (v - pro.mean[rr])) + pro.beta[cc]);
       am.add_f32(v);
       const uint8_t q = (uint8_t)cast_byte<FMT>(v, scale);
       out[rr * cols + cc] = q;
@@ -764,7 +765,7 @@ __global__ void __launch_bounds__(EW_THREADS, GELU ? 2 : EW_MIN_BLOCKS)
   for (int64_t s = gtid; s < nscalar; s += nthreads) {
     const int64_t i = s < head ? s : tail0 + (s - head);
     float v = load_elem<DT>(x, i);
-    if constexpr (GELU) v = gelu_elem<DT>(v);
+    if constexpr (GELU) v = round_to<DT>(fp8ops_gelu_tanh(v));
     am.add_f32(v);
     if constexpr (WRITE) out[i] = (uint8_t)cast_byte<FMT>(v, scale);
   }
@@ -778,7 +779,8 @@ __global__ void __launch_bounds__(EW_THREADS, GELU ? 2 : EW_MIN_BLOCKS)
     for (int j = 0; j < EW_UNROLL; ++j) {
       const int64_t idx = base + j * EW_THREADS;
       v[j] = idx < nvec ? __ldcs(src + idx) : make_uint4(0, 0, 0, 0);
-      if constexpr (GELU) v[j] = gelu_vec<DT>(v[j]);  // gelu(0) = 0 past the end
+      if constexpr (GELU)  // gelu(0) = 0 past the end
+        v[j] = map_vec<DT>(v[j], [](int, float x) { return fp8ops_gelu_tanh(x); });
     }
     if constexpr (WRITE) {
       uint32_t p[EW_UNROLL][WORDS];
@@ -885,67 +887,81 @@ static bool ct_fast(const void* x, int64_t rows, int64_t cols, const void* out, 
 
 // dbias != NULL: also the column sums of x (fused into the fast transposing
 // path, whose per-tile sums go to partial; else a separate colsum pass).
-// GELU: cast gelu_tanh(x) (never with dbias: cast_cuda refuses the pair).
-// (The DGELU instances have their own launcher, launch_dgelu_cast.)
-template <int DT, int FMT, bool GELU>
+// ACT: the prologue, ACT_NONE, ACT_GELU or ACT_LN (never with dbias; ACT_LN
+// only with out_t: cast_cuda checks both). (The DGELU instances have their
+// own launcher, launch_dgelu_cast.)
+template <int DT, int FMT, int ACT>
 static int launch_cast(const void* x, int64_t rows, int64_t cols, const float* scale,
                        uint8_t* out, uint8_t* out_t, float* amax, float* dbias, float* partial,
-                       cudaStream_t stream) {
+                       const Prologue& pro, cudaStream_t stream) {
   const int64_t ct_tiles_m = FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM);
   const int64_t ct_tiles_n = FP8OPS_CEIL_DIV(cols, (int64_t)CT_TN(DT));
   if (ct_fast(x, rows, cols, out, out_t)) {
     const dim3 grid((unsigned)ct_tiles_n, (unsigned)ct_tiles_m);
-    if (!GELU && dbias != NULL) {
+    if (ACT == ACT_NONE && dbias != NULL) {
       cast_transpose_kernel<DT, FMT, true, ACT_NONE><<<grid, CT_THREADS, 0, stream>>>(
-          x, scale, out, out_t, amax, rows, cols, partial, NULL);
+          x, scale, out, out_t, amax, rows, cols, partial, pro);
       FP8OPS_CHECK_CUDA(cudaGetLastError());
       dbias_reduce_kernel<<<(unsigned)FP8OPS_CEIL_DIV(cols, (int64_t)DBIAS_THREADS), DBIAS_THREADS,
                             0, stream>>>(partial, dbias, ct_tiles_m, cols);
     } else {
-      constexpr int act = GELU ? ACT_GELU : ACT_NONE;
-      cast_transpose_kernel<DT, FMT, false, act><<<grid, CT_THREADS, 0, stream>>>(
-          x, scale, out, out_t, amax, rows, cols, NULL, NULL);
+      cast_transpose_kernel<DT, FMT, false, ACT><<<grid, CT_THREADS, 0, stream>>>(
+          x, scale, out, out_t, amax, rows, cols, NULL, pro);
     }
     FP8OPS_CHECK_CUDA(cudaGetLastError());
     return FP8OPS_OK;
   }
-  if (!GELU && dbias != NULL) FP8OPS_TRY(launch_colsum<DT>(x, rows, cols, dbias, stream));
-  if (out_t == NULL)
-    return launch_elementwise<DT, FMT, GELU>(x, scale, out, amax, rows * cols, stream);
+  if (ACT == ACT_NONE && dbias != NULL) FP8OPS_TRY(launch_colsum<DT>(x, rows, cols, dbias, stream));
+  if (ACT != ACT_LN && out_t == NULL)
+    return launch_elementwise<DT, FMT, ACT == ACT_GELU>(x, scale, out, amax, rows * cols, stream);
   {
     const int64_t tiles_m = FP8OPS_CEIL_DIV(rows, (int64_t)32);
     const int64_t tiles_n = FP8OPS_CEIL_DIV(cols, (int64_t)32);
     FP8OPS_REQUIRE(tiles_m * tiles_n <= INT32_MAX, "cast: tensor too large ([%lld, %lld])",
                    (long long)rows, (long long)cols);
-    cast_transpose_general_kernel<DT, FMT, GELU><<<(unsigned)(tiles_m * tiles_n), dim3(32, 8), 0,
-                                             stream>>>(x, scale, out, out_t, amax, rows, cols,
-                                                       (int)tiles_n);
+    cast_transpose_general_kernel<DT, FMT, ACT><<<(unsigned)(tiles_m * tiles_n), dim3(32, 8), 0,
+                                                  stream>>>(x, scale, out, out_t, amax, rows, cols,
+                                                            (int)tiles_n, pro);
   }
   FP8OPS_CHECK_CUDA(cudaGetLastError());
   return FP8OPS_OK;
 }
 
+template <int DT, int FMT>
+static int launch_cast_act(const void* x, int64_t rows, int64_t cols, const float* scale,
+                           uint8_t* out, uint8_t* out_t, float* amax, float* dbias, float* partial,
+                           int act, const Prologue& pro, cudaStream_t stream) {
+  switch (act) {
+    case ACT_GELU:
+      return launch_cast<DT, FMT, ACT_GELU>(x, rows, cols, scale, out, out_t, amax, NULL, NULL, pro,
+                                            stream);
+    case ACT_LN:
+      return launch_cast<DT, FMT, ACT_LN>(x, rows, cols, scale, out, out_t, amax, NULL, NULL, pro,
+                                          stream);
+    default:
+      return launch_cast<DT, FMT, ACT_NONE>(x, rows, cols, scale, out, out_t, amax, dbias, partial,
+                                            pro, stream);
+  }
+}
+
 template <int DT>
 static int launch_cast_fmt(const void* x, int64_t rows, int64_t cols, const float* scale,
                            fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t, float* amax,
-                           float* dbias, float* partial, bool gelu, cudaStream_t stream) {
-  if (gelu)  // the input of an FP8 linear: e4m3 (hybrid, e4m3) or e5m2 (all-e5m2 format)
-    return fmt == FP8OPS_E4M3
-               ? launch_cast<DT, FP8OPS_E4M3, true>(x, rows, cols, scale, out, out_t, amax, NULL,
-                                                    NULL, stream)
-               : launch_cast<DT, FP8OPS_E5M2, true>(x, rows, cols, scale, out, out_t, amax, NULL,
-                                                    NULL, stream);
+                           float* dbias, float* partial, int act, const Prologue& pro,
+                           cudaStream_t stream) {
   return fmt == FP8OPS_E4M3
-             ? launch_cast<DT, FP8OPS_E4M3, false>(x, rows, cols, scale, out, out_t, amax, dbias,
-                                                   partial, stream)
-             : launch_cast<DT, FP8OPS_E5M2, false>(x, rows, cols, scale, out, out_t, amax, dbias,
-                                                   partial, stream);
+             ? launch_cast_act<DT, FP8OPS_E4M3>(x, rows, cols, scale, out, out_t, amax, dbias,
+                                                partial, act, pro, stream)
+             : launch_cast_act<DT, FP8OPS_E5M2>(x, rows, cols, scale, out, out_t, amax, dbias,
+                                                partial, act, pro, stream);
 }
+
+static const Prologue kNoPrologue = {NULL, NULL, NULL, NULL, NULL};
 
 static int cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
                      const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
-                     float* amax, bool accumulate, float* dbias, float* partial, bool gelu,
-                     void* stream) {
+                     float* amax, bool accumulate, float* dbias, float* partial, int act,
+                     const Prologue& pro, void* stream) {
   FP8OPS_REQUIRE(rows >= 0 && cols >= 0, "cast: negative shape [%lld, %lld]", (long long)rows,
                  (long long)cols);
   FP8OPS_REQUIRE(cols == 0 || rows <= INT64_MAX / cols, "cast: rows * cols overflows ([%lld, %lld])",
@@ -954,7 +970,9 @@ static int cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64
                  "cast: unknown input dtype code %d", (int)x_dtype);
   FP8OPS_REQUIRE(fmt == FP8OPS_E4M3 || fmt == FP8OPS_E5M2, "cast: unknown fp8 format %d", (int)fmt);
   FP8OPS_REQUIRE(scale && amax && (rows * cols == 0 || (x && out)), "cast: null pointer");
-  FP8OPS_REQUIRE(!(gelu && dbias), "cast: the GELU cast has no fused column sums");
+  FP8OPS_REQUIRE(act == ACT_NONE || dbias == NULL, "cast: a prologue cast has no fused column sums");
+  FP8OPS_REQUIRE(act != ACT_LN || out_t != NULL || rows * cols == 0,
+                 "cast: the LayerNorm cast needs the transposed output");
   FP8OPS_REQUIRE(aligned(x, dtype_size(x_dtype)),
                  "cast: input pointer %p is not aligned to its dtype (%d bytes)", x,
                  dtype_size(x_dtype));
@@ -969,21 +987,21 @@ static int cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64
   switch (x_dtype) {
     case FP8OPS_F32:
       return launch_cast_fmt<FP8OPS_F32>(x, rows, cols, scale, fmt, out, out_t, amax, dbias, partial,
-                                        gelu, s);
+                                         act, pro, s);
     case FP8OPS_BF16:
-      return launch_cast_fmt<FP8OPS_BF16>(x, rows, cols, scale, fmt, out, out_t, amax, dbias, partial,
-                                        gelu, s);
+      return launch_cast_fmt<FP8OPS_BF16>(x, rows, cols, scale, fmt, out, out_t, amax, dbias,
+                                          partial, act, pro, s);
     default:
       return launch_cast_fmt<FP8OPS_F16>(x, rows, cols, scale, fmt, out, out_t, amax, dbias, partial,
-                                        gelu, s);
+                                         act, pro, s);
   }
 }
 
 extern "C" int fp8ops_cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
                                 int64_t cols, const float* scale, fp8ops_fp8_format fmt,
                                 uint8_t* out, uint8_t* out_t, float* amax, void* stream) {
-  return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, false, NULL, NULL, false,
-                   stream);
+  return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, false, NULL, NULL, ACT_NONE,
+                   kNoPrologue, stream);
 }
 
 extern "C" int fp8ops_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
@@ -992,8 +1010,8 @@ extern "C" int fp8ops_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtyp
                                            float* amax, void* stream) {
   FP8OPS_REQUIRE(aligned(amax, sizeof(float)), "cast: amax pointer %p is not 4-byte aligned",
                  (const void*)amax);
-  return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, true, NULL, NULL, false,
-                   stream);
+  return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, true, NULL, NULL, ACT_NONE,
+                   kNoPrologue, stream);
 }
 
 extern "C" int fp8ops_gelu_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype,
@@ -1002,8 +1020,22 @@ extern "C" int fp8ops_gelu_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x
                                                 uint8_t* out_t, float* amax, void* stream) {
   FP8OPS_REQUIRE(aligned(amax, sizeof(float)), "cast: amax pointer %p is not 4-byte aligned",
                  (const void*)amax);
-  return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, true, NULL, NULL, true,
-                   stream);
+  return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, true, NULL, NULL, ACT_GELU,
+                   kNoPrologue, stream);
+}
+
+extern "C" int fp8ops_ln_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                              int64_t cols, const fp8ops_ln_params* ln,
+                                              const float* scale, fp8ops_fp8_format fmt,
+                                              uint8_t* out, uint8_t* out_t, float* amax,
+                                              void* stream) {
+  FP8OPS_REQUIRE(aligned(amax, sizeof(float)), "cast: amax pointer %p is not 4-byte aligned",
+                 (const void*)amax);
+  FP8OPS_REQUIRE(ln && ln->mean && ln->rstd && ln->gamma && ln->beta,
+                 "cast: the LayerNorm cast needs mean, rstd, gamma and beta");
+  const Prologue pro = {NULL, ln->mean, ln->rstd, ln->gamma, ln->beta};
+  return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, true, NULL, NULL, ACT_LN,
+                   pro, stream);
 }
 
 extern "C" int64_t fp8ops_dbias_workspace_floats(int64_t rows, int64_t cols) {
@@ -1027,7 +1059,7 @@ extern "C" int fp8ops_cast_accumulate_dbias_cuda(const void* x, fp8ops_hp_dtype 
                  "cast: the dbias workspace holds %lld floats, fp8ops_dbias_workspace_floats "
                  "asks %lld", (long long)partial_floats, (long long)need);
   return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, true, dbias, partial,
-                   false, stream);
+                   ACT_NONE, kNoPrologue, stream);
 }
 
 // The DGELU cast (fast path only; fp8ops_dgelu_cast_fusable says when):
@@ -1041,13 +1073,13 @@ static int launch_dgelu_cast(const void* x, const void* aux, int64_t rows, int64
   const dim3 grid((unsigned)FP8OPS_CEIL_DIV(cols, (int64_t)CT_TN(DT)), (unsigned)tiles_m);
   if (dbias != NULL) {
     cast_transpose_kernel<DT, FMT, true, ACT_DGELU><<<grid, CT_THREADS, 0, stream>>>(
-        x, scale, out, out_t, amax, rows, cols, partial, aux);
+        x, scale, out, out_t, amax, rows, cols, partial, Prologue{aux, NULL, NULL, NULL, NULL});
     FP8OPS_CHECK_CUDA(cudaGetLastError());
     dbias_reduce_kernel<<<(unsigned)FP8OPS_CEIL_DIV(cols, (int64_t)DBIAS_THREADS), DBIAS_THREADS, 0,
                           stream>>>(partial, dbias, tiles_m, cols);
   } else {
     cast_transpose_kernel<DT, FMT, false, ACT_DGELU><<<grid, CT_THREADS, 0, stream>>>(
-        x, scale, out, out_t, amax, rows, cols, NULL, aux);
+        x, scale, out, out_t, amax, rows, cols, NULL, Prologue{aux, NULL, NULL, NULL, NULL});
   }
   FP8OPS_CHECK_CUDA(cudaGetLastError());
   return FP8OPS_OK;

@@ -38,9 +38,21 @@ static inline uint32_t abs_bits(float v) { return fp8ops_f32_bits(v) & 0x7FFFFFF
 // ----------------------------------------------------------------------------
 // kernels
 
+/* LayerNorm(x) of element (r, c) rounded to dt (fp8ops.h: fp8ops_ln_params) */
+static inline float ln_hp(float v, int64_t r, int64_t c, const fp8ops_ln_params* ln,
+                          fp8ops_hp_dtype dt) {
+  const float y = ln->gamma[c] * (ln->rstd[r] * (v - ln->mean[r])) + ln->beta[c];
+  switch (dt) {
+    case FP8OPS_BF16: return fp8ops_bf16_to_f32(fp8ops_f32_to_bf16(y));
+    case FP8OPS_F16: return fp8ops_f16_to_f32(fp8ops_f32_to_f16(y));
+    default: return y;
+  }
+}
+
+/* gelu: cast gelu_hp(x); ln (not NULL): cast ln_hp(x) */
 static int cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
                     const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
-                    float* amax, int accumulate, int gelu) {
+                    float* amax, int accumulate, int gelu, const fp8ops_ln_params* ln) {
   FP8OPS_REQUIRE(rows >= 0 && cols >= 0, "cast: negative shape [%lld, %lld]", (long long)rows,
                  (long long)cols);
   FP8OPS_REQUIRE(scale && amax && (rows * cols == 0 || (x && out)), "cast: null pointer");
@@ -53,7 +65,9 @@ static int cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t i = r * cols + c;
-      const float v = gelu ? gelu_hp(load_hp(x, x_dtype, i), x_dtype) : load_hp(x, x_dtype, i);
+      float v = load_hp(x, x_dtype, i);
+      if (gelu) v = gelu_hp(v, x_dtype);
+      if (ln) v = ln_hp(v, r, c, ln, x_dtype);
       const uint32_t a = abs_bits(v);
       if (a > amax_bits) amax_bits = a;
       float y = v * s;
@@ -73,19 +87,48 @@ static int cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_
 int fp8ops_cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
                     const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
                     float* amax) {
-  return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 0, 0);
+  return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 0, 0, NULL);
 }
 
 int fp8ops_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
                                int64_t cols, const float* scale, fp8ops_fp8_format fmt,
                                uint8_t* out, uint8_t* out_t, float* amax) {
-  return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 1, 0);
+  return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 1, 0, NULL);
 }
 
 int fp8ops_gelu_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
                                     int64_t cols, const float* scale, fp8ops_fp8_format fmt,
                                     uint8_t* out, uint8_t* out_t, float* amax) {
-  return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 1, 1);
+  return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 1, 1, NULL);
+}
+
+int fp8ops_ln_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                  int64_t cols, const fp8ops_ln_params* ln, const float* scale,
+                                  fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t, float* amax) {
+  FP8OPS_REQUIRE(ln && ln->mean && ln->rstd && ln->gamma && ln->beta,
+                 "cast: the LayerNorm cast needs mean, rstd, gamma and beta");
+  return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 1, 0, ln);
+}
+
+int fp8ops_layernorm_stats_cpu(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
+                               float eps, float* mean, float* rstd) {
+  FP8OPS_REQUIRE(rows >= 0 && cols > 0 && (rows == 0 || (x && mean && rstd)),
+                 "layernorm_stats: bad arguments (rows %lld, cols %lld)", (long long)rows,
+                 (long long)cols);
+  FP8OPS_REQUIRE(dtype == FP8OPS_F32 || dtype == FP8OPS_BF16 || dtype == FP8OPS_F16,
+                 "layernorm_stats: unknown dtype code %d", (int)dtype);
+  for (int64_t r = 0; r < rows; ++r) {
+    double sum = 0.0, sq = 0.0;
+    for (int64_t c = 0; c < cols; ++c) sum += load_hp(x, dtype, r * cols + c);
+    const double m = sum / (double)cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      const double d = load_hp(x, dtype, r * cols + c) - m;
+      sq += d * d;
+    }
+    mean[r] = (float)m;
+    rstd[r] = (float)(1.0 / sqrt(sq / (double)cols + (double)eps));
+  }
+  return FP8OPS_OK;
 }
 
 int fp8ops_gelu_grad_cpu(const void* x, const void* aux, fp8ops_hp_dtype dtype, int64_t n,

@@ -124,6 +124,32 @@ int fp8ops_dgelu_cast_accumulate_cuda(const void* x, const void* aux, fp8ops_hp_
                                       float* amax, float* dbias, float* partial,
                                       int64_t partial_floats, void* stream);
 
+/* The LayerNorm fused into an FP8 linear's input cast (layernorm_fusion.py).
+ * layernorm_stats: per row of x [rows, cols], mean[r] and rstd[r] =
+ * 1 / sqrt(var[r] + eps) (biased variance), fp32: what torch's
+ * native_layer_norm returns beside its output, and its backward takes.
+ * ln_cast_accumulate: cast_accumulate of LayerNorm(x) = gamma[c] * (rstd[r] *
+ * (x - mean[r])) + beta[c] rounded to x's dtype (the tensor torch's LayerNorm
+ * writes), amax of it; gamma, beta fp32 [cols]; out_t is required. CPU and
+ * CUDA agree to fp32 rounding, not bit for bit. */
+typedef struct {
+  const float* mean;
+  const float* rstd;
+  const float* gamma;
+  const float* beta;
+} fp8ops_ln_params;
+int fp8ops_layernorm_stats_cpu(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
+                               float eps, float* mean, float* rstd);
+int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
+                                float eps, float* mean, float* rstd, void* stream);
+int fp8ops_ln_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                  int64_t cols, const fp8ops_ln_params* ln, const float* scale,
+                                  fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t, float* amax);
+int fp8ops_ln_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                   int64_t cols, const fp8ops_ln_params* ln, const float* scale,
+                                   fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t, float* amax,
+                                   void* stream);
+
 /* dbias: the column sums of x [rows, cols] (Fp8Linear's bias gradient: the
  * sum of dy over the tokens) into dbias[cols], fp32, in one fixed order that
  * CPU and CUDA share bit for bit: x padded with +0 rows to a multiple of 128;

@@ -616,13 +616,21 @@ static void boxed_gemm(StableIValue* stack, uint64_t nargs, uint64_t nret) {
 // One dispatcher call instead of up to five: small layers are bound by the
 // host's per-op cost, not by the GPU.
 
+/* ln_linear_fwd's LayerNorm: its weight and bias (fp32 [K]) and eps in; mean
+ * and rstd ([M] fp32) out. */
+typedef struct {
+  AtenTensorHandle weight, bias;
+  double eps;
+  AtenTensorHandle mean, rstd;
+} ln_args;
+
 #define LFWD_NIN 9
 static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t w_fp8,
                           int32_t out_dtype, bool fast_accum, bool save_xt, bool save_wt,
-                          bool gelu, AtenTensorHandle outs[4], AtenTensorHandle* x8,
+                          bool gelu, ln_args* ln, AtenTensorHandle outs[4], AtenTensorHandle* x8,
                           gemm_scratch* scratch) {
-  const char* op = "fp8ops::linear_fwd";
-  tinfo x, w, xs, xa, xsi, ws, wa, wsi, bias;
+  const char* op = ln ? "fp8ops::ln_linear_fwd" : "fp8ops::linear_fwd";
+  tinfo x, w, xs, xa, xsi, ws, wa, wsi, bias, lw, lb;
   fp8ops_hp_dtype xd = FP8OPS_F32, od = FP8OPS_BF16, wd = FP8OPS_F32;
   fp8ops_fp8_format xf = FP8OPS_E4M3, wf = FP8OPS_E4M3;
   char sh1[96], sh2[96];
@@ -672,6 +680,31 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
   const void* bias_ptr = NULL;
   FP8OPS_TRY(check_bias(op, &bias, N, out_dtype, od, &x, "x", &bias_ptr));
   if (is_cuda(&x)) FP8OPS_TRY(require_gemm_dims(op, M, N, K));
+  fp8ops_ln_params lnp = {NULL, NULL, NULL, NULL};
+  if (ln) {
+    FP8OPS_TRY(describe(op, "ln_weight", ln->weight, &lw));
+    FP8OPS_TRY(describe(op, "ln_bias", ln->bias, &lb));
+    const tinfo* pp[2] = {&lw, &lb};
+    const char* names[2] = {"ln_weight", "ln_bias"};
+    for (int i = 0; i < 2; ++i) {
+      FP8OPS_REQUIRE(pp[i]->ndim == 1 && pp[i]->numel == K &&
+                     pp[i]->dtype == aoti_torch_dtype_float32(),
+                     "%s: %s must be float32 [K] = [%lld] (the LayerNorm's, as float32), found "
+                     "%s with %lld elements", op, names[i], (long long)K,
+                     dtype_name(pp[i]->dtype), (long long)pp[i]->numel);
+      FP8OPS_TRY(require_contiguous(op, names[i], pp[i]));
+      FP8OPS_TRY(require_same_device(op, names[i], pp[i], "x", &x));
+    }
+    FP8OPS_REQUIRE(ln->eps >= 0.0, "%s: eps must be >= 0, found %g", op, ln->eps);
+    const int64_t msz[1] = {M};
+    FP8OPS_TRY(new_tensor(op, 1, msz, aoti_torch_dtype_float32(), &x, &ln->mean));
+    FP8OPS_TRY(new_tensor(op, 1, msz, aoti_torch_dtype_float32(), &x, &ln->rstd));
+    lnp.mean = (const float*)data_of(ln->mean);
+    lnp.rstd = (const float*)data_of(ln->rstd);
+    lnp.gamma = (const float*)lw.data;
+    lnp.beta = (const float*)lb.data;
+    save_xt = true; /* the LayerNorm cast writes the transpose */
+  }
   const int64_t xtsz[2] = {K, M}, wtsz[2] = {K, N}, zero[1] = {0};
   const int32_t w8_dtype = cast_w ? w_fp8 : w.dtype;
   FP8OPS_TRY(new_tensor(op, 2, x.sizes, x_fp8, &x, x8));
@@ -691,7 +724,17 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
                                                       wa.data, stream)
                        : fp8ops_cast_accumulate_cpu(w.data, wd, N, K, ws.data, wf, pw8, pw8t,
                                                      wa.data);
-    if (rc == FP8OPS_OK && gelu)
+    if (rc == FP8OPS_OK && ln)
+      rc = is_cuda(&x) ? fp8ops_layernorm_stats_cuda(x.data, xd, M, K, (float)ln->eps,
+                                                     (float*)lnp.mean, (float*)lnp.rstd, stream)
+                       : fp8ops_layernorm_stats_cpu(x.data, xd, M, K, (float)ln->eps,
+                                                    (float*)lnp.mean, (float*)lnp.rstd);
+    if (rc == FP8OPS_OK && ln)
+      rc = is_cuda(&x) ? fp8ops_ln_cast_accumulate_cuda(x.data, xd, M, K, &lnp, xs.data, xf, p8,
+                                                         p8t, xa.data, stream)
+                       : fp8ops_ln_cast_accumulate_cpu(x.data, xd, M, K, &lnp, xs.data, xf, p8,
+                                                        p8t, xa.data);
+    else if (rc == FP8OPS_OK && gelu)
       rc = is_cuda(&x) ? fp8ops_gelu_cast_accumulate_cuda(x.data, xd, M, K, xs.data, xf, p8, p8t,
                                                            xa.data, stream)
                        : fp8ops_gelu_cast_accumulate_cpu(x.data, xd, M, K, xs.data, xf, p8, p8t,
@@ -716,7 +759,7 @@ static void boxed_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
   gemm_scratch scratch = {0};
   int rc = run_linear_fwd(in, sv_i32(stack[9]), sv_i32(stack[10]), sv_i32(stack[11]),
                           sv_bool(stack[12]), sv_bool(stack[13]), sv_bool(stack[14]),
-                          sv_bool(stack[15]), outs, &x8, &scratch);
+                          sv_bool(stack[15]), NULL, outs, &x8, &scratch);
   release(in, LFWD_NIN);
   release(&x8, 1); /* stream-ordered, after the GEMM that reads it */
   scratch_release(&scratch);
@@ -726,6 +769,47 @@ static void boxed_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
     return;
   }
   for (int i = 0; i < 4; ++i) stack[i] = sv_from_tensor(outs[i]);
+}
+
+// ----------------------------------------------------------------------------
+// ln_linear_fwd(Tensor x, Tensor ln_weight, Tensor ln_bias, float eps, Tensor w,
+//               Tensor x_scale, Tensor(a!) x_amax, Tensor x_scale_inv, Tensor w_scale,
+//               Tensor(b!) w_amax, Tensor w_scale_inv, Tensor bias,
+//               ScalarType x_fp8_dtype, ScalarType w_fp8_dtype, ScalarType out_dtype,
+//               bool use_fast_accum, bool save_wt)
+//     -> (Tensor y, Tensor x8t, Tensor w8, Tensor w8t, Tensor mean, Tensor rstd)
+//
+// linear_fwd of LayerNorm(x): x is the LayerNorm's input; its per-row mean and
+// rstd are computed here (returned for the LayerNorm's backward) and the cast
+// normalizes each element as it loads it (ln_weight, ln_bias: float32 [K]), so
+// the LayerNorm's output is never written. x8t is always returned.
+
+static void boxed_ln_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  static const int k_idx[LFWD_NIN] = {0, 4, 5, 6, 7, 8, 9, 10, 11}; /* linear_fwd's inputs */
+  AtenTensorHandle in[LFWD_NIN];
+  for (int i = 0; i < LFWD_NIN; ++i) in[i] = sv_tensor(stack[k_idx[i]]);
+  ln_args ln = {sv_tensor(stack[1]), sv_tensor(stack[2]), sv_f64(stack[3]), NULL, NULL};
+  AtenTensorHandle outs[4] = {NULL, NULL, NULL, NULL}, x8 = NULL;
+  gemm_scratch scratch = {0};
+  int rc = run_linear_fwd(in, sv_i32(stack[12]), sv_i32(stack[13]), sv_i32(stack[14]),
+                          sv_bool(stack[15]), true, sv_bool(stack[16]), false, &ln, outs, &x8,
+                          &scratch);
+  release(in, LFWD_NIN);
+  release(&ln.weight, 1);
+  release(&ln.bias, 1);
+  release(&x8, 1); /* stream-ordered, after the GEMM that reads it */
+  scratch_release(&scratch);
+  if (rc != FP8OPS_OK) {
+    release(outs, 4);
+    release(&ln.mean, 1);
+    release(&ln.rstd, 1);
+    raise_last_error(__func__);
+    return;
+  }
+  for (int i = 0; i < 4; ++i) stack[i] = sv_from_tensor(outs[i]);
+  stack[4] = sv_from_tensor(ln.mean);
+  stack[5] = sv_from_tensor(ln.rstd);
 }
 
 // ----------------------------------------------------------------------------
@@ -936,6 +1020,12 @@ static const op_row k_ops[] = {
                    "ScalarType out_dtype, bool use_fast_accum, bool save_xt, bool save_wt, "
                    "bool gelu_input=False) -> "
                    "(Tensor y, Tensor x8t, Tensor w8, Tensor w8t)", boxed_linear_fwd},
+    {"ln_linear_fwd", "ln_linear_fwd(Tensor x, Tensor ln_weight, Tensor ln_bias, float eps, "
+                      "Tensor w, Tensor x_scale, Tensor(a!) x_amax, Tensor x_scale_inv, "
+                      "Tensor w_scale, Tensor(b!) w_amax, Tensor w_scale_inv, Tensor bias, "
+                      "ScalarType x_fp8_dtype, ScalarType w_fp8_dtype, ScalarType out_dtype, "
+                      "bool use_fast_accum, bool save_wt) -> (Tensor y, Tensor x8t, Tensor w8, "
+                      "Tensor w8t, Tensor mean, Tensor rstd)", boxed_ln_linear_fwd},
     {"linear_bwd", "linear_bwd(Tensor gy, Tensor w8t, Tensor x8t, Tensor g_scale, "
                    "Tensor(a!) g_amax, Tensor g_scale_inv, Tensor w_scale_inv, "
                    "Tensor x_scale_inv, Tensor gelu_input, ScalarType g_fp8_dtype, "

@@ -38,11 +38,16 @@ class Fp8Config:
         fast_accum: Hopper fast accumulation in the forward GEMM (the gradient
             GEMMs always keep full-precision accumulation). Default True.
         fuse_gelu: move each tanh-GELU module whose output only feeds one
-            converted linear (GPT-2's MLP: c_proj(gelu(c_fc(x)))) into that
-            linear, which then applies it in its input cast and its gradient
-            in its dgrad GEMM: the GELU's own forward and backward passes no
-            longer run. The module becomes nn.Identity; state_dict keys do not
-            change (see gelu_fusion.py). Default True.
+            converted linear (GPT-2's MLP: c_proj(gelu(c_fc(x)))) into the
+            linears around it: c_proj applies it in its input cast, c_fc its
+            gradient in its gradient cast, and the GELU's own forward and
+            backward passes no longer run. The module becomes nn.Identity;
+            state_dict keys do not change (see gelu_fusion.py). Default True.
+        fuse_layernorm: move each nn.LayerNorm whose output only feeds one
+            converted linear (GPT-2's ln_1 -> c_attn, ln_2 -> c_fc) into that
+            linear, which normalizes inside its input cast: the LayerNorm's
+            output is never written. The LayerNorm module keeps its parameters
+            (see layernorm_fusion.py). Default True.
     """
 
     recipe: str = "delayed"
@@ -54,6 +59,7 @@ class Fp8Config:
     policy: str = "auto"
     fast_accum: bool = True
     fuse_gelu: bool = True
+    fuse_layernorm: bool = True
 
     def __post_init__(self):
         def need(cond, what):

@@ -114,6 +114,11 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
                 if lin is not None:
                     backend, reason = decisions.get(lin, ("fp8ops", "converted"))
                     decisions[lin] = (backend, f"{reason}; {what}")
+    if config.fuse_layernorm:
+        from .layernorm_fusion import fuse_layernorm  # noqa: PLC0415 -- imports torch.fx
+        for f in fuse_layernorm(model):
+            backend, reason = decisions.get(f.consumer, ("fp8ops", "converted"))
+            decisions[f.consumer] = (backend, f"{reason}; LayerNorm {f.layernorm} fused into its input cast")
     n_fp8 = sum(1 for b, _ in decisions.values() if b == "fp8ops")
     log.info("fp8ops: %d of %d linear layers converted to FP8 (%s)", n_fp8, len(decisions), config.short_str())
     if n_fp8 == 0 and decisions:

@@ -173,26 +173,79 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x8t, w8t, sx_inv, h, y = ctx.saved_tensors
-        g_dtype, need_wgrad, need_dgrad, gelu_out = ctx.static[2], ctx.static[7], ctx.static[8], ctx.static[11]
-        if y is None or not gelu_out[0]:  # no consumer applied this output's GELU with the gradient passed on
-            y = ops._empty_bias_for(gy, gy.dtype)  # (any empty tensor: no GELU gradient here)
-        views = ctx.views
-        g2 = _scaled_grad_output(ctx, gy)
-        need_dx = need_dgrad and ctx.needs_input_grad[0]
-        need_dw = need_wgrad and ctx.needs_input_grad[1]
-        w_out = ctx.w_dtype if ctx.w_dtype in ops.HP_DTYPES else torch.float32
+        need_dx = ctx.static[8] and ctx.needs_input_grad[0]
         need_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
-        # one C call: cast gy (amax folded into history row 0; with the bias gradient, gy's
-        # column sums, in the same pass), dgrad and wgrad GEMMs
-        dx, dw, db = ops._linear_bwd_raw(g2, w8t, x8t, views[V_S + G], views[V_H + G], views[V_SI + G],
-                                         views[V_SI + W], sx_inv, y, g_dtype, ctx.x2_dtype, w_out, need_dx,
-                                         need_dw, need_db)
+        dx, dw, db = _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_dx, ctx.needs_input_grad[1], need_db)
         if h is not None and need_dx:
             # no producer to pass the gradient to (cuBLASLt's FP8 DGELU epilogue runs as a
             # separate pass, measured on an H200: torch's own kernel does the same pass here)
             dx = torch.ops.aten.gelu_backward(dx, h, approximate="tanh")
-        db = db.to(ctx.b_dtype) if need_db else None
-        return (dx if need_dx else None), (dw if need_dw else None), db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_dx: bool, wants_dw: bool, need_db: bool):
+    """The FP8 backward of both autograd functions: (dx, dw, db), None where not
+    needed. y: the layer's output if it offered its GELU to a consumer (gelu_out)."""
+    g_dtype, need_wgrad, gelu_out = ctx.static[2], ctx.static[7], ctx.static[11]
+    if y is None or not gelu_out[0]:  # no consumer applied this output's GELU with the gradient passed on
+        y = ops._empty_bias_for(gy, gy.dtype)  # (any empty tensor: no GELU gradient here)
+    views = ctx.views
+    g2 = _scaled_grad_output(ctx, gy)
+    need_dw = need_wgrad and wants_dw
+    w_out = ctx.w_dtype if ctx.w_dtype in ops.HP_DTYPES else torch.float32
+    # one C call: cast gy (amax folded into history row 0; with the bias gradient, gy's
+    # column sums, in the same pass), dgrad and wgrad GEMMs
+    dx, dw, db = ops._linear_bwd_raw(g2, w8t, x8t, views[V_S + G], views[V_H + G], views[V_SI + G],
+                                     views[V_SI + W], sx_inv, y, g_dtype, ctx.x2_dtype, w_out, need_dx,
+                                     need_dw, need_db)
+    return (dx if need_dx else None), (dw if need_dw else None), (db.to(ctx.b_dtype) if need_db else None)
+
+
+class _Fp8LayerNormLinearFn(torch.autograd.Function):
+    """_Fp8LinearFn of LayerNorm(x2) (the fused LayerNorm, layernorm_fusion.py):
+    forward normalizes x2 inside its cast (ln_linear_fwd: the LayerNorm's
+    output is never written); backward turns the linear's dx into the
+    LayerNorm's input, weight and bias gradients with torch's LayerNorm backward."""
+
+    @staticmethod
+    def forward(ctx, x2, ln_w, ln_b, weight, bias, w_in, w8t, b_lp, views, static, store, eps):
+        (x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed,
+         gelu_in, gelu_out) = static
+        assert not current and not gelu_in, "the fused LayerNorm needs known scales and no fused GELU input"
+        K = x2.shape[1]
+        lw = x2.new_ones(K, dtype=torch.float32) if ln_w is None else ln_w.detach().float()
+        lb = x2.new_zeros(K, dtype=torch.float32) if ln_b is None else ln_b.detach().float()
+        if b_lp is None:
+            b_lp = ops._empty_bias_for(x2, out_dtype)
+        y, x8t, w8_new, w8t_new, mean, rstd = ops._ln_linear_fwd_raw(
+            x2, lw, lb, eps, w_in, views[V_S + X], views[V_H + X], views[V_SI + X], views[V_S + W],
+            views[V_H + W], views[V_SI + W], b_lp, x_dtype, w_dtype, out_dtype, fast_accum, need_dgrad)
+        if w8t is None:
+            w8t = w8t_new
+            if store is not None:
+                store(w8_new, w8t_new)
+        ctx.save_for_backward(x8t, w8t, views[V_SI + X], x2, mean, rstd, ln_w, ln_b,
+                              y if gelu_out is not None else None)
+        ctx.views, ctx.static, ctx.eps = views, static, eps
+        ctx.w_dtype = weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        ctx.x2_dtype = x2.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x8t, w8t, sx_inv, x2, mean, rstd, ln_w, ln_b, y = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        need_ln = need[0] or need[1] or need[2]
+        need_db = ctx.b_dtype is not None and need[4]
+        dxn, dw, db = _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_ln and ctx.static[8], need[3], need_db)
+        dx = dlw = dlb = None
+        if dxn is not None:
+            M, K = x2.shape
+            dx, dlw, dlb = torch.ops.aten.native_layer_norm_backward(
+                dxn, x2, [K], mean.view(M, 1), rstd.view(M, 1), ln_w, ln_b,
+                [need[0], ln_w is not None and need[1], ln_b is not None and need[2]])
+        return dx, dlw, dlb, dw, db, None, None, None, None, None, None, None
 
 
 class _GeluGradToProducer(torch.autograd.Function):
@@ -267,6 +320,10 @@ class Fp8Linear(nn.Linear):
         # the GELU's gradient to this layer's gradient cast (see forward).
         self.fp8_gelu_input = False
         self.fp8_gelu_output = False
+        # the fused LayerNorm (layernorm_fusion.py): the nn.LayerNorm whose output this layer
+        # takes, applied inside x's cast on the FP8 path (kept out of _modules: the
+        # LayerNorm stays where it is in the model, with its parameters)
+        self.__dict__["fp8_ln_input"] = None
         self.fp8_policy_measuring = False  # policy.py's throwaway layers skip the policy
         self.fp8_policy = {}            # (M, dtype) -> (fp8 wins, speedup): policy="auto" verdicts for this layer
         self.fp8_policy_why = {}        # (M, dtype) -> how the trial in the loop decided it (loop_trial.py)
@@ -298,6 +355,7 @@ class Fp8Linear(nn.Linear):
     def extra_repr(self) -> str:
         gelu = ", input=gelu_tanh(x) (fused)" if self.fp8_gelu_input else ""
         gelu += ", output feeds a fused GELU" if self.fp8_gelu_output else ""
+        gelu += ", input=LayerNorm(x) (fused)" if self.fp8_ln_input is not None else ""
         return super().extra_repr() + f", fp8={self.fp8_config.short_str()}{gelu}"
 
     # ------------------------------------------------------------------ scales
@@ -410,8 +468,12 @@ class Fp8Linear(nn.Linear):
         w, b = self._param("weight"), self._param("bias")
         if getattr(w, "_fp8ops_gathered", None) is not None:
             w = _DequantGathered.apply(w, self._buffers["fp8_scale_inv"][W:W + 1])
-        if self.__dict__["fp8_gelu_input"]:
+        d = self.__dict__
+        if d["fp8_gelu_input"]:
             x = _gelu_of_input(x, getattr(x, GELU_BOX, None))
+        ln = d["fp8_ln_input"]
+        if ln is not None:
+            x = F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
         return F.linear(x, w, b)
 
     def _fp8_pays(self, M: int, cdtype: torch.dtype, compiling: bool = False) -> bool:
@@ -546,16 +608,25 @@ class Fp8Linear(nn.Linear):
         # tensor attributes there)
         gelu_out = [False] if d["fp8_gelu_output"] and fusable and not compiling and torch.is_grad_enabled() \
             else None
+        ln = d["fp8_ln_input"]
+        if ln is not None and not fusable:
+            x2 = F.layer_norm(x2, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
         d["_fp8_cast_since_update"] = True
         grad = torch.is_grad_enabled()
         need_wgrad = grad and weight.requires_grad
-        need_dgrad = grad and x.requires_grad
+        # (x2: after an unfused LayerNorm, whose parameters need the gradient too)
+        need_dgrad = grad and (x2.requires_grad or (ln is not None and fusable and any(
+            p is not None and p.requires_grad for p in (ln.weight, ln.bias))))
         views = self._fp8_views(compiling)
         w_in, w8t, b_lp, store = self._weight_fp8(cdtype, need_dgrad, views, compiling, current)
         x_dt, w_dt, g_dt = d["fp8_dtypes"]
         static = (x_dt, w_dt, g_dt, cdtype, cfg.fast_accum, current, float(cfg.margin), need_wgrad, need_dgrad,
                   delayed, gelu_in, gelu_out)
-        y = d["_fp8_fn"].apply(x2, weight, bias, w_in, w8t, b_lp, views, static, store)
+        if ln is not None and fusable:
+            y = _Fp8LayerNormLinearFn.apply(x2, ln.weight, ln.bias, weight, bias, w_in, w8t, b_lp, views, static,
+                                            store, float(ln.eps))
+        else:
+            y = d["_fp8_fn"].apply(x2, weight, bias, w_in, w8t, b_lp, views, static, store)
         y = y.reshape(*x.shape[:-1], self.out_features)
         if gelu_out is not None:
             setattr(y, GELU_BOX, gelu_out)

@@ -337,6 +337,45 @@ def _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scal
     return x.new_empty((M, N), dtype=out_dtype), x8t, w8, w8t
 
 
+def ln_linear_fwd(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
+                  x_fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, use_fast_accum=False, w_scale=None,
+                  w_amax=None, w_fp8_dtype=torch.float8_e4m3fn, save_wt=False):
+    """linear_fwd of LayerNorm(x) (normalized over x's last dim, ln_weight and
+    ln_bias float32 [K]) without writing the LayerNorm's output: the cast
+    normalizes x as it loads it. Returns (y, x8t, w8, w8t, mean [M], rstd [M]);
+    mean and rstd are what torch's LayerNorm backward takes."""
+    _require()
+    if bias is None:
+        bias = x.new_empty((0,), dtype=_bias_dtype(out_dtype))
+    if w_scale is None:
+        if w.dtype in HP_DTYPES:
+            raise ValueError("ln_linear_fwd: w is in high precision and is cast here, so w_scale (the scale to "
+                             "cast it with) is required; pass w_scale=..., or an FP8 w")
+        w_scale = w_scale_inv
+    if w_amax is None:
+        w_amax = x.new_zeros((1,), dtype=torch.float32)
+    return torch.ops.fp8ops.ln_linear_fwd.default(x, ln_weight, ln_bias, float(eps), w, x_scale, x_amax,
+                                                  x_scale_inv, w_scale, w_amax, w_scale_inv, bias, x_fp8_dtype,
+                                                  w_fp8_dtype, out_dtype, use_fast_accum, save_wt)
+
+
+def _ln_linear_fwd_fake(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv,
+                        bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_wt):
+    op = "fp8ops::ln_linear_fwd"
+    y, x8t, w8, w8t = _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv, bias,
+                                       x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, True, save_wt)
+    K = x.shape[1]
+    for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        _chk(t.dim() == 1 and t.shape[0] == K and t.dtype == torch.float32,
+             f"{op}: {name} must be float32 [K] = [{K}] (the LayerNorm's, as float32), found {_dname(t.dtype)} "
+             f"{list(t.shape)}")
+        _chk_contig(op, name, t)
+        _chk_device(op, name, t, "x", x)
+    _chk(eps >= 0, f"{op}: eps must be >= 0, found {eps}")
+    M = x.shape[0]
+    return y, x8t, w8, w8t, x.new_empty((M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32)
+
+
 def linear_bwd(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv,
                g_fp8_dtype=torch.float8_e5m2, dx_dtype=torch.bfloat16, dw_dtype=torch.float32,
                need_dx=True, need_dw=True, need_db=False, gelu_input=None):
@@ -454,6 +493,10 @@ def _linear_bwd_raw(*args):
     _require()
 
 
+def _ln_linear_fwd_raw(*args):
+    _require()
+
+
 # ----------------------------------------------------------------------------
 # registration (only when the C core loaded: otherwise the ops do not exist)
 
@@ -467,9 +510,11 @@ def _register() -> None:
     torch.library.register_fake("fp8ops::cast_accumulate")(_cast_accumulate_fake)
     torch.library.register_fake("fp8ops::linear_fwd")(_linear_fwd_fake)
     torch.library.register_fake("fp8ops::linear_bwd")(_linear_bwd_fake)
-    global _linear_fwd_raw, _linear_bwd_raw
+    torch.library.register_fake("fp8ops::ln_linear_fwd")(_ln_linear_fwd_fake)
+    global _linear_fwd_raw, _linear_bwd_raw, _ln_linear_fwd_raw
     _linear_fwd_raw = torch.ops.fp8ops.linear_fwd.default
     _linear_bwd_raw = torch.ops.fp8ops.linear_bwd.default
+    _ln_linear_fwd_raw = torch.ops.fp8ops.ln_linear_fwd.default
 
 
 if _loader.is_available():

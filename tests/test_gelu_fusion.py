@@ -80,7 +80,7 @@ def test_convert_fuses_gpt2_mlp_gelu(monkeypatch):
     assert list(model.state_dict()) == keys
     reasons = {r["name"]: r["reason"] for r in fp8ops.report(model, print_table=False)}
     assert reasons["0.mlp.c_proj"] == "converted; GELU 0.mlp.gelu fused into its input cast"
-    assert reasons["0.mlp.c_fc"] == "converted; GELU 0.mlp.gelu's gradient fused into its gradient cast"
+    assert reasons["0.mlp.c_fc"].startswith("converted; GELU 0.mlp.gelu's gradient fused into its gradient cast")
     assert "gelu_tanh(x) (fused)" in repr(model[0].mlp.c_proj)
     assert "output feeds a fused GELU" in repr(model[0].mlp.c_fc)
 

@@ -1,0 +1,101 @@
+"""Moving a LayerNorm into the FP8 linear that consumes it.
+
+In a pre-LayerNorm transformer block, c_attn(ln_1(x)) and c_fc(ln_2(x)), the
+LayerNorm writes its fp32 output and the linear's cast reads it back: two
+passes of 4 bytes per element. After fuse_layernorm() the linear normalizes x
+inside its cast (ln_linear_fwd: per-row statistics in a small pass, then
+gamma * (rstd * (x - mean)) + beta as each element is loaded), and its backward
+runs torch's LayerNorm backward on the linear's input gradient. A call that
+does not run the fused FP8 path (BF16 by policy, delayed scaling's first step,
+all-E5M2 layers) applies torch's LayerNorm first, as the model did.
+
+The move is made where the model's own forward shows it is safe, read with
+torch.fx in train and eval mode (gelu_fusion.py's tracer): an nn.LayerNorm
+over the last dimension whose output goes to exactly one converted Fp8Linear
+and nowhere else, both called once, neither shared nor hooked. The LayerNorm
+module stays in the model with its parameters (state_dict keys unchanged) and
+becomes a pass-through (its class is swapped to LayerNormFusedIntoLinear);
+the linear holds a reference to it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch.nn as nn
+
+from .gelu_fusion import _hooked, _single, _trace
+from .linear import Fp8Linear
+
+log = logging.getLogger("fp8ops")
+
+
+class LayerNormFusedIntoLinear(nn.LayerNorm):
+    """An nn.LayerNorm whose normalization the next (FP8) linear applies: its
+    forward passes x through unchanged. Same parameters and state_dict keys."""
+
+    def forward(self, x):
+        return x
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", applied by the next linear (fused)"
+
+
+class Fused(NamedTuple):
+    layernorm: str  # the LayerNorm's fqn (now a pass-through)
+    consumer: str   # the Fp8Linear that applies it
+
+
+def _shape_only(node) -> bool:
+    """A use of the LayerNorm's output that reads only its shape (the same as its input's)."""
+    return ((node.op == "call_function" and node.target is getattr and node.args[1:] in (("shape",), ("ndim",)))
+            or (node.op == "call_method" and node.target in ("size", "dim")))
+
+
+def _consumer(calls: dict, parent: nn.Module, name: str, uses: dict) -> str | None:
+    node = _single(calls, name)
+    if node is None:
+        return None
+    users = [u for u in node.users if not _shape_only(u)]  # e.g. attention's B, T, C = x.shape
+    if len(users) != 1:
+        return None
+    user = users[0]
+    if user.op != "call_module" or user.args != (node,) or user.kwargs or _single(calls, user.target) is None:
+        return None
+    lin = parent.get_submodule(user.target)
+    if not isinstance(lin, Fp8Linear) or uses[id(lin)] != 1 or _hooked(lin):
+        return None
+    return user.target
+
+
+def fuse_layernorm(model: nn.Module) -> list[Fused]:
+    """Fuse every eligible LayerNorm of `model` into its consumer, in place."""
+    uses: dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        uses[id(m)] = uses.get(id(m), 0) + 1
+    fused: list[Fused] = []
+    for parent_name, parent in list(model.named_modules()):
+        lns = {n: m for n, m in parent.named_children()
+               if type(m) is nn.LayerNorm and len(m.normalized_shape) == 1}
+        if not lns:
+            continue
+        prefix = parent_name + "." if parent_name else ""
+        try:
+            calls = _trace(parent)
+        except Exception as e:  # noqa: BLE001 -- any forward fx cannot read keeps its LayerNorm
+            log.debug("fp8ops: LayerNorm of %s not fused: torch.fx cannot read %s.forward (%s)",
+                      prefix + next(iter(lns)), type(parent).__name__, e)
+            continue
+        for name, ln in lns.items():
+            if uses[id(ln)] != 1 or _hooked(ln):
+                continue
+            targets = {_consumer(c, parent, name, uses) for c in calls}
+            if len(targets) != 1 or None in targets:
+                continue  # not eligible, or routed differently in train and eval mode
+            lin = parent.get_submodule(targets.pop())
+            if lin.fp8_ln_input is not None or lin.fp8_gelu_input or lin.in_features != ln.normalized_shape[0]:
+                continue
+            lin.__dict__["fp8_ln_input"] = ln  # not a submodule: the LayerNorm stays where it is
+            ln.__class__ = LayerNormFusedIntoLinear
+            fused.append(Fused(prefix + name, prefix + next(k for k, v in parent.named_modules() if v is lin)))
+    return fused

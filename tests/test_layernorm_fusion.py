@@ -1,0 +1,215 @@
+"""The fused LayerNorm: conversion moves an nn.LayerNorm into the Fp8Linear that
+consumes it (layernorm_fusion.py); that linear normalizes inside its input cast
+(ln_linear_fwd) and runs torch's LayerNorm backward on its input gradient.
+
+CPU tests run the C reference kernels; the CUDA parametrisations run the
+statistics and cast kernels on the device."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fp8ops
+from fp8ops import Fp8Config, ops
+from fp8ops._reference import sqnr
+from fp8ops.layernorm_fusion import LayerNormFusedIntoLinear
+from fp8ops.linear import Fp8Linear
+
+from conftest import FP8_DEVICES
+
+E4 = torch.float8_e4m3fn
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm block: the attention's shape read included (B, T, C = x.shape)."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.c_fc = nn.Linear(d, 2 * d)
+        self.c_proj = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        h = self.ln_1(x)
+        B, T, C = h.shape
+        x = x + self.c_attn(h)[..., :C]
+        return x + self.c_proj(torch.relu(self.c_fc(self.ln_2(x))))
+
+
+def _convert(model, monkeypatch, device="cpu", **cfg):
+    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
+    fp8ops.convert(model, config=Fp8Config(policy="always", **cfg))
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.fp8_on_cpu = device == "cpu"
+    return model
+
+
+def test_convert_fuses_pre_layernorms(monkeypatch):
+    model = Block()
+    keys = list(model.state_dict())
+    _convert(model, monkeypatch)
+    assert type(model.ln_1) is LayerNormFusedIntoLinear and type(model.ln_2) is LayerNormFusedIntoLinear
+    assert model.c_attn.fp8_ln_input is model.ln_1 and model.c_fc.fp8_ln_input is model.ln_2
+    assert model.c_proj.fp8_ln_input is None
+    assert list(model.state_dict()) == keys  # the LayerNorms keep their parameters
+    assert "fp8_ln_input" not in dict(model.c_attn.named_children())
+    reasons = {r["name"]: r["reason"] for r in fp8ops.report(model, print_table=False)}
+    assert reasons["c_attn"] == "converted; LayerNorm ln_1 fused into its input cast"
+    assert "input=LayerNorm(x) (fused)" in repr(model.c_fc)
+    copy.deepcopy(model)  # the reference is not a submodule, and survives a copy
+
+
+def test_fuse_layernorm_off(monkeypatch):
+    model = _convert(Block(), monkeypatch, fuse_layernorm=False)
+    assert type(model.ln_1) is nn.LayerNorm and model.c_attn.fp8_ln_input is None
+
+
+class LnAlsoResidual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.lin = nn.LayerNorm(32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return self.lin(h) + h
+
+
+class LnTwoDims(LnAlsoResidual):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm((4, 32))
+
+    def forward(self, x):
+        return self.lin(self.ln(x))
+
+
+class LnThenRelu(LnAlsoResidual):
+    def forward(self, x):
+        return self.lin(torch.relu(self.ln(x)))
+
+
+@pytest.mark.parametrize("cls", [LnAlsoResidual, LnTwoDims, LnThenRelu])
+def test_layernorm_not_fused_where_unsafe(cls, monkeypatch):
+    torch.manual_seed(0)
+    model = cls()
+    ref = copy.deepcopy(model)
+    _convert(model, monkeypatch)
+    assert type(model.ln) is nn.LayerNorm and model.lin.fp8_ln_input is None
+    x = torch.randn(8, 4, 32)
+    torch.testing.assert_close(model(x), ref(x), rtol=0.1, atol=0.1)
+
+
+def _grads_match(fused, plain, x, steps=3, min_sqnr=25):
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (fused, plain)]
+    for step in range(steps):
+        res = []
+        for m, opt in zip((fused, plain), opts):
+            xi = x.clone().requires_grad_()
+            y = m(xi)
+            (y.float() ** 2).mean().backward()
+            res.append((y.detach().float(), xi.grad, {n: p.grad.clone() for n, p in m.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+        (y_f, dx_f, g_f), (y_p, dx_p, g_p) = res
+        assert sqnr(y_p, y_f) >= 30, step
+        assert sqnr(dx_p, dx_f) >= min_sqnr, step
+        for n in g_p:
+            assert sqnr(g_p[n], g_f[n]) >= min_sqnr, (step, n, sqnr(g_p[n], g_f[n]))
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_fused_layernorm_trains_like_unfused(device, monkeypatch):
+    """Three optimizer steps (the first current-scaled: the LayerNorm runs unfused; then
+    fused): outputs and every gradient, the LayerNorms' included, match the same FP8
+    model with its LayerNorms left alone, to FP8 rounding."""
+    torch.manual_seed(0)
+    base = Block().to(device)
+    fused = _convert(copy.deepcopy(base), monkeypatch, device)
+    plain = _convert(copy.deepcopy(base), monkeypatch, device, fuse_layernorm=False)
+    calls = []
+    raw = ops._ln_linear_fwd_raw
+    monkeypatch.setattr(ops, "_ln_linear_fwd_raw", lambda *a: (calls.append(1), raw(*a))[1])
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        _grads_match(fused, plain, torch.randn(4, 32, 64, device=device))
+    assert len(calls) == 4  # steps 2 and 3, two LayerNorms each
+
+
+def test_current_recipe_and_bf16_fallback_apply_the_layernorm(monkeypatch):
+    torch.manual_seed(0)
+    base = Block()
+    x = torch.randn(2, 16, 64)
+    cur = _convert(copy.deepcopy(base), monkeypatch, recipe="current")
+    cur_plain = _convert(copy.deepcopy(base), monkeypatch, recipe="current", fuse_layernorm=False)
+    torch.testing.assert_close(cur(x), cur_plain(x), rtol=0, atol=0)
+    bf = _convert(copy.deepcopy(base), monkeypatch)
+    for m in bf.modules():
+        if isinstance(m, Fp8Linear):
+            m.fp8_on_cpu = False  # CPU input without the reference kernels: the nn.Linear path
+    torch.testing.assert_close(bf(x), base(x), rtol=0, atol=0)
+
+
+def test_fused_layernorm_compiles(monkeypatch):
+    torch.manual_seed(0)
+    base = Block()
+    runs = []
+    for compiled in (False, True):
+        model = _convert(copy.deepcopy(base), monkeypatch)
+        fn = torch.compile(model, fullgraph=True) if compiled else model
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        outs = []
+        for _ in range(3):
+            y = fn(torch.randn(2, 24, 64))
+            y.square().mean().backward()
+            outs.append((y.detach(), [p.grad.clone() for p in model.parameters()]))
+            fp8ops.step(model)
+            model.zero_grad()
+        runs.append(outs)
+    for (y1, g1), (y2, g2) in zip(*runs):
+        assert sqnr(y1, y2) >= 40
+        for a, b in zip(g1, g2):
+            assert sqnr(a, b) >= 30
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M, offset", [(256, 0), (48, 0), (64, 1)])
+def test_ln_linear_fwd_is_linear_of_layernorm(device, dtype, M, offset):
+    """ln_linear_fwd(x) == linear_fwd(torch's layer_norm(x) in x's dtype), to rounding; mean and
+    rstd as torch's native_layer_norm returns them. M=48: a partial tile; offset 1: x at a
+    misaligned address (the general kernel)."""
+    torch.manual_seed(0)
+    K, N = 128, 64
+    x = (torch.randn(M * K + offset, device=device) * 3 + 1).to(dtype)[offset:].view(M, K)
+    lw = torch.randn(K, device=device) * 0.5 + 1
+    lb = torch.randn(K, device=device) * 0.1
+    w8 = (torch.randn(N, K, device=device) * 0.1).to(E4)
+    sx = torch.tensor([16.0], device=device)
+    one = torch.ones(1, device=device)
+    amax, amax_ref = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    y, x8t, _, _, mean, rstd = ops.ln_linear_fwd(x, lw, lb, 1e-5, w8, sx, amax, 1 / sx, one)
+    xn, m_ref, r_ref = torch.native_layer_norm(x.float(), [K], lw, lb, 1e-5)
+    y_ref, x8t_ref, _, _ = ops.linear_fwd(xn.to(dtype), w8, sx, amax_ref, 1 / sx, one)
+    torch.testing.assert_close(mean, m_ref.view(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rstd, r_ref.view(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(amax, amax_ref, rtol=1e-3, atol=0)
+    assert sqnr(y_ref.float(), y.float()) >= 35
+    a, b = x8t.view(torch.uint8).int(), x8t_ref.view(torch.uint8).int()
+    assert (a != b).float().mean() <= 0.02 and (a - b).abs().max() <= 1
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_ln_linear_fwd_checks_its_layernorm_arguments(device):
+    x = torch.randn(32, 64, device=device)
+    w8 = torch.zeros(16, 64, device=device, dtype=E4)
+    one = torch.ones(1, device=device)
+    good = torch.ones(64, device=device)
+    with pytest.raises(RuntimeError, match=r"ln_weight must be float32 \[K\] = \[64\]"):
+        ops.ln_linear_fwd(x, good[:32], good, 1e-5, w8, one, torch.zeros(1, device=device), one, one)
+    with pytest.raises(RuntimeError, match=r"ln_bias must be float32 \[K\] = \[64\]"):
+        ops.ln_linear_fwd(x, good, good.to(torch.bfloat16), 1e-5, w8, one, torch.zeros(1, device=device), one, one)
