@@ -93,10 +93,18 @@ if torch.cuda.get_device_capability() >= (8, 9):
                    True, gelu_input=torch.randn_like(gy))[0].sum().item()
     ops.linear_bwd(gyo, w8t, x8t, one, slot, one, one, one, e5, torch.bfloat16, torch.float32, True, True,
                    True, gelu_input=torch.randn_like(gy))[0].sum().item()
+    # the fused LayerNorm: the statistics and the normalizing cast (a partial tile; x at a
+    # misaligned offset: the general kernel)
+    print("--- fused LayerNorm", flush=True)
+    lw, lb = torch.randn(256, device=dev), torch.randn(256, device=dev)
+    ops.ln_linear_fwd(torch.randn(400, 256, device=dev), lw, lb, 1e-5, w8, one, slot, one, one)
+    ops.ln_linear_fwd(x, lw, lb, 1e-5, w8, one, slot, one, one)
+    ops.ln_linear_fwd(xo, lw, lb, 1e-5, w8, one, slot, one, one)[0].sum().item()
     print("--- Fp8Linear", flush=True)
-    mlp = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU("tanh"), torch.nn.Linear(512, 256))
+    mlp = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 512), torch.nn.GELU("tanh"),
+                              torch.nn.Linear(512, 256))
     lin = fp8ops.convert(mlp.to(dev), config=fp8ops.Fp8Config(policy="always"))
-    assert lin[2].fp8_gelu_input and lin[0].fp8_gelu_output
+    assert lin[3].fp8_gelu_input and lin[1].fp8_gelu_output and lin[1].fp8_ln_input is lin[0]
     x = torch.randn(64, 256, device=dev, requires_grad=True)
     for _ in range(2):  # the second step runs the fused GELU
         with torch.autocast("cuda", dtype=torch.bfloat16):
