@@ -44,6 +44,7 @@
 #include "common.h"       // defines: FP8OPS_REQUIRE, FP8OPS_CHECK_CUDA, FP8OPS_CEIL_DIV
 #include "fp8_convert.h"  // defines: fp8ops_f32_bits / bits_f32, fp8ops_bf16/f16_to_f32
 #include "gelu.h"         // defines: fp8ops_gelu_tanh
+#include "load_elem.cuh"  // defines: load_elem
 
 // ----------------------------------------------------------------------------
 // CUDA helpers (element conversion)
@@ -126,18 +127,6 @@ __host__ __device__ __forceinline__ uint32_t cast_byte(float x, float scale) {
   const bool nan = a > 0x7F800000u;
   const uint32_t code = nan ? 0x7Fu : fp8_code<FMT>(a) & 0xFFu;
   return code | (((nan ? nan_sign : yb) >> 24) & 0x80u);
-}
-
-// One element of dtype DT, loaded by index (scalar paths), as float.
-template <int DT>
-__device__ __forceinline__ float load_elem(const void* x, int64_t i) {
-  if constexpr (DT == FP8OPS_F32) {
-    return ((const float*)x)[i];
-  } else if constexpr (DT == FP8OPS_BF16) {
-    return fp8ops_bf16_to_f32(((const uint16_t*)x)[i]);
-  } else {
-    return fp8ops_f16_to_f32(((const uint16_t*)x)[i]);
-  }
 }
 
 // Element j (in memory order) of one 16-byte vector of dtype DT as a float;

@@ -11,20 +11,9 @@
 #include <stdint.h>
 
 #include "common.h"       // defines: FP8OPS_REQUIRE, FP8OPS_CHECK_CUDA, FP8OPS_CEIL_DIV
-#include "fp8_convert.h"  // defines: fp8ops_bf16_to_f32, fp8ops_f16_to_f32
+#include "load_elem.cuh"  // defines: load_elem
 
 #define LN_THREADS 256  // 8 warps: one row each
-
-template <int DT>
-__device__ __forceinline__ float ln_load(const void* x, int64_t i) {
-  if constexpr (DT == FP8OPS_F32) {
-    return ((const float*)x)[i];
-  } else if constexpr (DT == FP8OPS_BF16) {
-    return fp8ops_bf16_to_f32(((const uint16_t*)x)[i]);
-  } else {
-    return fp8ops_f16_to_f32(((const uint16_t*)x)[i]);
-  }
-}
 
 // Block dims: (256). Grid dims: (ceil(rows / 8)); warp w of block b takes row
 // 8b + w, its lanes read 32 consecutive elements per step.
@@ -37,13 +26,13 @@ __global__ void __launch_bounds__(LN_THREADS)
   if (r >= rows) return;
   const int64_t base = r * cols;
   float sum = 0.0f;
-  for (int64_t c = lane; c < cols; c += 32) sum += ln_load<DT>(x, base + c);
+  for (int64_t c = lane; c < cols; c += 32) sum += load_elem<DT>(x, base + c);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
   const float m = sum / (float)cols;
   float sq = 0.0f;
   for (int64_t c = lane; c < cols; c += 32) {
-    const float d = ln_load<DT>(x, base + c) - m;
+    const float d = load_elem<DT>(x, base + c) - m;
     sq += d * d;
   }
 #pragma unroll

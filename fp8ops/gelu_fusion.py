@@ -99,36 +99,44 @@ def _roles(calls: dict, parent: nn.Module, name: str, uses: dict) -> tuple[str, 
     return user.target, producer
 
 
-def fuse_gelu(model: nn.Module) -> list[Fused]:
-    """Fuse every eligible GELU of `model` into the linears around it, in place."""
+def candidates(model: nn.Module, select, what: str):
+    """(prefix, parent, name, calls, uses) for each child module m of the model's modules
+    with select(m), unshared and unhooked; calls: its parent's forward as _trace reads it,
+    uses: {id(module): how many places hold it}. A parent fx cannot read is skipped."""
     uses: dict[int, int] = {}
     for _, m in model.named_modules(remove_duplicate=False):
         uses[id(m)] = uses.get(id(m), 0) + 1
-    fused: list[Fused] = []
     for parent_name, parent in list(model.named_modules()):
-        gelus = {n: m for n, m in parent.named_children() if type(m) is nn.GELU and m.approximate == "tanh"}
-        if not gelus:
+        chosen = [(n, m) for n, m in parent.named_children() if select(m)]
+        if not chosen:
             continue
         prefix = parent_name + "." if parent_name else ""
         try:
             calls = _trace(parent)
-        except Exception as e:  # noqa: BLE001 -- any forward fx cannot read keeps its GELU
-            log.debug("fp8ops: GELU of %s not fused: torch.fx cannot read %s.forward (%s)",
-                      prefix + next(iter(gelus)), type(parent).__name__, e)
+        except Exception as e:  # noqa: BLE001 -- any forward fx cannot read keeps its modules
+            log.debug("fp8ops: %s of %s not fused: torch.fx cannot read %s.forward (%s)",
+                      what, prefix + chosen[0][0], type(parent).__name__, e)
             continue
-        for name, gelu in gelus.items():
-            if uses[id(gelu)] != 1 or _hooked(gelu):
-                continue
-            roles = {_roles(c, parent, name, uses) for c in calls}
-            if len(roles) != 1 or None in roles:
-                continue  # not eligible, or routed differently in train and eval mode
-            consumer, producer = roles.pop()
-            c = parent.get_submodule(consumer)
-            if c.fp8_gelu_input:
-                continue
-            c.fp8_gelu_input = True
-            if producer is not None:
-                parent.get_submodule(producer).fp8_gelu_output = True
-            setattr(parent, name, nn.Identity())
-            fused.append(Fused(prefix + name, prefix + consumer, None if producer is None else prefix + producer))
+        for name, m in chosen:
+            if uses[id(m)] == 1 and not _hooked(m):
+                yield prefix, parent, name, calls, uses
+
+
+def fuse_gelu(model: nn.Module) -> list[Fused]:
+    """Fuse every eligible GELU of `model` into the linears around it, in place."""
+    fused: list[Fused] = []
+    for prefix, parent, name, calls, uses in candidates(
+            model, lambda m: type(m) is nn.GELU and m.approximate == "tanh", "GELU"):
+        roles = {_roles(c, parent, name, uses) for c in calls}
+        if len(roles) != 1 or None in roles:
+            continue  # not eligible, or routed differently in train and eval mode
+        consumer, producer = roles.pop()
+        c = parent.get_submodule(consumer)
+        if c.fp8_gelu_input:
+            continue
+        c.fp8_gelu_input = True
+        if producer is not None:
+            parent.get_submodule(producer).fp8_gelu_output = True
+        setattr(parent, name, nn.Identity())
+        fused.append(Fused(prefix + name, prefix + consumer, None if producer is None else prefix + producer))
     return fused

@@ -19,16 +19,12 @@ the linear holds a reference to it.
 """
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple
 
 import torch.nn as nn
 
-from .gelu_fusion import _hooked, _single, _trace
+from .gelu_fusion import _hooked, _single, candidates
 from .linear import Fp8Linear
-
-log = logging.getLogger("fp8ops")
-
 
 class LayerNormFusedIntoLinear(nn.LayerNorm):
     """An nn.LayerNorm whose normalization the next (FP8) linear applies: its
@@ -70,32 +66,17 @@ def _consumer(calls: dict, parent: nn.Module, name: str, uses: dict) -> str | No
 
 def fuse_layernorm(model: nn.Module) -> list[Fused]:
     """Fuse every eligible LayerNorm of `model` into its consumer, in place."""
-    uses: dict[int, int] = {}
-    for _, m in model.named_modules(remove_duplicate=False):
-        uses[id(m)] = uses.get(id(m), 0) + 1
     fused: list[Fused] = []
-    for parent_name, parent in list(model.named_modules()):
-        lns = {n: m for n, m in parent.named_children()
-               if type(m) is nn.LayerNorm and len(m.normalized_shape) == 1}
-        if not lns:
+    for prefix, parent, name, calls, uses in candidates(
+            model, lambda m: type(m) is nn.LayerNorm and len(m.normalized_shape) == 1, "LayerNorm"):
+        targets = {_consumer(c, parent, name, uses) for c in calls}
+        if len(targets) != 1 or None in targets:
+            continue  # not eligible, or routed differently in train and eval mode
+        target = targets.pop()
+        lin, ln = parent.get_submodule(target), parent.get_submodule(name)
+        if lin.fp8_ln_input is not None or lin.fp8_gelu_input or lin.in_features != ln.normalized_shape[0]:
             continue
-        prefix = parent_name + "." if parent_name else ""
-        try:
-            calls = _trace(parent)
-        except Exception as e:  # noqa: BLE001 -- any forward fx cannot read keeps its LayerNorm
-            log.debug("fp8ops: LayerNorm of %s not fused: torch.fx cannot read %s.forward (%s)",
-                      prefix + next(iter(lns)), type(parent).__name__, e)
-            continue
-        for name, ln in lns.items():
-            if uses[id(ln)] != 1 or _hooked(ln):
-                continue
-            targets = {_consumer(c, parent, name, uses) for c in calls}
-            if len(targets) != 1 or None in targets:
-                continue  # not eligible, or routed differently in train and eval mode
-            lin = parent.get_submodule(targets.pop())
-            if lin.fp8_ln_input is not None or lin.fp8_gelu_input or lin.in_features != ln.normalized_shape[0]:
-                continue
-            lin.__dict__["fp8_ln_input"] = ln  # not a submodule: the LayerNorm stays where it is
-            ln.__class__ = LayerNormFusedIntoLinear
-            fused.append(Fused(prefix + name, prefix + next(k for k, v in parent.named_modules() if v is lin)))
+        lin.__dict__["fp8_ln_input"] = ln  # not a submodule: the LayerNorm stays where it is
+        ln.__class__ = LayerNormFusedIntoLinear
+        fused.append(Fused(prefix + name, prefix + target))
     return fused

@@ -286,18 +286,24 @@ def linear_fwd(x, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
     (y [M, N], x8t [K, M] if save_xt, w8 [N, K] and w8t [K, N] if save_wt when
     w was cast here); what was not made comes back empty."""
     _require()
+    bias, w_scale, w_amax = _fwd_defaults("linear_fwd", x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv)
+    return torch.ops.fp8ops.linear_fwd.default(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv,
+                                               bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_xt,
+                                               save_wt, gelu_input)
+
+
+def _fwd_defaults(op, x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv):
+    """The forward ops' optional arguments as the ops take them: (bias, w_scale, w_amax)."""
     if bias is None:
         bias = x.new_empty((0,), dtype=_bias_dtype(out_dtype))
     if w_scale is None:
         if w.dtype in HP_DTYPES:
-            raise ValueError("linear_fwd: w is in high precision and is cast here, so w_scale (the scale "
+            raise ValueError(f"{op}: w is in high precision and is cast here, so w_scale (the scale "
                              "to cast it with) is required; pass w_scale=..., or an FP8 w")
         w_scale = w_scale_inv  # unused for an FP8 w (and checked nowhere for a bad dtype)
     if w_amax is None:
         w_amax = x.new_zeros((1,), dtype=torch.float32)
-    return torch.ops.fp8ops.linear_fwd.default(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv,
-                                               bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_xt,
-                                               save_wt, gelu_input)
+    return bias, w_scale, w_amax
 
 
 def _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv, bias, x_fp8_dtype,
@@ -345,15 +351,7 @@ def ln_linear_fwd(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_inv, w
     normalizes x as it loads it. Returns (y, x8t, w8, w8t, mean [M], rstd [M]);
     mean and rstd are what torch's LayerNorm backward takes."""
     _require()
-    if bias is None:
-        bias = x.new_empty((0,), dtype=_bias_dtype(out_dtype))
-    if w_scale is None:
-        if w.dtype in HP_DTYPES:
-            raise ValueError("ln_linear_fwd: w is in high precision and is cast here, so w_scale (the scale to "
-                             "cast it with) is required; pass w_scale=..., or an FP8 w")
-        w_scale = w_scale_inv
-    if w_amax is None:
-        w_amax = x.new_zeros((1,), dtype=torch.float32)
+    bias, w_scale, w_amax = _fwd_defaults("ln_linear_fwd", x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv)
     return torch.ops.fp8ops.ln_linear_fwd.default(x, ln_weight, ln_bias, float(eps), w, x_scale, x_amax,
                                                   x_scale_inv, w_scale, w_amax, w_scale_inv, bias, x_fp8_dtype,
                                                   w_fp8_dtype, out_dtype, use_fast_accum, save_wt)

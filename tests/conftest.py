@@ -18,6 +18,18 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])]
 FP8_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.fp8, requires_fp8])]
 
 
+def convert_as_on_fp8_gpu(model, monkeypatch, device="cpu", **cfg):
+    """fp8ops.convert (policy "always") as on an FP8 GPU; on the CPU the converted layers
+    run the C reference kernels."""
+    from fp8ops.linear import Fp8Linear  # noqa: PLC0415
+    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
+    fp8ops.convert(model, config=fp8ops.Fp8Config(policy="always", **cfg))
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.fp8_on_cpu = device == "cpu"
+    return model
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 

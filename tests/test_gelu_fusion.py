@@ -19,7 +19,7 @@ from fp8ops._reference import sqnr
 from fp8ops.gelu_fusion import fuse_gelu
 from fp8ops.linear import Fp8Linear
 
-from conftest import FP8_DEVICES, requires_fp8
+from conftest import FP8_DEVICES, convert_as_on_fp8_gpu, requires_fp8
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -48,16 +48,6 @@ class Block(nn.Module):
         return x + self.mlp(self.ln(x))
 
 
-def _convert(model, monkeypatch, device="cpu", **cfg):
-    """fp8ops.convert as on an FP8 GPU; on CPU the layers run the C reference kernels."""
-    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
-    fp8ops.convert(model, config=Fp8Config(policy="always", **cfg))
-    for m in model.modules():
-        if isinstance(m, Fp8Linear):
-            m.fp8_on_cpu = device == "cpu"
-    return model
-
-
 def _gelu_calls(monkeypatch):
     """Records which linear_fwd calls fused a GELU and which linear_bwd calls its gradient."""
     seen = []
@@ -72,7 +62,7 @@ def _gelu_calls(monkeypatch):
 def test_convert_fuses_gpt2_mlp_gelu(monkeypatch):
     model = nn.Sequential(Block(), Block())
     keys = list(model.state_dict())
-    _convert(model, monkeypatch)
+    convert_as_on_fp8_gpu(model, monkeypatch)
     for blk in model:
         assert isinstance(blk.mlp.gelu, nn.Identity)
         assert blk.mlp.c_proj.fp8_gelu_input and not blk.mlp.c_fc.fp8_gelu_input
@@ -86,7 +76,7 @@ def test_convert_fuses_gpt2_mlp_gelu(monkeypatch):
 
 
 def test_fuse_gelu_off_keeps_the_gelu(monkeypatch):
-    model = _convert(Block(), monkeypatch, fuse_gelu=False)
+    model = convert_as_on_fp8_gpu(Block(), monkeypatch, fuse_gelu=False)
     assert type(model.mlp.gelu) is nn.GELU and not model.mlp.c_proj.fp8_gelu_input
     assert not model.mlp.c_fc.fp8_gelu_output
 
@@ -137,7 +127,7 @@ def test_gelu_not_fused_where_unsafe(cls, monkeypatch):
     torch.manual_seed(0)
     model = cls()
     ref = copy.deepcopy(model)
-    _convert(model, monkeypatch)
+    convert_as_on_fp8_gpu(model, monkeypatch)
     assert not model.b.fp8_gelu_input and not model.a.fp8_gelu_output
     assert type(model.gelu) is nn.GELU
     x = torch.randn(16, 32)
@@ -146,15 +136,15 @@ def test_gelu_not_fused_where_unsafe(cls, monkeypatch):
 
 
 def test_gelu_not_fused_erf_shared_or_hooked(monkeypatch):
-    erf = _convert(MLP(approximate="none"), monkeypatch)
+    erf = convert_as_on_fp8_gpu(MLP(approximate="none"), monkeypatch)
     assert type(erf.gelu) is nn.GELU and not erf.c_proj.fp8_gelu_input
     shared = MLP()
     holder = nn.ModuleList([shared, nn.ModuleDict({"g": shared.gelu})])
-    _convert(holder, monkeypatch)
+    convert_as_on_fp8_gpu(holder, monkeypatch)
     assert type(shared.gelu) is nn.GELU and not shared.c_proj.fp8_gelu_input
     hooked = MLP()
     hooked.c_proj.register_forward_pre_hook(lambda m, a: None)  # would see h instead of gelu(h)
-    _convert(hooked, monkeypatch)
+    convert_as_on_fp8_gpu(hooked, monkeypatch)
     assert type(hooked.gelu) is nn.GELU and not hooked.c_proj.fp8_gelu_input
 
 
@@ -176,8 +166,8 @@ def test_fused_mlp_trains_like_unfused(device, dtype, monkeypatch):
     match the same FP8 model with its GELU left alone, to FP8 rounding."""
     torch.manual_seed(0)
     base = Block(64).to(device)
-    fused = _convert(copy.deepcopy(base), monkeypatch, device)
-    plain = _convert(copy.deepcopy(base), monkeypatch, device, fuse_gelu=False)
+    fused = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, device)
+    plain = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, device, fuse_gelu=False)
     assert fused.mlp.c_proj.fp8_gelu_input and not plain.mlp.c_proj.fp8_gelu_input
     seen = _gelu_calls(monkeypatch)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (fused, plain)]
@@ -208,7 +198,7 @@ def test_fused_mlp_compiles(monkeypatch):
     base = MLP()
     runs = []
     for compiled in (False, True):
-        model = _convert(copy.deepcopy(base), monkeypatch)
+        model = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
         fn = torch.compile(model, fullgraph=True) if compiled else model
         torch._dynamo.reset()
         torch.manual_seed(1)
@@ -231,8 +221,8 @@ def test_current_recipe_runs_the_gelu_first(monkeypatch):
     so the result is bit for bit the unfused model's."""
     torch.manual_seed(0)
     base = MLP()
-    fused = _convert(copy.deepcopy(base), monkeypatch, recipe="current")
-    plain = _convert(copy.deepcopy(base), monkeypatch, recipe="current", fuse_gelu=False)
+    fused = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, recipe="current")
+    plain = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, recipe="current", fuse_gelu=False)
     x = torch.randn(16, 32, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()
     y, y2 = fused(x), plain(x2)
@@ -247,7 +237,7 @@ def test_bf16_fallback_applies_the_gelu(monkeypatch):
     still computes linear(gelu(h)): the same as the model before conversion."""
     torch.manual_seed(0)
     base = MLP()
-    model = _convert(copy.deepcopy(base), monkeypatch)
+    model = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
     for m in model.modules():
         if isinstance(m, Fp8Linear):
             m.fp8_on_cpu = False
@@ -280,8 +270,8 @@ def test_producer_used_elsewhere_keeps_its_gradient(monkeypatch):
     gradient is applied by torch in c_proj's backward, not by c_fc."""
     torch.manual_seed(0)
     base = ProducerAlsoResidual()
-    fused = _convert(copy.deepcopy(base), monkeypatch)
-    plain = _convert(copy.deepcopy(base), monkeypatch, fuse_gelu=False)
+    fused = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
+    plain = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, fuse_gelu=False)
     assert fused.b.fp8_gelu_input and not fused.a.fp8_gelu_output
     _grads_match(fused, plain, torch.randn(32, 32))
 
@@ -290,8 +280,8 @@ def test_producer_called_alone_gets_its_own_gradient(monkeypatch):
     """c_fc called directly (no consumer takes its box) backpropagates dL/dh as a plain layer does."""
     torch.manual_seed(0)
     base = MLP()
-    fused = _convert(copy.deepcopy(base), monkeypatch)
-    plain = _convert(copy.deepcopy(base), monkeypatch, fuse_gelu=False)
+    fused = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
+    plain = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, fuse_gelu=False)
     x = torch.randn(16, 32)
     for m in (fused, plain):  # past the first (current-scaled) step
         m(x).sum().backward()
@@ -307,8 +297,8 @@ def test_consumer_in_bf16_producer_in_fp8(monkeypatch):
     gradient of gelu(h) to c_fc, which applies the GELU's gradient itself."""
     torch.manual_seed(0)
     base = MLP()
-    fused = _convert(copy.deepcopy(base), monkeypatch)
-    plain = _convert(copy.deepcopy(base), monkeypatch, fuse_gelu=False)
+    fused = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
+    plain = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, fuse_gelu=False)
     for m in (fused, plain):
         m.c_proj.fp8_on_cpu = False  # CPU input without the reference kernels: the nn.Linear path
     seen = _gelu_calls(monkeypatch)

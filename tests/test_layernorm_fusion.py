@@ -9,15 +9,14 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fp8ops
-from fp8ops import Fp8Config, ops
+from fp8ops import ops
 from fp8ops._reference import sqnr
 from fp8ops.layernorm_fusion import LayerNormFusedIntoLinear
 from fp8ops.linear import Fp8Linear
 
-from conftest import FP8_DEVICES
+from conftest import FP8_DEVICES, convert_as_on_fp8_gpu
 
 E4 = torch.float8_e4m3fn
 
@@ -40,19 +39,10 @@ class Block(nn.Module):
         return x + self.c_proj(torch.relu(self.c_fc(self.ln_2(x))))
 
 
-def _convert(model, monkeypatch, device="cpu", **cfg):
-    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
-    fp8ops.convert(model, config=Fp8Config(policy="always", **cfg))
-    for m in model.modules():
-        if isinstance(m, Fp8Linear):
-            m.fp8_on_cpu = device == "cpu"
-    return model
-
-
 def test_convert_fuses_pre_layernorms(monkeypatch):
     model = Block()
     keys = list(model.state_dict())
-    _convert(model, monkeypatch)
+    convert_as_on_fp8_gpu(model, monkeypatch)
     assert type(model.ln_1) is LayerNormFusedIntoLinear and type(model.ln_2) is LayerNormFusedIntoLinear
     assert model.c_attn.fp8_ln_input is model.ln_1 and model.c_fc.fp8_ln_input is model.ln_2
     assert model.c_proj.fp8_ln_input is None
@@ -65,7 +55,7 @@ def test_convert_fuses_pre_layernorms(monkeypatch):
 
 
 def test_fuse_layernorm_off(monkeypatch):
-    model = _convert(Block(), monkeypatch, fuse_layernorm=False)
+    model = convert_as_on_fp8_gpu(Block(), monkeypatch, fuse_layernorm=False)
     assert type(model.ln_1) is nn.LayerNorm and model.c_attn.fp8_ln_input is None
 
 
@@ -98,7 +88,7 @@ def test_layernorm_not_fused_where_unsafe(cls, monkeypatch):
     torch.manual_seed(0)
     model = cls()
     ref = copy.deepcopy(model)
-    _convert(model, monkeypatch)
+    convert_as_on_fp8_gpu(model, monkeypatch)
     assert type(model.ln) is nn.LayerNorm and model.lin.fp8_ln_input is None
     x = torch.randn(8, 4, 32)
     torch.testing.assert_close(model(x), ref(x), rtol=0.1, atol=0.1)
@@ -129,8 +119,8 @@ def test_fused_layernorm_trains_like_unfused(device, monkeypatch):
     model with its LayerNorms left alone, to FP8 rounding."""
     torch.manual_seed(0)
     base = Block().to(device)
-    fused = _convert(copy.deepcopy(base), monkeypatch, device)
-    plain = _convert(copy.deepcopy(base), monkeypatch, device, fuse_layernorm=False)
+    fused = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, device)
+    plain = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, device, fuse_layernorm=False)
     calls = []
     raw = ops._ln_linear_fwd_raw
     monkeypatch.setattr(ops, "_ln_linear_fwd_raw", lambda *a: (calls.append(1), raw(*a))[1])
@@ -143,10 +133,10 @@ def test_current_recipe_and_bf16_fallback_apply_the_layernorm(monkeypatch):
     torch.manual_seed(0)
     base = Block()
     x = torch.randn(2, 16, 64)
-    cur = _convert(copy.deepcopy(base), monkeypatch, recipe="current")
-    cur_plain = _convert(copy.deepcopy(base), monkeypatch, recipe="current", fuse_layernorm=False)
+    cur = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, recipe="current")
+    cur_plain = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, recipe="current", fuse_layernorm=False)
     torch.testing.assert_close(cur(x), cur_plain(x), rtol=0, atol=0)
-    bf = _convert(copy.deepcopy(base), monkeypatch)
+    bf = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
     for m in bf.modules():
         if isinstance(m, Fp8Linear):
             m.fp8_on_cpu = False  # CPU input without the reference kernels: the nn.Linear path
@@ -158,7 +148,7 @@ def test_fused_layernorm_compiles(monkeypatch):
     base = Block()
     runs = []
     for compiled in (False, True):
-        model = _convert(copy.deepcopy(base), monkeypatch)
+        model = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
         fn = torch.compile(model, fullgraph=True) if compiled else model
         torch._dynamo.reset()
         torch.manual_seed(1)
