@@ -163,11 +163,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             sx_inv = sx_inv.clone()
         ctx.save_for_backward(x8t, w8t, sx_inv, x2 if gelu_in == GELU_GRAD_HERE and need_dgrad else None,
                               y if gelu_out is not None else None)
-        ctx.views = views
-        ctx.static = static
-        ctx.w_dtype = weight.dtype
-        ctx.b_dtype = None if bias is None else bias.dtype
-        ctx.x2_dtype = x2.dtype
+        _keep_context(ctx, views, static, weight, bias, x2)
         return y
 
     @staticmethod
@@ -181,6 +177,14 @@ class _Fp8LinearFn(torch.autograd.Function):
             # separate pass, measured on an H200: torch's own kernel does the same pass here)
             dx = torch.ops.aten.gelu_backward(dx, h, approximate="tanh")
         return dx, dw, db, None, None, None, None, None, None
+
+
+def _keep_context(ctx, views, static, weight, bias, x2) -> None:
+    """What both autograd functions' backward reads besides the saved tensors."""
+    ctx.views, ctx.static = views, static
+    ctx.w_dtype = weight.dtype
+    ctx.b_dtype = None if bias is None else bias.dtype
+    ctx.x2_dtype = x2.dtype
 
 
 def _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_dx: bool, wants_dw: bool, need_db: bool):
@@ -226,10 +230,7 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
                 store(w8_new, w8t_new)
         ctx.save_for_backward(x8t, w8t, views[V_SI + X], x2, mean, rstd, ln_w, ln_b,
                               y if gelu_out is not None else None)
-        ctx.views, ctx.static, ctx.eps = views, static, eps
-        ctx.w_dtype = weight.dtype
-        ctx.b_dtype = None if bias is None else bias.dtype
-        ctx.x2_dtype = x2.dtype
+        _keep_context(ctx, views, static, weight, bias, x2)
         return y
 
     @staticmethod

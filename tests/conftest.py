@@ -3,6 +3,8 @@
 GPU tests carry the `gpu` marker (and `fp8` when they need sm_89+): they run on
 the device machine and skip elsewhere, saying why.
 """
+import copy
+
 import pytest
 import torch
 
@@ -28,6 +30,30 @@ def convert_as_on_fp8_gpu(model, monkeypatch, device="cpu", **cfg):
         if isinstance(m, Fp8Linear):
             m.fp8_on_cpu = device == "cpu"
     return model
+
+
+def assert_compiled_matches_eager(base, monkeypatch, input_shape, steps=3):
+    """torch.compile(fullgraph=True) of the converted `base` (CPU reference kernels) against
+    eager over `steps` steps: outputs and parameter gradients equal to FP8 rounding."""
+    from fp8ops._reference import sqnr  # noqa: PLC0415
+    runs = []
+    for compiled in (False, True):
+        model = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
+        fn = torch.compile(model, fullgraph=True) if compiled else model
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        outs = []
+        for _ in range(steps):
+            y = fn(torch.randn(*input_shape))
+            y.square().mean().backward()
+            outs.append((y.detach(), [p.grad.clone() for p in model.parameters()]))
+            fp8ops.step(model)
+            model.zero_grad()
+        runs.append(outs)
+    for (y1, g1), (y2, g2) in zip(*runs):
+        assert sqnr(y1, y2) >= 40
+        for a, b in zip(g1, g2):
+            assert sqnr(a, b) >= 30
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from fp8ops._reference import sqnr
 from fp8ops.gelu_fusion import fuse_gelu
 from fp8ops.linear import Fp8Linear
 
-from conftest import FP8_DEVICES, convert_as_on_fp8_gpu, requires_fp8
+from conftest import FP8_DEVICES, assert_compiled_matches_eager, convert_as_on_fp8_gpu, requires_fp8
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -196,24 +196,7 @@ def test_fused_mlp_compiles(monkeypatch):
     there); outputs and gradients match eager's, to FP8 rounding."""
     torch.manual_seed(0)
     base = MLP()
-    runs = []
-    for compiled in (False, True):
-        model = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
-        fn = torch.compile(model, fullgraph=True) if compiled else model
-        torch._dynamo.reset()
-        torch.manual_seed(1)
-        outs = []
-        for _ in range(3):
-            y = fn(torch.randn(48, 32))
-            y.square().mean().backward()
-            outs.append((y.detach(), [p.grad.clone() for p in model.parameters()]))
-            fp8ops.step(model)
-            model.zero_grad()
-        runs.append(outs)
-    for (y1, g1), (y2, g2) in zip(*runs):
-        assert sqnr(y1, y2) >= 40
-        for a, b in zip(g1, g2):
-            assert sqnr(a, b) >= 30
+    assert_compiled_matches_eager(base, monkeypatch, (48, 32))
 
 
 def test_current_recipe_runs_the_gelu_first(monkeypatch):

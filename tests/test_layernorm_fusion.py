@@ -16,7 +16,7 @@ from fp8ops._reference import sqnr
 from fp8ops.layernorm_fusion import LayerNormFusedIntoLinear
 from fp8ops.linear import Fp8Linear
 
-from conftest import FP8_DEVICES, convert_as_on_fp8_gpu
+from conftest import FP8_DEVICES, assert_compiled_matches_eager, convert_as_on_fp8_gpu
 
 E4 = torch.float8_e4m3fn
 
@@ -146,24 +146,7 @@ def test_current_recipe_and_bf16_fallback_apply_the_layernorm(monkeypatch):
 def test_fused_layernorm_compiles(monkeypatch):
     torch.manual_seed(0)
     base = Block()
-    runs = []
-    for compiled in (False, True):
-        model = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
-        fn = torch.compile(model, fullgraph=True) if compiled else model
-        torch._dynamo.reset()
-        torch.manual_seed(1)
-        outs = []
-        for _ in range(3):
-            y = fn(torch.randn(2, 24, 64))
-            y.square().mean().backward()
-            outs.append((y.detach(), [p.grad.clone() for p in model.parameters()]))
-            fp8ops.step(model)
-            model.zero_grad()
-        runs.append(outs)
-    for (y1, g1), (y2, g2) in zip(*runs):
-        assert sqnr(y1, y2) >= 40
-        for a, b in zip(g1, g2):
-            assert sqnr(a, b) >= 30
+    assert_compiled_matches_eager(base, monkeypatch, (2, 24, 64))
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
