@@ -610,20 +610,22 @@ class Fp8Linear(nn.Linear):
         gelu_out = [False] if d["fp8_gelu_output"] and fusable and not compiling and torch.is_grad_enabled() \
             else None
         ln = d["fp8_ln_input"]
-        if ln is not None and not fusable:
+        # (the fused LayerNorm keeps x's dtype, torch's LayerNorm backward wants its weight's)
+        ln_fused = ln is not None and fusable and (ln.weight is None or ln.weight.dtype == x2.dtype)
+        if ln is not None and not ln_fused:
             x2 = F.layer_norm(x2, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
         d["_fp8_cast_since_update"] = True
         grad = torch.is_grad_enabled()
         need_wgrad = grad and weight.requires_grad
         # (x2: after an unfused LayerNorm, whose parameters need the gradient too)
-        need_dgrad = grad and (x2.requires_grad or (ln is not None and fusable and any(
+        need_dgrad = grad and (x2.requires_grad or (ln_fused and any(
             p is not None and p.requires_grad for p in (ln.weight, ln.bias))))
         views = self._fp8_views(compiling)
         w_in, w8t, b_lp, store = self._weight_fp8(cdtype, need_dgrad, views, compiling, current)
         x_dt, w_dt, g_dt = d["fp8_dtypes"]
         static = (x_dt, w_dt, g_dt, cdtype, cfg.fast_accum, current, float(cfg.margin), need_wgrad, need_dgrad,
                   delayed, gelu_in, gelu_out)
-        if ln is not None and fusable:
+        if ln_fused:
             y = _Fp8LayerNormLinearFn.apply(x2, ln.weight, ln.bias, weight, bias, w_in, w8t, b_lp, views, static,
                                             store, float(ln.eps))
         else:

@@ -186,3 +186,31 @@ def test_ln_linear_fwd_checks_its_layernorm_arguments(device):
         ops.ln_linear_fwd(x, good[:32], good, 1e-5, w8, one, torch.zeros(1, device=device), one, one)
     with pytest.raises(RuntimeError, match=r"ln_bias must be float32 \[K\] = \[64\]"):
         ops.ln_linear_fwd(x, good, good.to(torch.bfloat16), 1e-5, w8, one, torch.zeros(1, device=device), one, one)
+
+
+class LnLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.lin = nn.LayerNorm(64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.lin(self.ln(x))
+
+
+def test_input_dtype_other_than_the_layernorms_runs_it_unfused(monkeypatch):
+    """bf16 activations into an fp32 LayerNorm: torch's LayerNorm (which computes in fp32)
+    runs first, exactly as with the fusion off."""
+    torch.manual_seed(0)
+    base = LnLinear()
+    fused = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
+    plain = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, fuse_layernorm=False)
+    assert fused.lin.fp8_ln_input is fused.ln
+    calls = []
+    raw = ops._ln_linear_fwd_raw
+    monkeypatch.setattr(ops, "_ln_linear_fwd_raw", lambda *a: (calls.append(1), raw(*a))[1])
+    x = torch.randn(32, 64).to(torch.bfloat16)
+    for m in (fused, plain):  # past the first (current-scaled) step
+        m(x).float().sum().backward()
+        fp8ops.step(m)
+    torch.testing.assert_close(fused(x), plain(x), rtol=0, atol=0)
+    assert calls == []
