@@ -21,13 +21,12 @@ static inline float load_hp(const void* x, fp8ops_hp_dtype dt, int64_t i) {
   }
 }
 
-/* gelu_tanh(v) rounded to dt: what torch's GELU writes for a tensor of dtype dt */
-static inline float gelu_hp(float v, fp8ops_hp_dtype dt) {
-  const float g = fp8ops_gelu_tanh(v);
+/* v rounded to dt: what a torch kernel computing v for a tensor of dtype dt writes */
+static inline float round_hp(float v, fp8ops_hp_dtype dt) {
   switch (dt) {
-    case FP8OPS_BF16: return fp8ops_bf16_to_f32(fp8ops_f32_to_bf16(g));
-    case FP8OPS_F16: return fp8ops_f16_to_f32(fp8ops_f32_to_f16(g));
-    default: return g;
+    case FP8OPS_BF16: return fp8ops_bf16_to_f32(fp8ops_f32_to_bf16(v));
+    case FP8OPS_F16: return fp8ops_f16_to_f32(fp8ops_f32_to_f16(v));
+    default: return v;
   }
 }
 
@@ -38,18 +37,12 @@ static inline uint32_t abs_bits(float v) { return fp8ops_f32_bits(v) & 0x7FFFFFF
 // ----------------------------------------------------------------------------
 // kernels
 
-/* LayerNorm(x) of element (r, c) rounded to dt (fp8ops.h: fp8ops_ln_params) */
-static inline float ln_hp(float v, int64_t r, int64_t c, const fp8ops_ln_params* ln,
-                          fp8ops_hp_dtype dt) {
-  const float y = ln->gamma[c] * (ln->rstd[r] * (v - ln->mean[r])) + ln->beta[c];
-  switch (dt) {
-    case FP8OPS_BF16: return fp8ops_bf16_to_f32(fp8ops_f32_to_bf16(y));
-    case FP8OPS_F16: return fp8ops_f16_to_f32(fp8ops_f32_to_f16(y));
-    default: return y;
-  }
+/* LayerNorm(x) of element (r, c), fp32 (fp8ops.h: fp8ops_ln_params) */
+static inline float ln_f32(float v, int64_t r, int64_t c, const fp8ops_ln_params* ln) {
+  return ln->gamma[c] * (ln->rstd[r] * (v - ln->mean[r])) + ln->beta[c];
 }
 
-/* gelu: cast gelu_hp(x); ln (not NULL): cast ln_hp(x) */
+/* gelu: cast gelu_tanh(x); ln (not NULL): cast LayerNorm(x); either rounded to x's dtype first */
 static int cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
                     const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
                     float* amax, int accumulate, int gelu, const fp8ops_ln_params* ln) {
@@ -66,8 +59,8 @@ static int cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t i = r * cols + c;
       float v = load_hp(x, x_dtype, i);
-      if (gelu) v = gelu_hp(v, x_dtype);
-      if (ln) v = ln_hp(v, r, c, ln, x_dtype);
+      if (gelu) v = round_hp(fp8ops_gelu_tanh(v), x_dtype);
+      if (ln) v = round_hp(ln_f32(v, r, c, ln), x_dtype);
       const uint32_t a = abs_bits(v);
       if (a > amax_bits) amax_bits = a;
       float y = v * s;
