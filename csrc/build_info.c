@@ -88,6 +88,14 @@ int fp8ops_ln_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64
   (void)out_t; (void)amax; (void)stream;
   return NO_CUDA("ln_cast");
 }
+int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_hp_dtype dtype, int64_t rows,
+                              int64_t cols, const float* mean, const float* rstd,
+                              const float* gamma, void* dx, float* dgb, float* partial,
+                              int64_t partial_floats, void* stream) {
+  (void)dy; (void)x; (void)dtype; (void)rows; (void)cols; (void)mean; (void)rstd; (void)gamma;
+  (void)dx; (void)dgb; (void)partial; (void)partial_floats; (void)stream;
+  return NO_CUDA("layernorm_bwd");
+}
 int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* amax, void* stream) {
   (void)x; (void)x_dtype; (void)n; (void)amax; (void)stream;
   return NO_CUDA("amax");

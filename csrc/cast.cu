@@ -44,7 +44,7 @@
 #include "common.h"       // defines: FP8OPS_REQUIRE, FP8OPS_CHECK_CUDA, FP8OPS_CEIL_DIV
 #include "fp8_convert.h"  // defines: fp8ops_f32_bits / bits_f32, fp8ops_bf16/f16_to_f32
 #include "gelu.h"         // defines: fp8ops_gelu_tanh
-#include "load_elem.cuh"  // defines: load_elem
+#include "load_elem.cuh"  // defines: load_elem, vec_elem, map_vec
 
 // ----------------------------------------------------------------------------
 // CUDA helpers (element conversion)
@@ -129,22 +129,6 @@ __host__ __device__ __forceinline__ uint32_t cast_byte(float x, float scale) {
   return code | (((nan ? nan_sign : yb) >> 24) & 0x80u);
 }
 
-// Element j (in memory order) of one 16-byte vector of dtype DT as a float;
-// j is a constant after unrolling. fp16: the exact hardware conversion.
-template <int DT>
-__device__ __forceinline__ float vec_elem(const uint4& v, int j) {
-  constexpr int PER_WORD = DT == FP8OPS_F32 ? 1 : 2;
-  const int k = j / PER_WORD;
-  const uint32_t w = k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
-  if constexpr (DT == FP8OPS_F32) {
-    return fp8ops_bits_f32(w);
-  } else if constexpr (DT == FP8OPS_BF16) {
-    return fp8ops_bits_f32((j & 1) ? (w & 0xFFFF0000u) : (w << 16));
-  } else {
-    return __half2float(__ushort_as_half((unsigned short)((j & 1) ? (w >> 16) : (w & 0xFFFFu))));
-  }
-}
-
 // f(x) rounded to dtype DT: what a torch kernel computing f on a tensor of
 // dtype DT writes (the fused prologues below replace such a kernel).
 template <int DT>
@@ -156,24 +140,6 @@ __device__ __forceinline__ float round_to(float f) {
   } else {
     return f;
   }
-}
-
-// One 16-byte vector of dtype DT with element j (memory order) replaced by
-// f(j, element) rounded to DT.
-template <int DT, class F>
-__device__ __forceinline__ uint4 map_vec(const uint4& v, F f) {
-  uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    if constexpr (DT == FP8OPS_F32) {
-      w[k] = fp8ops_f32_bits(f(k, fp8ops_bits_f32(w[k])));
-    } else {
-      const float lo = f(2 * k, vec_elem<DT>(v, 2 * k)), hi = f(2 * k + 1, vec_elem<DT>(v, 2 * k + 1));
-      w[k] = DT == FP8OPS_BF16 ? fp8ops_f32_to_bf16(lo) | ((uint32_t)fp8ops_f32_to_bf16(hi) << 16)
-                               : fp8ops_f32_to_f16(lo) | ((uint32_t)fp8ops_f32_to_f16(hi) << 16);
-    }
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // The operands of a cast kernel's prologue (ACT): the GELU's input for

@@ -1,6 +1,7 @@
 /*
- * cast_cpu.c -- CPU reference kernels of fp8ops::cast and fp8ops::amax.
- * These define the semantics the CUDA kernels are tested against bit for bit.
+ * cast_cpu.c -- CPU reference kernels of fp8ops::cast and fp8ops::amax (and
+ * of the fused GELU and LayerNorm around them). The casts define the semantics
+ * the CUDA kernels are tested against bit for bit.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -121,6 +122,45 @@ int fp8ops_layernorm_stats_cpu(const void* x, fp8ops_hp_dtype dtype, int64_t row
     mean[r] = (float)m;
     rstd[r] = (float)(1.0 / sqrt(sq / (double)cols + (double)eps));
   }
+  return FP8OPS_OK;
+}
+
+/* Row sums in double; dx rounded once from float, as the CUDA kernel does. */
+int fp8ops_layernorm_bwd_cpu(const void* dy, const void* x, fp8ops_hp_dtype dtype, int64_t rows,
+                             int64_t cols, const float* mean, const float* rstd,
+                             const float* gamma, void* dx, float* dgb) {
+  FP8OPS_REQUIRE(rows >= 0 && cols > 0 && dgb && gamma &&
+                     (rows == 0 || (dy && x && mean && rstd && dx)),
+                 "layernorm_bwd: bad arguments (rows %lld, cols %lld)", (long long)rows,
+                 (long long)cols);
+  FP8OPS_REQUIRE(dtype == FP8OPS_F32 || dtype == FP8OPS_BF16 || dtype == FP8OPS_F16,
+                 "layernorm_bwd: unknown dtype code %d", (int)dtype);
+  double* col = (double*)calloc(2 * (size_t)cols, sizeof(double));
+  FP8OPS_REQUIRE(col != NULL, "layernorm_bwd: out of memory for %lld columns", (long long)cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float m = mean[r], rs = rstd[r];
+    double s1 = 0.0, s2 = 0.0;
+    for (int64_t c = 0; c < cols; ++c) {
+      const double g = (double)load_hp(dy, dtype, r * cols + c) * gamma[c];
+      s1 += g;
+      s2 += g * ((load_hp(x, dtype, r * cols + c) - m) * rs);
+    }
+    const float c1 = (float)(s1 / (double)cols), c2 = (float)(s2 / (double)cols);
+    for (int64_t c = 0; c < cols; ++c) {
+      const float d = load_hp(dy, dtype, r * cols + c);
+      const float xh = (load_hp(x, dtype, r * cols + c) - m) * rs;
+      col[c] += (double)d * xh;
+      col[cols + c] += d;
+      const float v = rs * (d * gamma[c] - c1 - xh * c2);
+      switch (dtype) {
+        case FP8OPS_BF16: ((uint16_t*)dx)[r * cols + c] = fp8ops_f32_to_bf16(v); break;
+        case FP8OPS_F16: ((uint16_t*)dx)[r * cols + c] = fp8ops_f32_to_f16(v); break;
+        default: ((float*)dx)[r * cols + c] = v;
+      }
+    }
+  }
+  for (int64_t c = 0; c < 2 * cols; ++c) dgb[c] = (float)col[c];
+  free(col);
   return FP8OPS_OK;
 }
 

@@ -1,17 +1,18 @@
 /*
- * layernorm.cu -- per-row LayerNorm statistics for the LayerNorm fused into an
- * FP8 linear's input cast (layernorm_fusion.py; the cast is cast.cu's ACT_LN):
+ * layernorm.cu -- the LayerNorm fused into an FP8 linear's input cast
+ * (layernorm_fusion.py; the cast is cast.cu's ACT_LN): its per-row statistics,
  * mean[r] and rstd[r] = 1 / sqrt(var[r] + eps) over the row's cols elements,
  * var the biased variance (divided by cols), as torch's layer_norm defines
- * them; torch's native_layer_norm_backward then takes them as they are.
- * Two passes over the row (the second reads it from L1 / L2): sum, then the
- * sum of squared deviations from the mean, both in fp32.
+ * them (torch's native_layer_norm_backward takes them as they are), and its
+ * backward (layernorm_bwd, below). The statistics take two passes over the
+ * row (the second reads it from L1 / L2): sum, then the sum of squared
+ * deviations from the mean, both in fp32.
  */
-#include <cuda_runtime.h>  // defines: cudaStream_t
+#include <cuda_runtime.h>  // defines: cudaStream_t, cudaMemsetAsync
 #include <stdint.h>
 
 #include "common.h"       // defines: FP8OPS_REQUIRE, FP8OPS_CHECK_CUDA, FP8OPS_CEIL_DIV
-#include "load_elem.cuh"  // defines: load_elem
+#include "load_elem.cuh"  // defines: load_elem, vec_elem, map_vec
 
 #define LN_THREADS 256  // 8 warps: one row each
 
@@ -68,6 +69,237 @@ extern "C" int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype,
       layernorm_stats_kernel<FP8OPS_F16><<<(unsigned)blocks, LN_THREADS, 0, s>>>(x, rows, cols, eps,
                                                                                 mean, rstd);
   }
+  FP8OPS_CHECK_CUDA(cudaGetLastError());
+  return FP8OPS_OK;
+}
+
+// ----------------------------------------------------------------------------
+// LayerNorm backward (fp8ops_layernorm_bwd_cuda): one read of x and dy, one
+// write of dx; torch's native_layer_norm_backward reads both twice (a dx
+// kernel, then a column-sum kernel for dgamma / dbeta that ran at about a
+// third of the memory bandwidth in GPT-2's profile, benchmarks/RESULTS.md §5).
+//
+// layernorm_bwd_kernel: a warp per row holds the row's x and dy in registers
+// (NV 16-byte vectors per lane: cols <= 32 * NV * EPV), reduces sum(g) and
+// sum(g * xhat) with shuffles, writes dx, and adds dy * xhat and dy into its
+// lanes' column sums, kept in registers over the warp's rows. Each CTA then
+// adds its warps' sums in warp order (shared memory) and writes them to
+// partial[blockIdx.x][0 : 2 cols] (dgamma, then dbeta);
+// layernorm_bwd_reduce_kernel adds the CTAs' partials in a fixed order. The
+// result does not depend on timing: the same inputs give the same bits.
+
+#define LNB_WARPS FP8OPS_LN_BWD_WARPS  // warps per CTA
+#define LNB_REDUCE_GROUPS 32           // row groups per column in the reduce kernel
+
+// gamma[k * EPV .. k * EPV + EPV) from shared memory as 16-byte reads
+template <int EPV>
+__device__ __forceinline__ void load_gamma(const float4* gs4, int k, float (&g)[EPV]) {
+#pragma unroll
+  for (int q = 0; q < EPV / 4; ++q) {
+    const float4 v = gs4[k * (EPV / 4) + q];
+    g[4 * q] = v.x;
+    g[4 * q + 1] = v.y;
+    g[4 * q + 2] = v.z;
+    g[4 * q + 3] = v.w;
+  }
+}
+
+// Block dims: (LNB_WARPS * 32). Grid dims: (ceil(rows / (LNB_WARPS * rows_per_warp))).
+// Warp w of CTA b takes rows b * LNB_WARPS * rows_per_warp + w + LNB_WARPS * i.
+// Dynamic shared memory: gamma [cols], then the CTA's sums [2 cols].
+template <int DT, int NV>
+__global__ void __launch_bounds__(LNB_WARPS * 32)
+    layernorm_bwd_kernel(const void* __restrict__ dy, const void* __restrict__ x,
+                         const float* __restrict__ mean, const float* __restrict__ rstd,
+                         const float* __restrict__ gamma, int64_t rows, int cols,
+                         int rows_per_warp, void* __restrict__ dx, float* __restrict__ partial) {
+  constexpr int EPV = DT == FP8OPS_F32 ? 4 : 8;  // elements per 16-byte vector
+  extern __shared__ float4 lnb_smem[];  // 16-byte aligned; cols % 4 == 0
+  float* gs = (float*)lnb_smem;
+  float* sums = gs + cols;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) gs[c] = gamma[c];
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nvec = cols / EPV;
+  const float inv_cols = 1.0f / (float)cols;
+  float dg[NV * EPV], db[NV * EPV];
+#pragma unroll
+  for (int e = 0; e < NV * EPV; ++e) dg[e] = db[e] = 0.0f;
+  const int64_t first = (int64_t)blockIdx.x * LNB_WARPS * rows_per_warp + warp;
+  for (int i = 0; i < rows_per_warp; ++i) {
+    const int64_t r = first + (int64_t)i * LNB_WARPS;
+    if (r >= rows) break;
+    const uint4* xr = (const uint4*)x + r * nvec;
+    const uint4* dr = (const uint4*)dy + r * nvec;
+    uint4 xv[NV], dv[NV];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int k = j * 32 + lane;
+      xv[j] = k < nvec ? __ldcs(xr + k) : make_uint4(0, 0, 0, 0);
+      dv[j] = k < nvec ? __ldcs(dr + k) : make_uint4(0, 0, 0, 0);
+    }
+    const float m = mean[r], rs = rstd[r];
+    float s1 = 0.0f, s2 = 0.0f;  // sum(g), sum(g * xhat) of this lane's elements
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int k = j * 32 + lane;
+      if (k < nvec) {
+        float gam[EPV];
+        load_gamma<EPV>(lnb_smem, k, gam);
+#pragma unroll
+        for (int e = 0; e < EPV; ++e) {
+          const float g = vec_elem<DT>(dv[j], e) * gam[e];
+          s1 += g;
+          s2 += g * ((vec_elem<DT>(xv[j], e) - m) * rs);
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, o);
+      s2 += __shfl_xor_sync(0xFFFFFFFFu, s2, o);
+    }
+    const float c1 = s1 * inv_cols, c2 = s2 * inv_cols;
+    uint4* dxr = (uint4*)dx + r * nvec;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int k = j * 32 + lane;
+      if (k < nvec) {
+        const uint4 xj = xv[j];
+        float gam[EPV];
+        load_gamma<EPV>(lnb_smem, k, gam);
+        dxr[k] = map_vec<DT>(dv[j], [&](int e, float d) {
+          const float xh = (vec_elem<DT>(xj, e) - m) * rs;
+          dg[j * EPV + e] += d * xh;
+          db[j * EPV + e] += d;
+          return rs * (d * gam[e] - c1 - xh * c2);
+        });
+      }
+    }
+  }
+  // the CTA's column sums, warp 0 first
+  for (int w = 0; w < LNB_WARPS; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int k = j * 32 + lane;
+        if (k < nvec) {
+#pragma unroll
+          for (int e = 0; e < EPV; ++e) {
+            const int c = k * EPV + e;
+            sums[c] = w == 0 ? dg[j * EPV + e] : sums[c] + dg[j * EPV + e];
+            sums[cols + c] = w == 0 ? db[j * EPV + e] : sums[cols + c] + db[j * EPV + e];
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  float* out = partial + (int64_t)blockIdx.x * 2 * cols;
+  for (int c = threadIdx.x; c < 2 * cols; c += blockDim.x) out[c] = sums[c];
+}
+
+// out[c] = the sum of partial[t][c] over t < tiles: group g of column c adds
+// tiles g, g + 32, g + 64, ... in order, then group 0 adds the 32 group sums
+// in order. Block dims: (32, LNB_REDUCE_GROUPS). Grid dims: (ceil(cols / 32)).
+__global__ void __launch_bounds__(32 * LNB_REDUCE_GROUPS)
+    layernorm_bwd_reduce_kernel(const float* __restrict__ partial, int64_t tiles, int64_t cols,
+                                float* __restrict__ out) {
+  __shared__ float part[LNB_REDUCE_GROUPS][33];
+  const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x;
+  float s = 0.0f;
+  if (c < cols)
+    for (int64_t t = threadIdx.y; t < tiles; t += LNB_REDUCE_GROUPS) s += partial[t * cols + c];
+  part[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float t = part[0][threadIdx.x];
+    for (int g = 1; g < LNB_REDUCE_GROUPS; ++g) t += part[g][threadIdx.x];
+    out[c] = t;
+  }
+}
+
+template <int DT, int NV>
+static int launch_layernorm_bwd(const void* dy, const void* x, const float* mean,
+                                const float* rstd, const float* gamma, int64_t rows, int cols,
+                                int rows_per_warp, int64_t tiles, void* dx, float* partial,
+                                cudaStream_t s) {
+  const size_t smem = 3 * (size_t)cols * sizeof(float);
+  layernorm_bwd_kernel<DT, NV><<<(unsigned)tiles, LNB_WARPS * 32, smem, s>>>(
+      dy, x, mean, rstd, gamma, rows, cols, rows_per_warp, dx, partial);
+  FP8OPS_CHECK_CUDA(cudaGetLastError());
+  return FP8OPS_OK;
+}
+
+// NV = the 16-byte vectors per lane that cover a row of at most
+// FP8OPS_LN_BWD_MAX_COLS columns: 1 .. 8 (fp32), 1 .. 4 (bf16, fp16).
+template <int DT>
+static int layernorm_bwd_dispatch(int nv, const void* dy, const void* x, const float* mean,
+                                  const float* rstd, const float* gamma, int64_t rows, int cols,
+                                  int rows_per_warp, int64_t tiles, void* dx, float* partial,
+                                  cudaStream_t s) {
+  constexpr int MAX_NV = FP8OPS_LN_BWD_MAX_COLS / 32 / (DT == FP8OPS_F32 ? 4 : 8);
+  static_assert(MAX_NV == 8 || MAX_NV == 4, "the cases below cover 8 vectors per lane");
+#define LNB_CASE(n)                                                                           \
+  case n:                                                                                     \
+    if constexpr (n <= MAX_NV)                                                                \
+      return launch_layernorm_bwd<DT, n>(dy, x, mean, rstd, gamma, rows, cols, rows_per_warp, \
+                                         tiles, dx, partial, s);                              \
+    break;
+  switch (nv) {
+    LNB_CASE(1) LNB_CASE(2) LNB_CASE(3) LNB_CASE(4)
+    LNB_CASE(5) LNB_CASE(6) LNB_CASE(7) LNB_CASE(8)
+    default: break;
+  }
+#undef LNB_CASE
+  return fp8ops_set_error(FP8OPS_ERR_INVALID, "layernorm_bwd: %d vectors per lane (at most %d)", nv,
+                          MAX_NV);
+}
+
+extern "C" int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_hp_dtype dtype,
+                                         int64_t rows, int64_t cols, const float* mean,
+                                         const float* rstd, const float* gamma, void* dx,
+                                         float* dgb, float* partial, int64_t partial_floats,
+                                         void* stream) {
+  FP8OPS_REQUIRE(dtype == FP8OPS_F32 || dtype == FP8OPS_BF16 || dtype == FP8OPS_F16,
+                 "layernorm_bwd: unknown dtype code %d", (int)dtype);
+  FP8OPS_REQUIRE(rows >= 0 && cols > 0 && dgb && gamma &&
+                     (rows == 0 || (dy && x && mean && rstd && dx && partial)),
+                 "layernorm_bwd: bad arguments (rows %lld, cols %lld)", (long long)rows,
+                 (long long)cols);
+  FP8OPS_REQUIRE(fp8ops_layernorm_bwd_fusable(dy, x, dx, dtype, cols),
+                 "layernorm_bwd: on CUDA the rows must be 16-byte aligned vectors, at most %d "
+                 "columns (found %lld)", FP8OPS_LN_BWD_MAX_COLS, (long long)cols);
+  cudaStream_t s = (cudaStream_t)stream;
+  if (rows == 0) {
+    FP8OPS_CHECK_CUDA(cudaMemsetAsync(dgb, 0, 2 * (size_t)cols * sizeof(float), s));
+    return FP8OPS_OK;
+  }
+  const int64_t tiles = fp8ops_layernorm_bwd_tiles(rows);
+  FP8OPS_REQUIRE(tiles <= INT32_MAX && partial_floats >= fp8ops_layernorm_bwd_partial_floats(rows, cols),
+                 "layernorm_bwd: scratch of %lld floats, need %lld", (long long)partial_floats,
+                 (long long)fp8ops_layernorm_bwd_partial_floats(rows, cols));
+  const int epv = dtype == FP8OPS_F32 ? 4 : 8;
+  const int nv = (int)FP8OPS_CEIL_DIV(cols / epv, (int64_t)32);
+  const int rpw = fp8ops_layernorm_bwd_rows_per_warp(rows);
+  int rc;
+  switch (dtype) {
+    case FP8OPS_F32:
+      rc = layernorm_bwd_dispatch<FP8OPS_F32>(nv, dy, x, mean, rstd, gamma, rows, (int)cols, rpw,
+                                              tiles, dx, partial, s);
+      break;
+    case FP8OPS_BF16:
+      rc = layernorm_bwd_dispatch<FP8OPS_BF16>(nv, dy, x, mean, rstd, gamma, rows, (int)cols, rpw,
+                                               tiles, dx, partial, s);
+      break;
+    default:
+      rc = layernorm_bwd_dispatch<FP8OPS_F16>(nv, dy, x, mean, rstd, gamma, rows, (int)cols, rpw,
+                                              tiles, dx, partial, s);
+  }
+  FP8OPS_TRY(rc);
+  const dim3 block(32, LNB_REDUCE_GROUPS);
+  layernorm_bwd_reduce_kernel<<<(unsigned)FP8OPS_CEIL_DIV(2 * cols, (int64_t)32), block, 0, s>>>(
+      partial, tiles, 2 * cols, dgb);
   FP8OPS_CHECK_CUDA(cudaGetLastError());
   return FP8OPS_OK;
 }

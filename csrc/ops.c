@@ -13,7 +13,8 @@
  *               Tensor fp8_max, float margin, int algo, Tensor(d!) overflow_count) -> ()
  *   gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor bias,
  *        ScalarType out_dtype, bool use_fast_accum) -> Tensor
- *   cast_accumulate, linear_fwd, linear_bwd: Fp8Linear's fused calls, schemas
+ *   cast_accumulate, linear_fwd, ln_linear_fwd, linear_bwd, layernorm_bwd:
+ *        Fp8Linear's fused calls (and its fused LayerNorm's backward), schemas
  *        at their wrappers below (cast + amax folded into a history slot + GEMMs).
  * `bias` is "absent" when it has no elements (schemas avoid T?, see STYLE.md).
  */
@@ -977,6 +978,91 @@ static void boxed_linear_bwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
 }
 
 // ----------------------------------------------------------------------------
+// layernorm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor weight)
+//     -> (Tensor dx, Tensor dweight_bias)
+//
+// The fused LayerNorm's backward (ln_linear_fwd's mean and rstd): dx in x's
+// dtype, and dweight_bias fp32 [2, K] = (dgamma, dbeta). weight: the
+// LayerNorm's gamma as float32 [K] (ones when it has none). One pass over x
+// and dy where torch's native_layer_norm_backward makes two (fp8ops.h).
+
+static int run_layernorm_bwd(AtenTensorHandle in[5], AtenTensorHandle outs[2],
+                             AtenTensorHandle* scratch) {
+  const char* op = "fp8ops::layernorm_bwd";
+  tinfo dy, x, mean, rstd, w;
+  fp8ops_hp_dtype xd = FP8OPS_F32;
+  char sh1[96], sh2[96];
+  FP8OPS_TRY(describe(op, "dy", in[0], &dy));
+  FP8OPS_TRY(describe(op, "x", in[1], &x));
+  FP8OPS_TRY(describe(op, "mean", in[2], &mean));
+  FP8OPS_TRY(describe(op, "rstd", in[3], &rstd));
+  FP8OPS_TRY(describe(op, "weight", in[4], &w));
+  FP8OPS_TRY(hp_code(op, "x", x.dtype, &xd));
+  FP8OPS_REQUIRE(x.ndim == 2, "%s: x must be 2-D [M, K], found %lld dims; reshape it to "
+                 "(-1, normalized_shape)", op, (long long)x.ndim);
+  shape_str(&dy, sh1, sizeof sh1);
+  shape_str(&x, sh2, sizeof sh2);
+  FP8OPS_REQUIRE(dy.ndim == 2 && dy.sizes[0] == x.sizes[0] && dy.sizes[1] == x.sizes[1],
+                 "%s: dy %s must have x's shape %s", op, sh1, sh2);
+  FP8OPS_REQUIRE(dy.dtype == x.dtype, "%s: dy must have x's dtype %s, found %s; convert it with "
+                 ".to(x.dtype)", op, dtype_name(x.dtype), dtype_name(dy.dtype));
+  FP8OPS_TRY(require_contiguous(op, "dy", &dy));
+  FP8OPS_TRY(require_contiguous(op, "x", &x));
+  FP8OPS_TRY(require_same_device(op, "dy", &dy, "x", &x));
+  const int64_t M = x.sizes[0], K = x.sizes[1];
+  FP8OPS_REQUIRE(K > 0, "%s: x has no columns", op);
+  const tinfo* vv[3] = {&mean, &rstd, &w};
+  const char* names[3] = {"mean", "rstd", "weight"};
+  const int64_t lens[3] = {M, M, K};
+  for (int i = 0; i < 3; ++i) {
+    FP8OPS_REQUIRE(vv[i]->ndim == 1 && vv[i]->numel == lens[i] &&
+                   vv[i]->dtype == aoti_torch_dtype_float32(),
+                   "%s: %s must be float32 [%lld], found %s with %lld elements", op, names[i],
+                   (long long)lens[i], dtype_name(vv[i]->dtype), (long long)vv[i]->numel);
+    FP8OPS_TRY(require_contiguous(op, names[i], vv[i]));
+    FP8OPS_TRY(require_same_device(op, names[i], vv[i], "x", &x));
+  }
+  const int64_t gsz[2] = {2, K};
+  FP8OPS_TRY(new_tensor(op, 2, x.sizes, x.dtype, &x, &outs[0]));
+  FP8OPS_TRY(new_tensor(op, 2, gsz, aoti_torch_dtype_float32(), &x, &outs[1]));
+  void* dx = data_of(outs[0]);
+  float* dgb = (float*)data_of(outs[1]);
+  if (!is_cuda(&x))
+    return fp8ops_layernorm_bwd_cpu(dy.data, x.data, xd, M, K, (const float*)mean.data,
+                                    (const float*)rstd.data, (const float*)w.data, dx, dgb);
+  FP8OPS_REQUIRE(fp8ops_layernorm_bwd_fusable(dy.data, x.data, dx, xd, K),
+                 "%s: on CUDA, K must be a multiple of %d and at most %d, and dy and x 16-byte "
+                 "aligned; found K = %lld. Use torch.ops.aten.native_layer_norm_backward for "
+                 "this shape", op, xd == FP8OPS_F32 ? 4 : 8, FP8OPS_LN_BWD_MAX_COLS, (long long)K);
+  const int64_t pf = fp8ops_layernorm_bwd_partial_floats(M, K);
+  const int64_t psz[1] = {pf > 0 ? pf : 1};
+  FP8OPS_TRY(new_tensor(op, 1, psz, aoti_torch_dtype_float32(), &x, scratch));
+  cuda_ctx c;
+  FP8OPS_TRY(cuda_enter(op, &x, &c, 0));
+  const int rc = fp8ops_layernorm_bwd_cuda(dy.data, x.data, xd, M, K, (const float*)mean.data,
+                                           (const float*)rstd.data, (const float*)w.data, dx, dgb,
+                                           (float*)data_of(*scratch), psz[0], c.stream);
+  cuda_exit(&c);
+  return rc;
+}
+
+static void boxed_layernorm_bwd(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  AtenTensorHandle in[5];
+  for (int i = 0; i < 5; ++i) in[i] = sv_tensor(stack[i]);
+  AtenTensorHandle outs[2] = {NULL, NULL}, scratch = NULL;
+  int rc = run_layernorm_bwd(in, outs, &scratch);
+  release(in, 5);
+  release(&scratch, 1); /* stream-ordered, after the kernels that use it */
+  if (rc != FP8OPS_OK) {
+    release(outs, 2);
+    raise_last_error(__func__);
+    return;
+  }
+  for (int i = 0; i < 2; ++i) stack[i] = sv_from_tensor(outs[i]);
+}
+
+// ----------------------------------------------------------------------------
 // amax_update of many histories, outside the dispatcher (module.c)
 
 int fp8ops_amax_update_many(int device, const fp8ops_amax_update_job* jobs, int64_t count) {
@@ -1026,6 +1112,8 @@ static const op_row k_ops[] = {
                       "ScalarType x_fp8_dtype, ScalarType w_fp8_dtype, ScalarType out_dtype, "
                       "bool use_fast_accum, bool save_wt) -> (Tensor y, Tensor x8t, Tensor w8, "
                       "Tensor w8t, Tensor mean, Tensor rstd)", boxed_ln_linear_fwd},
+    {"layernorm_bwd", "layernorm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, "
+                      "Tensor weight) -> (Tensor dx, Tensor dweight_bias)", boxed_layernorm_bwd},
     {"linear_bwd", "linear_bwd(Tensor gy, Tensor w8t, Tensor x8t, Tensor g_scale, "
                    "Tensor(a!) g_amax, Tensor g_scale_inv, Tensor w_scale_inv, "
                    "Tensor x_scale_inv, Tensor gelu_input, ScalarType g_fp8_dtype, "
@@ -1065,5 +1153,6 @@ int fp8ops_register(int with_cuda) {
 }
 
 const char* fp8ops_op_names(void) {
-  return "cast amax amax_update gemm cast_accumulate linear_fwd linear_bwd";
+  return "cast amax amax_update gemm cast_accumulate linear_fwd ln_linear_fwd linear_bwd "
+         "layernorm_bwd";
 }

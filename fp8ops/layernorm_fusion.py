@@ -5,7 +5,9 @@ LayerNorm writes its fp32 output and the linear's cast reads it back: two
 passes of 4 bytes per element. After fuse_layernorm() the linear normalizes x
 inside its cast (ln_linear_fwd: per-row statistics in a small pass, then
 gamma * (rstd * (x - mean)) + beta as each element is loaded), and its backward
-runs torch's LayerNorm backward on the linear's input gradient. A call that
+turns the linear's input gradient into the LayerNorm's gradients in one pass
+over x and it (layernorm_bwd; torch's LayerNorm backward, which makes two, for
+rows wider than 1024 or under torch.compile). A call that
 does not run the fused FP8 path (BF16 by policy, delayed scaling's first step,
 all-E5M2 layers) applies torch's LayerNorm first, as the model did.
 

@@ -209,7 +209,7 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
     """_Fp8LinearFn of LayerNorm(x2) (the fused LayerNorm, layernorm_fusion.py):
     forward normalizes x2 inside its cast (ln_linear_fwd: the LayerNorm's
     output is never written); backward turns the linear's dx into the
-    LayerNorm's input, weight and bias gradients with torch's LayerNorm backward."""
+    LayerNorm's input, weight and bias gradients (_layer_norm_backward)."""
 
     @staticmethod
     def forward(ctx, x2, ln_w, ln_b, weight, bias, w_in, w8t, b_lp, views, static, store, eps):
@@ -242,11 +242,25 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
         dxn, dw, db = _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_ln and ctx.static[8], need[3], need_db)
         dx = dlw = dlb = None
         if dxn is not None:
-            M, K = x2.shape
-            dx, dlw, dlb = torch.ops.aten.native_layer_norm_backward(
-                dxn, x2, [K], mean.view(M, 1), rstd.view(M, 1), ln_w, ln_b,
-                [need[0], ln_w is not None and need[1], ln_b is not None and need[2]])
+            dx, dlw, dlb = _layer_norm_backward(dxn, x2, mean, rstd, ln_w, ln_b, need)
         return dx, dlw, dlb, dw, db, None, None, None, None, None, None, None
+
+
+def _layer_norm_backward(dxn, x2, mean, rstd, ln_w, ln_b, need):
+    """The fused LayerNorm's input, weight and bias gradients from the linear's
+    dx: fp8ops' one-pass kernel where the shape allows, else torch's (always
+    under torch.compile, whose own LayerNorm backward inductor fuses; dynamo
+    cannot read the storage offsets the check needs)."""
+    M, K = x2.shape
+    if torch.compiler.is_compiling() or not ops.layernorm_bwd_fusable(dxn, x2):
+        return torch.ops.aten.native_layer_norm_backward(
+            dxn, x2, [K], mean.view(M, 1), rstd.view(M, 1), ln_w, ln_b,
+            [need[0], ln_w is not None and need[1], ln_b is not None and need[2]])
+    gamma = x2.new_ones(K, dtype=torch.float32) if ln_w is None else ln_w.detach().float()
+    dx, dgb = ops.layernorm_bwd(dxn, x2, mean, rstd, gamma)
+    dlw = dgb[0].to(ln_w.dtype) if ln_w is not None and need[1] else None
+    dlb = dgb[1].to(ln_b.dtype) if ln_b is not None and need[2] else None
+    return (dx if need[0] else None), dlw, dlb
 
 
 class _GeluGradToProducer(torch.autograd.Function):

@@ -374,6 +374,53 @@ def _ln_linear_fwd_fake(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_
     return y, x8t, w8, w8t, x.new_empty((M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32)
 
 
+# the CUDA layernorm_bwd's limits (csrc/fp8ops.h): rows of 16-byte vectors, at most this many columns
+LN_BWD_MAX_COLS = 1024
+
+
+def layernorm_bwd_fusable(dy: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether layernorm_bwd takes these tensors on any device: one dtype, 2-D,
+    contiguous, rows of 16-byte vectors of at most LN_BWD_MAX_COLS columns at
+    16-byte aligned offsets (what the CUDA kernel needs; the CPU kernel takes
+    any, and the same rule keeps both devices on one path)."""
+    if dy.dtype != x.dtype or x.dtype not in HP_DTYPES or x.dim() != 2 or dy.shape != x.shape:
+        return False
+    K, size = x.shape[1], x.element_size()
+    return (0 < K <= LN_BWD_MAX_COLS and (K * size) % 16 == 0 and x.is_contiguous() and dy.is_contiguous()
+            and (x.storage_offset() * size) % 16 == 0 and (dy.storage_offset() * size) % 16 == 0)
+
+
+def layernorm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of LayerNorm over x's last dim from ln_linear_fwd's mean and
+    rstd ([M] fp32), weight the LayerNorm's gamma as float32 [K]. Returns (dx in
+    x's dtype, dweight_bias fp32 [2, K] = (dgamma, dbeta)): torch's
+    native_layer_norm_backward with one read of x and dy instead of two. On
+    CUDA the shapes must pass layernorm_bwd_fusable."""
+    _require()
+    return torch.ops.fp8ops.layernorm_bwd.default(dy, x, mean, rstd, weight)
+
+
+def _layernorm_bwd_fake(dy, x, mean, rstd, weight):
+    op = "fp8ops::layernorm_bwd"
+    _chk(x.dtype in HP_DTYPES, f"{op}: x must be float32, bfloat16 or float16, found {_dname(x.dtype)}")
+    _chk(x.dim() == 2, f"{op}: x must be 2-D [M, K], found {x.dim()} dims; reshape it to (-1, normalized_shape)")
+    _chk(dy.shape == x.shape, f"{op}: dy {list(dy.shape)} must have x's shape {list(x.shape)}")
+    _chk(dy.dtype == x.dtype, f"{op}: dy must have x's dtype {_dname(x.dtype)}, found {_dname(dy.dtype)}; "
+                              f"convert it with .to(x.dtype)")
+    _chk_contig(op, "dy", dy)
+    _chk_contig(op, "x", x)
+    _chk_device(op, "dy", dy, "x", x)
+    M, K = x.shape
+    _chk(K > 0, f"{op}: x has no columns")
+    for name, t, n in (("mean", mean, M), ("rstd", rstd, M), ("weight", weight, K)):
+        _chk(t.dim() == 1 and t.numel() == n and t.dtype == torch.float32,
+             f"{op}: {name} must be float32 [{n}], found {_dname(t.dtype)} with {t.numel()} elements")
+        _chk_contig(op, name, t)
+        _chk_device(op, name, t, "x", x)
+    return torch.empty_like(x), x.new_empty((2, K), dtype=torch.float32)
+
+
 def linear_bwd(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv,
                g_fp8_dtype=torch.float8_e5m2, dx_dtype=torch.bfloat16, dw_dtype=torch.float32,
                need_dx=True, need_dw=True, need_db=False, gelu_input=None):
@@ -509,6 +556,7 @@ def _register() -> None:
     torch.library.register_fake("fp8ops::linear_fwd")(_linear_fwd_fake)
     torch.library.register_fake("fp8ops::linear_bwd")(_linear_bwd_fake)
     torch.library.register_fake("fp8ops::ln_linear_fwd")(_ln_linear_fwd_fake)
+    torch.library.register_fake("fp8ops::layernorm_bwd")(_layernorm_bwd_fake)
     global _linear_fwd_raw, _linear_bwd_raw, _ln_linear_fwd_raw
     _linear_fwd_raw = torch.ops.fp8ops.linear_fwd.default
     _linear_bwd_raw = torch.ops.fp8ops.linear_bwd.default

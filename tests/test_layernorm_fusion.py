@@ -1,6 +1,7 @@
 """The fused LayerNorm: conversion moves an nn.LayerNorm into the Fp8Linear that
 consumes it (layernorm_fusion.py); that linear normalizes inside its input cast
-(ln_linear_fwd) and runs torch's LayerNorm backward on its input gradient.
+(ln_linear_fwd) and runs the LayerNorm's backward on its input gradient
+(layernorm_bwd, or torch's where that kernel does not take the shape).
 
 CPU tests run the C reference kernels; the CUDA parametrisations run the
 statistics and cast kernels on the device."""
@@ -14,7 +15,7 @@ import fp8ops
 from fp8ops import ops
 from fp8ops._reference import sqnr
 from fp8ops.layernorm_fusion import LayerNormFusedIntoLinear
-from fp8ops.linear import Fp8Linear
+from fp8ops.linear import Fp8Linear, _layer_norm_backward
 
 from conftest import FP8_DEVICES, assert_compiled_matches_eager, convert_as_on_fp8_gpu
 
@@ -121,12 +122,13 @@ def test_fused_layernorm_trains_like_unfused(device, monkeypatch):
     base = Block().to(device)
     fused = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, device)
     plain = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, device, fuse_layernorm=False)
-    calls = []
-    raw = ops._ln_linear_fwd_raw
+    calls, bwd_calls = [], []
+    raw, raw_bwd = ops._ln_linear_fwd_raw, ops.layernorm_bwd
     monkeypatch.setattr(ops, "_ln_linear_fwd_raw", lambda *a: (calls.append(1), raw(*a))[1])
+    monkeypatch.setattr(ops, "layernorm_bwd", lambda *a: (bwd_calls.append(1), raw_bwd(*a))[1])
     with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
         _grads_match(fused, plain, torch.randn(4, 32, 64, device=device))
-    assert len(calls) == 4  # steps 2 and 3, two LayerNorms each
+    assert len(calls) == 4 and len(bwd_calls) == 4  # steps 2 and 3, two LayerNorms each
 
 
 def test_current_recipe_and_bf16_fallback_apply_the_layernorm(monkeypatch):
@@ -214,3 +216,79 @@ def test_input_dtype_other_than_the_layernorms_runs_it_unfused(monkeypatch):
         fp8ops.step(m)
     torch.testing.assert_close(fused(x), plain(x), rtol=0, atol=0)
     assert calls == []
+
+
+def _ln_bwd_inputs(M, K, dtype, device, offset=0):
+    x = (torch.randn(M * K + offset, device=device) * 3 + 1).to(dtype)[offset:].view(M, K)
+    dy = torch.randn(M, K, device=device).to(dtype)
+    gamma = torch.randn(K, device=device) * 0.5 + 1
+    _, mean, rstd = torch.native_layer_norm(x.float(), [K], gamma, None, 1e-5)
+    return dy, x, mean.view(-1), rstd.view(-1), gamma
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M, K", [(256, 768), (1000, 64), (20000, 96), (8, 1024), (37, 8), (0, 64)])
+def test_layernorm_bwd_matches_torch(device, dtype, M, K):
+    """dx, dgamma and dbeta against torch's LayerNorm backward in float64, from the same
+    mean and rstd. M=1000: a partial CTA; 20000: more rows per warp (fp8ops.h); K=1024 the
+    widest row the CUDA kernel holds; M=0: zero column sums. On CUDA: the same bits twice,
+    and the CPU kernel's values to rounding."""
+    torch.manual_seed(0)
+    dy, x, mean, rstd, gamma = _ln_bwd_inputs(M, K, dtype, device)
+    dx, dgb = ops.layernorm_bwd(dy, x, mean, rstd, gamma)
+    assert dx.dtype == dtype and dx.shape == x.shape and dgb.shape == (2, K) and dgb.dtype == torch.float32
+    rdx, rdw, rdb = torch.ops.aten.native_layer_norm_backward(
+        dy.double(), x.double(), [K], mean.double().view(-1, 1), rstd.double().view(-1, 1), gamma.double(),
+        gamma.double(), [True, True, True])
+    tol = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(dx.double(), rdx, rtol=tol, atol=tol)
+    scale = max(M, 1) ** 0.5  # column sums over M rows
+    torch.testing.assert_close(dgb[0].double(), rdw, rtol=1e-4, atol=1e-5 * scale)
+    torch.testing.assert_close(dgb[1].double(), rdb, rtol=1e-4, atol=1e-5 * scale)
+    if device == "cuda":
+        dx2, dgb2 = ops.layernorm_bwd(dy, x, mean, rstd, gamma)
+        assert torch.equal(dx.view(-1).view(torch.uint8), dx2.view(-1).view(torch.uint8))
+        assert torch.equal(dgb.view(torch.int32), dgb2.view(torch.int32))
+        dx_c, dgb_c = ops.layernorm_bwd(dy.cpu(), x.cpu(), mean.cpu(), rstd.cpu(), gamma.cpu())
+        torch.testing.assert_close(dx.cpu().double(), dx_c.double(), rtol=tol, atol=tol)
+        torch.testing.assert_close(dgb.cpu(), dgb_c, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_layernorm_bwd_shapes_outside_the_kernel_take_torchs(device):
+    """Rows the CUDA kernel does not hold (too wide, not whole 16-byte vectors, at an odd
+    offset) fail the fusable test, so the fused LayerNorm's backward runs torch's; called
+    anyway on CUDA, the op says why and what to use."""
+    torch.manual_seed(0)
+    cases = [(torch.float32, 1028, 0), (torch.bfloat16, 100, 0), (torch.float32, 64, 1)]
+    for dtype, K, offset in cases:
+        dy, x, mean, rstd, gamma = _ln_bwd_inputs(16, K, dtype, device, offset)
+        assert not ops.layernorm_bwd_fusable(dy, x)
+        if device == "cuda":
+            with pytest.raises(RuntimeError, match=r"layernorm_bwd: on CUDA, K must be a multiple of .*"
+                                                   r"native_layer_norm_backward"):
+                ops.layernorm_bwd(dy, x, mean, rstd, gamma)
+        need = (True, True, True)
+        g = gamma.to(dtype)  # the fusion's guard: the LayerNorm's weight has x's dtype
+        dx, dw, db = _layer_norm_backward(dy, x, mean, rstd, g, g, need)
+        ref = torch.ops.aten.native_layer_norm_backward(dy, x, [K], mean.view(-1, 1), rstd.view(-1, 1), g, g,
+                                                        list(need))
+        for a, b in zip((dx, dw, db), ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    dy, x, mean, rstd, gamma = _ln_bwd_inputs(16, 64, torch.bfloat16, device)
+    assert ops.layernorm_bwd_fusable(dy, x) and not ops.layernorm_bwd_fusable(dy.float(), x)
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_layernorm_bwd_checks_its_arguments(device):
+    dy, x, mean, rstd, gamma = _ln_bwd_inputs(32, 64, torch.float32, device)
+    with pytest.raises(RuntimeError, match=r"dy must have x's dtype float32, found bfloat16; convert it"):
+        ops.layernorm_bwd(dy.bfloat16(), x, mean, rstd, gamma)
+    with pytest.raises(RuntimeError, match=r"mean must be float32 \[32\], found float32 with 31 elements"):
+        ops.layernorm_bwd(dy, x, mean[:31], rstd, gamma)
+    with pytest.raises(RuntimeError, match=r"weight must be float32 \[64\], found bfloat16"):
+        ops.layernorm_bwd(dy, x, mean, rstd, gamma.bfloat16())
+    with pytest.raises(RuntimeError, match=r"dy \[32, 32\] must have x's shape \[32, 64\]"):
+        ops.layernorm_bwd(dy[:, :32].contiguous(), x, mean, rstd, gamma)
+    torch.library.opcheck(torch.ops.fp8ops.layernorm_bwd.default, (dy, x, mean, rstd, gamma))
