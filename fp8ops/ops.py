@@ -379,15 +379,17 @@ LN_BWD_MAX_COLS = 1024
 
 
 def layernorm_bwd_fusable(dy: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether layernorm_bwd takes these tensors on any device: one dtype, 2-D,
-    contiguous, rows of 16-byte vectors of at most LN_BWD_MAX_COLS columns at
-    16-byte aligned offsets (what the CUDA kernel needs; the CPU kernel takes
-    any, and the same rule keeps both devices on one path)."""
-    if dy.dtype != x.dtype or x.dtype not in HP_DTYPES or x.dim() != 2 or dy.shape != x.shape:
+    """Whether layernorm_bwd takes these tensors: one dtype, 2-D, contiguous;
+    on CUDA also rows of 16-byte vectors of at most LN_BWD_MAX_COLS columns at
+    16-byte aligned offsets (the CPU kernel takes any row)."""
+    if (dy.dtype != x.dtype or x.dtype not in HP_DTYPES or x.dim() != 2 or dy.shape != x.shape
+            or not x.is_contiguous() or not dy.is_contiguous() or x.shape[1] == 0):
         return False
+    if not x.is_cuda:
+        return True
     K, size = x.shape[1], x.element_size()
-    return (0 < K <= LN_BWD_MAX_COLS and (K * size) % 16 == 0 and x.is_contiguous() and dy.is_contiguous()
-            and (x.storage_offset() * size) % 16 == 0 and (dy.storage_offset() * size) % 16 == 0)
+    return (K <= LN_BWD_MAX_COLS and (K * size) % 16 == 0 and (x.storage_offset() * size) % 16 == 0
+            and (dy.storage_offset() * size) % 16 == 0)
 
 
 def layernorm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,

@@ -258,17 +258,23 @@ def test_layernorm_bwd_matches_torch(device, dtype, M, K):
 @pytest.mark.parametrize("device", FP8_DEVICES)
 def test_layernorm_bwd_shapes_outside_the_kernel_take_torchs(device):
     """Rows the CUDA kernel does not hold (too wide, not whole 16-byte vectors, at an odd
-    offset) fail the fusable test, so the fused LayerNorm's backward runs torch's; called
-    anyway on CUDA, the op says why and what to use."""
+    offset) fail the fusable test on CUDA, so the fused LayerNorm's backward runs torch's
+    there; called anyway, the op says why and what to use. The CPU kernel takes them."""
     torch.manual_seed(0)
     cases = [(torch.float32, 1028, 0), (torch.bfloat16, 100, 0), (torch.float32, 64, 1)]
     for dtype, K, offset in cases:
         dy, x, mean, rstd, gamma = _ln_bwd_inputs(16, K, dtype, device, offset)
-        assert not ops.layernorm_bwd_fusable(dy, x)
-        if device == "cuda":
-            with pytest.raises(RuntimeError, match=r"layernorm_bwd: on CUDA, K must be a multiple of .*"
-                                                   r"native_layer_norm_backward"):
-                ops.layernorm_bwd(dy, x, mean, rstd, gamma)
+        assert ops.layernorm_bwd_fusable(dy, x) == (device == "cpu")
+        if device == "cpu":
+            dx, dgb = ops.layernorm_bwd(dy, x, mean, rstd, gamma)
+            rdx = torch.ops.aten.native_layer_norm_backward(
+                dy.double(), x.double(), [K], mean.double().view(-1, 1), rstd.double().view(-1, 1),
+                gamma.double(), gamma.double(), [True, False, False])[0]
+            torch.testing.assert_close(dx.double(), rdx, rtol=1e-2, atol=1e-2)
+            continue
+        with pytest.raises(RuntimeError, match=r"layernorm_bwd: on CUDA, K must be a multiple of .*"
+                                               r"native_layer_norm_backward"):
+            ops.layernorm_bwd(dy, x, mean, rstd, gamma)
         need = (True, True, True)
         g = gamma.to(dtype)  # the fusion's guard: the LayerNorm's weight has x's dtype
         dx, dw, db = _layer_norm_backward(dy, x, mean, rstd, g, g, need)
@@ -278,6 +284,7 @@ def test_layernorm_bwd_shapes_outside_the_kernel_take_torchs(device):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     dy, x, mean, rstd, gamma = _ln_bwd_inputs(16, 64, torch.bfloat16, device)
     assert ops.layernorm_bwd_fusable(dy, x) and not ops.layernorm_bwd_fusable(dy.float(), x)
+    assert not ops.layernorm_bwd_fusable(dy.t(), x.t())
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
