@@ -157,30 +157,36 @@ int fp8ops_ln_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64
  * rounded to the dtype, and over the rows dgb[c] = sum_r dy * xhat (dgamma),
  * dgb[cols + c] = sum_r dy (dbeta), fp32: what torch's
  * native_layer_norm_backward computes, with one read of x and dy instead of
- * two. CUDA: the rows must be 16-byte vectors (cols a multiple of 4 for fp32,
- * of 8 for bf16 / fp16) of at most FP8OPS_LN_BWD_MAX_COLS columns, pointers
- * 16-byte aligned (fp8ops_layernorm_bwd_fusable); partial: device scratch of
+ * two. CUDA: rows of at most FP8OPS_LN_BWD_MAX_COLS columns, split into
+ * fp8ops_layernorm_bwd_warps_per_row slices of whole 16-byte vectors (4 fp32 /
+ * 8 bf16 or fp16 elements), pointers 16-byte aligned
+ * (fp8ops_layernorm_bwd_fusable); partial: device scratch of
  * fp8ops_layernorm_bwd_partial_floats(rows, cols) floats. CPU and CUDA agree to
  * fp32 rounding; each is deterministic. */
-#define FP8OPS_LN_BWD_MAX_COLS 1024
-#define FP8OPS_LN_BWD_WARPS 4 /* rows in flight per CTA */
-/* rows per warp: 4, doubled until the grid is at most 1024 CTAs */
-static inline int fp8ops_layernorm_bwd_rows_per_warp(int64_t rows) {
+#define FP8OPS_LN_BWD_MAX_COLS 2048
+#define FP8OPS_LN_BWD_WARPS 4 /* warps per CTA */
+/* warps that share a row: its registers hold at most 1024 columns per warp */
+static inline int fp8ops_layernorm_bwd_warps_per_row(int64_t cols) { return cols > 1024 ? 2 : 1; }
+/* rows per warp (group): 4, doubled until the grid is at most 1024 CTAs */
+static inline int fp8ops_layernorm_bwd_rows_per_warp(int64_t rows, int64_t cols) {
+  const int64_t in_flight = FP8OPS_LN_BWD_WARPS / fp8ops_layernorm_bwd_warps_per_row(cols);
   int rpw = 4;
-  while (rpw < (1 << 24) && (int64_t)rpw * FP8OPS_LN_BWD_WARPS * 1024 < rows) rpw *= 2;
+  while (rpw < (1 << 24) && (int64_t)rpw * in_flight * 1024 < rows) rpw *= 2;
   return rpw;
 }
-static inline int64_t fp8ops_layernorm_bwd_tiles(int64_t rows) {
-  const int64_t per_cta = (int64_t)FP8OPS_LN_BWD_WARPS * fp8ops_layernorm_bwd_rows_per_warp(rows);
+static inline int64_t fp8ops_layernorm_bwd_tiles(int64_t rows, int64_t cols) {
+  const int64_t per_cta = (int64_t)FP8OPS_LN_BWD_WARPS / fp8ops_layernorm_bwd_warps_per_row(cols) *
+                          fp8ops_layernorm_bwd_rows_per_warp(rows, cols);
   return (rows + per_cta - 1) / per_cta;
 }
 static inline int64_t fp8ops_layernorm_bwd_partial_floats(int64_t rows, int64_t cols) {
-  return fp8ops_layernorm_bwd_tiles(rows) * 2 * cols;
+  return fp8ops_layernorm_bwd_tiles(rows, cols) * 2 * cols;
 }
 static inline int fp8ops_layernorm_bwd_fusable(const void* dy, const void* x, const void* dx,
                                                fp8ops_hp_dtype dtype, int64_t cols) {
   const int64_t per_vec = dtype == FP8OPS_F32 ? 4 : 8;
-  return cols > 0 && cols <= FP8OPS_LN_BWD_MAX_COLS && cols % per_vec == 0 &&
+  return cols > 0 && cols <= FP8OPS_LN_BWD_MAX_COLS &&
+         cols % (per_vec * fp8ops_layernorm_bwd_warps_per_row(cols)) == 0 &&
          (((uintptr_t)dy | (uintptr_t)x | (uintptr_t)dx) & 15u) == 0;
 }
 int fp8ops_layernorm_bwd_cpu(const void* dy, const void* x, fp8ops_hp_dtype dtype, int64_t rows,

@@ -79,14 +79,16 @@ extern "C" int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype,
 // kernel, then a column-sum kernel for dgamma / dbeta that ran at about a
 // third of the memory bandwidth in GPT-2's profile, benchmarks/RESULTS.md §5).
 //
-// layernorm_bwd_kernel: a warp per row holds the row's x and dy in registers
-// (NV 16-byte vectors per lane: cols <= 32 * NV * EPV), reduces sum(g) and
-// sum(g * xhat) with shuffles, writes dx, and adds dy * xhat and dy into its
-// lanes' column sums, kept in registers over the warp's rows. Each CTA then
-// adds its warps' sums in warp order (shared memory) and writes them to
-// partial[blockIdx.x][0 : 2 cols] (dgamma, then dbeta);
-// layernorm_bwd_reduce_kernel adds the CTAs' partials in a fixed order. The
-// result does not depend on timing: the same inputs give the same bits.
+// layernorm_bwd_kernel: WPR warps per row (1 up to 1024 columns, 2 up to
+// 2048) hold the row's x and dy in registers, each warp a slice of cols / WPR
+// columns (NV 16-byte vectors per lane), reduce sum(g) and sum(g * xhat) with
+// shuffles (and, for WPR 2, through shared memory in warp order), write dx,
+// and add dy * xhat and dy into their lanes' column sums, kept in registers
+// over the rows. Each CTA then adds its warps' sums in warp order (shared
+// memory) and writes them to partial[blockIdx.x][0 : 2 cols] (dgamma, then
+// dbeta); layernorm_bwd_reduce_kernel adds the CTAs' partials in a fixed
+// order. The result does not depend on timing: the same inputs give the same
+// bits.
 
 #define LNB_WARPS FP8OPS_LN_BWD_WARPS  // warps per CTA
 #define LNB_REDUCE_GROUPS 32           // row groups per column in the reduce kernel
@@ -104,48 +106,57 @@ __device__ __forceinline__ void load_gamma(const float4* gs4, int k, float (&g)[
   }
 }
 
-// Block dims: (LNB_WARPS * 32). Grid dims: (ceil(rows / (LNB_WARPS * rows_per_warp))).
-// Warp w of CTA b takes rows b * LNB_WARPS * rows_per_warp + w + LNB_WARPS * i.
-// Dynamic shared memory: gamma [cols], then the CTA's sums [2 cols].
-template <int DT, int NV>
+// Block dims: (LNB_WARPS * 32). Grid dims: fp8ops_layernorm_bwd_tiles(rows, cols).
+// The CTA's LNB_WARPS / WPR warp groups take one row each at a time: group p
+// of CTA b takes rows (b * rows_per_warp + i) * groups + p, warp h of the group
+// the columns [h, h + 1) * cols / WPR. Dynamic shared memory: gamma [cols],
+// then the CTA's sums [2 cols].
+template <int DT, int NV, int WPR>
 __global__ void __launch_bounds__(LNB_WARPS * 32)
     layernorm_bwd_kernel(const void* __restrict__ dy, const void* __restrict__ x,
                          const float* __restrict__ mean, const float* __restrict__ rstd,
                          const float* __restrict__ gamma, int64_t rows, int cols,
                          int rows_per_warp, void* __restrict__ dx, float* __restrict__ partial) {
   constexpr int EPV = DT == FP8OPS_F32 ? 4 : 8;  // elements per 16-byte vector
-  extern __shared__ float4 lnb_smem[];  // 16-byte aligned; cols % 4 == 0
+  constexpr int GROUPS = LNB_WARPS / WPR;        // rows in flight per CTA
+  extern __shared__ float4 lnb_smem[];           // 16-byte aligned; cols % 4 == 0
+  __shared__ float2 red[LNB_WARPS];              // per-warp row sums (WPR > 1)
   float* gs = (float*)lnb_smem;
   float* sums = gs + cols;
   for (int c = threadIdx.x; c < cols; c += blockDim.x) gs[c] = gamma[c];
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nvec = cols / EPV;
+  const int group = warp / WPR, half = warp % WPR;
+  const int row_vecs = cols / EPV;
+  const int nvec = row_vecs / WPR;  // this warp's vectors per row
+  const int v0 = half * nvec;       // the first of them
   const float inv_cols = 1.0f / (float)cols;
   float dg[NV * EPV], db[NV * EPV];
 #pragma unroll
   for (int e = 0; e < NV * EPV; ++e) dg[e] = db[e] = 0.0f;
-  const int64_t first = (int64_t)blockIdx.x * LNB_WARPS * rows_per_warp + warp;
+  const int64_t first = (int64_t)blockIdx.x * rows_per_warp * GROUPS + group;
   for (int i = 0; i < rows_per_warp; ++i) {
-    const int64_t r = first + (int64_t)i * LNB_WARPS;
-    if (r >= rows) break;
-    const uint4* xr = (const uint4*)x + r * nvec;
-    const uint4* dr = (const uint4*)dy + r * nvec;
+    const int64_t r = first + (int64_t)i * GROUPS;
+    const bool live = r < rows;
+    if (WPR == 1 && !live) break;  // (WPR > 1: every warp reaches the barriers below)
+    const uint4* xr = (const uint4*)x + r * row_vecs + v0;
+    const uint4* dr = (const uint4*)dy + r * row_vecs + v0;
     uint4 xv[NV], dv[NV];
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int k = j * 32 + lane;
-      xv[j] = k < nvec ? __ldcs(xr + k) : make_uint4(0, 0, 0, 0);
-      dv[j] = k < nvec ? __ldcs(dr + k) : make_uint4(0, 0, 0, 0);
+      const bool in = live && k < nvec;
+      xv[j] = in ? __ldcs(xr + k) : make_uint4(0, 0, 0, 0);
+      dv[j] = in ? __ldcs(dr + k) : make_uint4(0, 0, 0, 0);
     }
-    const float m = mean[r], rs = rstd[r];
+    const float m = live ? mean[r] : 0.0f, rs = live ? rstd[r] : 0.0f;
     float s1 = 0.0f, s2 = 0.0f;  // sum(g), sum(g * xhat) of this lane's elements
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int k = j * 32 + lane;
       if (k < nvec) {
         float gam[EPV];
-        load_gamma<EPV>(lnb_smem, k, gam);
+        load_gamma<EPV>(lnb_smem, v0 + k, gam);
 #pragma unroll
         for (int e = 0; e < EPV; ++e) {
           const float g = vec_elem<DT>(dv[j], e) * gam[e];
@@ -159,15 +170,28 @@ __global__ void __launch_bounds__(LNB_WARPS * 32)
       s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, o);
       s2 += __shfl_xor_sync(0xFFFFFFFFu, s2, o);
     }
+    if constexpr (WPR > 1) {
+      if (lane == 0) red[warp] = make_float2(s1, s2);
+      __syncthreads();
+      s1 = red[group * WPR].x;
+      s2 = red[group * WPR].y;
+#pragma unroll
+      for (int h = 1; h < WPR; ++h) {
+        s1 += red[group * WPR + h].x;
+        s2 += red[group * WPR + h].y;
+      }
+      __syncthreads();  // red is rewritten for the next row
+      if (!live) continue;
+    }
     const float c1 = s1 * inv_cols, c2 = s2 * inv_cols;
-    uint4* dxr = (uint4*)dx + r * nvec;
+    uint4* dxr = (uint4*)dx + r * row_vecs + v0;
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int k = j * 32 + lane;
       if (k < nvec) {
         const uint4 xj = xv[j];
         float gam[EPV];
-        load_gamma<EPV>(lnb_smem, k, gam);
+        load_gamma<EPV>(lnb_smem, v0 + k, gam);
         dxr[k] = map_vec<DT>(dv[j], [&](int e, float d) {
           const float xh = (vec_elem<DT>(xj, e) - m) * rs;
           dg[j * EPV + e] += d * xh;
@@ -177,7 +201,7 @@ __global__ void __launch_bounds__(LNB_WARPS * 32)
       }
     }
   }
-  // the CTA's column sums, warp 0 first
+  // the CTA's column sums: group 0's warps first, then group 1's, ...
   for (int w = 0; w < LNB_WARPS; ++w) {
     if (warp == w) {
 #pragma unroll
@@ -186,9 +210,9 @@ __global__ void __launch_bounds__(LNB_WARPS * 32)
         if (k < nvec) {
 #pragma unroll
           for (int e = 0; e < EPV; ++e) {
-            const int c = k * EPV + e;
-            sums[c] = w == 0 ? dg[j * EPV + e] : sums[c] + dg[j * EPV + e];
-            sums[cols + c] = w == 0 ? db[j * EPV + e] : sums[cols + c] + db[j * EPV + e];
+            const int c = (v0 + k) * EPV + e;
+            sums[c] = group == 0 ? dg[j * EPV + e] : sums[c] + dg[j * EPV + e];
+            sums[cols + c] = group == 0 ? db[j * EPV + e] : sums[cols + c] + db[j * EPV + e];
           }
         }
       }
@@ -219,32 +243,39 @@ __global__ void __launch_bounds__(32 * LNB_REDUCE_GROUPS)
   }
 }
 
-template <int DT, int NV>
+template <int DT, int NV, int WPR>
 static int launch_layernorm_bwd(const void* dy, const void* x, const float* mean,
                                 const float* rstd, const float* gamma, int64_t rows, int cols,
                                 int rows_per_warp, int64_t tiles, void* dx, float* partial,
                                 cudaStream_t s) {
   const size_t smem = 3 * (size_t)cols * sizeof(float);
-  layernorm_bwd_kernel<DT, NV><<<(unsigned)tiles, LNB_WARPS * 32, smem, s>>>(
+  layernorm_bwd_kernel<DT, NV, WPR><<<(unsigned)tiles, LNB_WARPS * 32, smem, s>>>(
       dy, x, mean, rstd, gamma, rows, cols, rows_per_warp, dx, partial);
   FP8OPS_CHECK_CUDA(cudaGetLastError());
   return FP8OPS_OK;
 }
 
-// NV = the 16-byte vectors per lane that cover a row of at most
-// FP8OPS_LN_BWD_MAX_COLS columns: 1 .. 8 (fp32), 1 .. 4 (bf16, fp16).
+// NV = the 16-byte vectors per lane that cover a warp's slice of at most 1024
+// columns: 1 .. 8 (fp32), 1 .. 4 (bf16, fp16). Two warps per row only for rows
+// over 1024 columns, i.e. slices over 512 (NV over 4 / 2).
 template <int DT>
-static int layernorm_bwd_dispatch(int nv, const void* dy, const void* x, const float* mean,
-                                  const float* rstd, const float* gamma, int64_t rows, int cols,
-                                  int rows_per_warp, int64_t tiles, void* dx, float* partial,
-                                  cudaStream_t s) {
-  constexpr int MAX_NV = FP8OPS_LN_BWD_MAX_COLS / 32 / (DT == FP8OPS_F32 ? 4 : 8);
+static int layernorm_bwd_dispatch(int nv, int wpr, const void* dy, const void* x,
+                                  const float* mean, const float* rstd, const float* gamma,
+                                  int64_t rows, int cols, int rows_per_warp, int64_t tiles,
+                                  void* dx, float* partial, cudaStream_t s) {
+  constexpr int MAX_NV = 1024 / 32 / (DT == FP8OPS_F32 ? 4 : 8);
   static_assert(MAX_NV == 8 || MAX_NV == 4, "the cases below cover 8 vectors per lane");
-#define LNB_CASE(n)                                                                           \
-  case n:                                                                                     \
-    if constexpr (n <= MAX_NV)                                                                \
-      return launch_layernorm_bwd<DT, n>(dy, x, mean, rstd, gamma, rows, cols, rows_per_warp, \
-                                         tiles, dx, partial, s);                              \
+#define LNB_CASE(n)                                                                            \
+  case n:                                                                                      \
+    if constexpr (n <= MAX_NV) {                                                               \
+      if (wpr == 1)                                                                            \
+        return launch_layernorm_bwd<DT, n, 1>(dy, x, mean, rstd, gamma, rows, cols,            \
+                                              rows_per_warp, tiles, dx, partial, s);           \
+      if constexpr (2 * n > MAX_NV)                                                            \
+        if (wpr == 2)                                                                          \
+          return launch_layernorm_bwd<DT, n, 2>(dy, x, mean, rstd, gamma, rows, cols,          \
+                                                rows_per_warp, tiles, dx, partial, s);         \
+    }                                                                                          \
     break;
   switch (nv) {
     LNB_CASE(1) LNB_CASE(2) LNB_CASE(3) LNB_CASE(4)
@@ -252,8 +283,8 @@ static int layernorm_bwd_dispatch(int nv, const void* dy, const void* x, const f
     default: break;
   }
 #undef LNB_CASE
-  return fp8ops_set_error(FP8OPS_ERR_INVALID, "layernorm_bwd: %d vectors per lane (at most %d)", nv,
-                          MAX_NV);
+  return fp8ops_set_error(FP8OPS_ERR_INVALID, "layernorm_bwd: no kernel for %d warps per row of "
+                          "%d vectors per lane", wpr, nv);
 }
 
 extern "C" int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_hp_dtype dtype,
@@ -268,33 +299,34 @@ extern "C" int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_h
                  "layernorm_bwd: bad arguments (rows %lld, cols %lld)", (long long)rows,
                  (long long)cols);
   FP8OPS_REQUIRE(fp8ops_layernorm_bwd_fusable(dy, x, dx, dtype, cols),
-                 "layernorm_bwd: on CUDA the rows must be 16-byte aligned vectors, at most %d "
-                 "columns (found %lld)", FP8OPS_LN_BWD_MAX_COLS, (long long)cols);
+                 "layernorm_bwd: on CUDA the rows must be 16-byte aligned vectors (per warp), at "
+                 "most %d columns (found %lld)", FP8OPS_LN_BWD_MAX_COLS, (long long)cols);
   cudaStream_t s = (cudaStream_t)stream;
   if (rows == 0) {
     FP8OPS_CHECK_CUDA(cudaMemsetAsync(dgb, 0, 2 * (size_t)cols * sizeof(float), s));
     return FP8OPS_OK;
   }
-  const int64_t tiles = fp8ops_layernorm_bwd_tiles(rows);
+  const int64_t tiles = fp8ops_layernorm_bwd_tiles(rows, cols);
   FP8OPS_REQUIRE(tiles <= INT32_MAX && partial_floats >= fp8ops_layernorm_bwd_partial_floats(rows, cols),
                  "layernorm_bwd: scratch of %lld floats, need %lld", (long long)partial_floats,
                  (long long)fp8ops_layernorm_bwd_partial_floats(rows, cols));
   const int epv = dtype == FP8OPS_F32 ? 4 : 8;
-  const int nv = (int)FP8OPS_CEIL_DIV(cols / epv, (int64_t)32);
-  const int rpw = fp8ops_layernorm_bwd_rows_per_warp(rows);
+  const int wpr = fp8ops_layernorm_bwd_warps_per_row(cols);
+  const int nv = (int)FP8OPS_CEIL_DIV(cols / epv / wpr, (int64_t)32);
+  const int rpw = fp8ops_layernorm_bwd_rows_per_warp(rows, cols);
   int rc;
   switch (dtype) {
     case FP8OPS_F32:
-      rc = layernorm_bwd_dispatch<FP8OPS_F32>(nv, dy, x, mean, rstd, gamma, rows, (int)cols, rpw,
-                                              tiles, dx, partial, s);
+      rc = layernorm_bwd_dispatch<FP8OPS_F32>(nv, wpr, dy, x, mean, rstd, gamma, rows, (int)cols,
+                                              rpw, tiles, dx, partial, s);
       break;
     case FP8OPS_BF16:
-      rc = layernorm_bwd_dispatch<FP8OPS_BF16>(nv, dy, x, mean, rstd, gamma, rows, (int)cols, rpw,
-                                               tiles, dx, partial, s);
+      rc = layernorm_bwd_dispatch<FP8OPS_BF16>(nv, wpr, dy, x, mean, rstd, gamma, rows, (int)cols,
+                                               rpw, tiles, dx, partial, s);
       break;
     default:
-      rc = layernorm_bwd_dispatch<FP8OPS_F16>(nv, dy, x, mean, rstd, gamma, rows, (int)cols, rpw,
-                                              tiles, dx, partial, s);
+      rc = layernorm_bwd_dispatch<FP8OPS_F16>(nv, wpr, dy, x, mean, rstd, gamma, rows, (int)cols,
+                                              rpw, tiles, dx, partial, s);
   }
   FP8OPS_TRY(rc);
   const dim3 block(32, LNB_REDUCE_GROUPS);

@@ -1031,9 +1031,10 @@ static int run_layernorm_bwd(AtenTensorHandle in[5], AtenTensorHandle outs[2],
     return fp8ops_layernorm_bwd_cpu(dy.data, x.data, xd, M, K, (const float*)mean.data,
                                     (const float*)rstd.data, (const float*)w.data, dx, dgb);
   FP8OPS_REQUIRE(fp8ops_layernorm_bwd_fusable(dy.data, x.data, dx, xd, K),
-                 "%s: on CUDA, K must be a multiple of %d and at most %d, and dy and x 16-byte "
-                 "aligned; found K = %lld. Use torch.ops.aten.native_layer_norm_backward for "
-                 "this shape", op, xd == FP8OPS_F32 ? 4 : 8, FP8OPS_LN_BWD_MAX_COLS, (long long)K);
+                 "%s: on CUDA, K must be a multiple of %d (of twice that above 1024) and at most "
+                 "%d, and dy and x 16-byte aligned; found K = %lld. Use "
+                 "torch.ops.aten.native_layer_norm_backward for this shape", op,
+                 xd == FP8OPS_F32 ? 4 : 8, FP8OPS_LN_BWD_MAX_COLS, (long long)K);
   const int64_t pf = fp8ops_layernorm_bwd_partial_floats(M, K);
   const int64_t psz[1] = {pf > 0 ? pf : 1};
   FP8OPS_TRY(new_tensor(op, 1, psz, aoti_torch_dtype_float32(), &x, scratch));

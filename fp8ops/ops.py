@@ -374,21 +374,24 @@ def _ln_linear_fwd_fake(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_
     return y, x8t, w8, w8t, x.new_empty((M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32)
 
 
-# the CUDA layernorm_bwd's limits (csrc/fp8ops.h): rows of 16-byte vectors, at most this many columns
-LN_BWD_MAX_COLS = 1024
+# the CUDA layernorm_bwd's limits (csrc/fp8ops.h): at most this many columns, in slices of whole
+# 16-byte vectors, one slice per warp: one up to 1024 columns, two above
+LN_BWD_MAX_COLS = 2048
 
 
 def layernorm_bwd_fusable(dy: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether layernorm_bwd takes these tensors: one dtype, 2-D, contiguous;
-    on CUDA also rows of 16-byte vectors of at most LN_BWD_MAX_COLS columns at
-    16-byte aligned offsets (the CPU kernel takes any row)."""
+    on CUDA also rows of at most LN_BWD_MAX_COLS columns whose slices (one,
+    or two above 1024 columns) are whole 16-byte vectors, at 16-byte aligned
+    offsets (the CPU kernel takes any row)."""
     if (dy.dtype != x.dtype or x.dtype not in HP_DTYPES or x.dim() != 2 or dy.shape != x.shape
             or not x.is_contiguous() or not dy.is_contiguous() or x.shape[1] == 0):
         return False
     if not x.is_cuda:
         return True
     K, size = x.shape[1], x.element_size()
-    return (K <= LN_BWD_MAX_COLS and (K * size) % 16 == 0 and (x.storage_offset() * size) % 16 == 0
+    slices = 2 if K > 1024 else 1
+    return (K <= LN_BWD_MAX_COLS and (K * size) % (16 * slices) == 0 and (x.storage_offset() * size) % 16 == 0
             and (dy.storage_offset() * size) % 16 == 0)
 
 

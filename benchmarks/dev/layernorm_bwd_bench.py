@@ -1,6 +1,6 @@
 """GPU time of the fused LayerNorm's backward: fp8ops' layernorm_bwd (one read
 of x and dy) against torch's native_layer_norm_backward (a dx kernel, then a
-column-sum kernel for dgamma / dbeta), on GPT-2's LayerNorm shapes, each timed
+column-sum kernel for dgamma / dbeta), on GPT-2's and the 1B model's LayerNorm shapes, each timed
 back to back (CUDA events, median of 5 rounds of 50 calls). Usage:
     python3 benchmarks/dev/layernorm_bwd_bench.py
 """
@@ -30,7 +30,8 @@ def main():
     print("| M x K | dtype | torch ms | fp8ops ms | speedup | GB/s fp8ops (x, dy read; dx written) | max |dx| diff |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for M, K, dt in ((32768, 768, torch.float32), (8192, 768, torch.float32), (32768, 768, torch.bfloat16),
-                     (16384, 1024, torch.float32), (16384, 1024, torch.bfloat16)):
+                     (16384, 1024, torch.float32), (16384, 1024, torch.bfloat16), (16384, 2048, torch.float32),
+                     (16384, 2048, torch.bfloat16), (16384, 1536, torch.float32)):
         x = (torch.randn(M, K, device="cuda") * 2 + 0.5).to(dt)
         dy = torch.randn(M, K, device="cuda").to(dt)
         w = torch.randn(K, device="cuda") * 0.1 + 1
