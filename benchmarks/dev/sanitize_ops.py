@@ -100,8 +100,9 @@ if torch.cuda.get_device_capability() >= (8, 9):
     ops.ln_linear_fwd(torch.randn(400, 256, device=dev), lw, lb, 1e-5, w8, one, slot, one, one)
     ops.ln_linear_fwd(x, lw, lb, 1e-5, w8, one, slot, one, one)
     ops.ln_linear_fwd(xo, lw, lb, 1e-5, w8, one, slot, one, one)[0].sum().item()
-    # its backward: a partial CTA, and more rows per warp (fp8ops.h), in each dtype
-    for M, K, dt in ((400, 256, torch.float32), (20000, 64, torch.bfloat16), (37, 1024, torch.float16)):
+    # its backward: a partial CTA, more rows per warp, two warps per row (fp8ops.h), each dtype
+    for M, K, dt in ((400, 256, torch.float32), (20000, 64, torch.bfloat16), (37, 1024, torch.float16),
+                     (45, 2048, torch.float32), (9, 1040, torch.bfloat16)):
         xl = torch.randn(M, K, device=dev).to(dt)
         _, mu, rs = torch.native_layer_norm(xl.float(), [K], None, None, 1e-5)
         ops.layernorm_bwd(torch.randn_like(xl), xl, mu.view(-1), rs.view(-1), torch.randn(K, device=dev))[1].sum().item()
