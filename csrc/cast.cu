@@ -387,11 +387,14 @@ __device__ __forceinline__ void cast_batch(const uint4 (&v)[N], float scale, Abs
 #else
 #define CT_MIN_BLOCKS(DT) ((DT) == FP8OPS_F32 ? 3 : 4)
 #endif
-// With the column sums (DB) a thread needs more registers: at 3 blocks per SM
-// (80 registers) the bf16 kernel spills on sm_90, so bf16 runs 2 blocks (127
-// registers, no spill; 64 KB of loads still in flight per SM); fp16 and fp32
-// fit 3 (ptxas -v).
-#define CT_MIN_BLOCKS_DB(DT) ((DT) == FP8OPS_BF16 ? 2 : CT_MIN_BLOCKS(DT) > 3 ? 3 : CT_MIN_BLOCKS(DT))
+// With the column sums (DB) a thread needs more registers: 3 blocks per SM (80
+// registers). fp16 and fp32 fit; bf16 spills 80 bytes a thread on sm_90
+// (ptxas -v) and still runs faster than at 2 blocks (127 registers, no
+// spill): on an H200 the bf16 dy cast with the bias gradient, GELU gradient
+// fused, took 0.210 ms instead of 0.237 at 32768 x 3072 and 0.304 instead of
+// 0.329 at 16384 x 8192; without the GELU, 1-7 % less (RESULTS.md §5). At 4
+// blocks it spills 244 bytes.
+#define CT_MIN_BLOCKS_DB(DT) (CT_MIN_BLOCKS(DT) > 3 ? 3 : CT_MIN_BLOCKS(DT))
 // The GELU instances (never with DB) fit the same budget as the plain ones
 // with gelu.h's exp form (no spills; at 2 blocks per SM, the first version,
 // the GELU cast of GPT-2's 32768 x 3072 took 0.173 ms on an H200 against the

@@ -179,6 +179,26 @@ def test_ln_linear_fwd_is_linear_of_layernorm(device, dtype, M, offset):
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
+@pytest.mark.parametrize("dtype, K, offset", [(torch.float32, 2048, 0), (torch.bfloat16, 1000, 0),
+                                              (torch.float16, 96, 0), (torch.float32, 2056, 0),
+                                              (torch.bfloat16, 1000, 1)])
+def test_ln_linear_fwd_statistics_match_torch(device, dtype, K, offset):
+    """mean and rstd for rows the vector kernel holds (up to 2048 columns of whole 16-byte
+    vectors) and for the others (2056 columns; a misaligned row: the scalar kernel)."""
+    torch.manual_seed(0)
+    M = 40
+    x = (torch.randn(M * K + offset, device=device) * 2 - 1).to(dtype)[offset:].view(M, K)
+    w8 = torch.zeros(16, K, device=device, dtype=E4)
+    one = torch.ones(1, device=device)
+    ones, zeros = torch.ones(K, device=device), torch.zeros(K, device=device)
+    _, _, _, _, mean, rstd = ops.ln_linear_fwd(x, ones, zeros, 1e-5, w8, one, torch.zeros(1, device=device), one,
+                                               one)
+    _, m_ref, r_ref = torch.native_layer_norm(x.double(), [K], None, None, 1e-5)
+    torch.testing.assert_close(mean.double(), m_ref.view(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rstd.double(), r_ref.view(-1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
 def test_ln_linear_fwd_checks_its_layernorm_arguments(device):
     x = torch.randn(32, 64, device=device)
     w8 = torch.zeros(16, 64, device=device, dtype=E4)
