@@ -101,7 +101,7 @@ if torch.cuda.get_device_capability() >= (8, 9):
     ops.ln_linear_fwd(x, lw, lb, 1e-5, w8, one, slot, one, one)
     ops.ln_linear_fwd(xo, lw, lb, 1e-5, w8, one, slot, one, one)[0].sum().item()
     lw2, lb2 = torch.randn(2048, device=dev), torch.randn(2048, device=dev)  # the widest vector statistics
-    ops.ln_linear_fwd(torch.randn(24, 2048, device=dev), lw2, lb2, 1e-5, torch.zeros(16, 2048, device=dev).to(
+    ops.ln_linear_fwd(torch.randn(32, 2048, device=dev), lw2, lb2, 1e-5, torch.zeros(16, 2048, device=dev).to(
         torch.float8_e4m3fn), one, slot, one, one)[0].sum().item()
     # its backward: a partial CTA, more rows per warp, two warps per row (fp8ops.h), each dtype
     for M, K, dt in ((400, 256, torch.float32), (20000, 64, torch.bfloat16), (37, 1024, torch.float16),
