@@ -16,6 +16,13 @@
 
 #define LN_THREADS 256  // 8 warps: one row each
 
+// v summed over the warp's 32 lanes (butterfly: every lane gets the sum)
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
 // Block dims: (256). Grid dims: (ceil(rows / 8)); warp w of block b takes row
 // 8b + w, its lanes read 32 consecutive elements per step.
 template <int DT>
@@ -28,16 +35,14 @@ __global__ void __launch_bounds__(LN_THREADS)
   const int64_t base = r * cols;
   float sum = 0.0f;
   for (int64_t c = lane; c < cols; c += 32) sum += load_elem<DT>(x, base + c);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
+  sum = warp_sum(sum);
   const float m = sum / (float)cols;
   float sq = 0.0f;
   for (int64_t c = lane; c < cols; c += 32) {
     const float d = load_elem<DT>(x, base + c) - m;
     sq += d * d;
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xFFFFFFFFu, sq, o);
+  sq = warp_sum(sq);
   if (lane == 0) {
     mean[r] = m;
     rstd[r] = rsqrtf(sq / (float)cols + eps);
@@ -70,8 +75,7 @@ __global__ void __launch_bounds__(LN_THREADS)
   for (int j = 0; j < NV; ++j)
 #pragma unroll
     for (int e = 0; e < EPV; ++e) sum += vec_elem<DT>(v[j], e);  // (padding is +0)
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
+  sum = warp_sum(sum);
   const float m = sum / (float)cols;
   float sq = 0.0f;
 #pragma unroll
@@ -84,8 +88,7 @@ __global__ void __launch_bounds__(LN_THREADS)
       }
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xFFFFFFFFu, sq, o);
+  sq = warp_sum(sq);
   if (lane == 0) {
     mean[r] = m;
     rstd[r] = rsqrtf(sq / (float)cols + eps);
@@ -249,11 +252,8 @@ __global__ void __launch_bounds__(LNB_WARPS * 32)
         }
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      s1 += __shfl_xor_sync(0xFFFFFFFFu, s1, o);
-      s2 += __shfl_xor_sync(0xFFFFFFFFu, s2, o);
-    }
+    s1 = warp_sum(s1);
+    s2 = warp_sum(s2);
     if constexpr (WPR > 1) {
       if (lane == 0) red[warp] = make_float2(s1, s2);
       __syncthreads();

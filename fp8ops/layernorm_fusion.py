@@ -7,7 +7,7 @@ inside its cast (ln_linear_fwd: per-row statistics in a small pass, then
 gamma * (rstd * (x - mean)) + beta as each element is loaded), and its backward
 turns the linear's input gradient into the LayerNorm's gradients in one pass
 over x and it (layernorm_bwd; torch's LayerNorm backward, which makes two, for
-rows wider than 1024 or under torch.compile). A call that
+rows wider than 2048 or under torch.compile). A call that
 does not run the fused FP8 path (BF16 by policy, delayed scaling's first step,
 all-E5M2 layers) applies torch's LayerNorm first, as the model did.
 
