@@ -593,7 +593,9 @@ class Fp8Linear(nn.Linear):
             ac = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
             d["_fp8_bf16_key"] = (x.shape, x.dtype, x.device, ac)
             return self._plain_forward(x)
-        if _POLICY_ONLY:
+        if _POLICY_ONLY and not d["fp8_policy_measuring"]:
+            # (policy.measure's throwaway layer, which tune_policy's forward may create, must run
+            # FP8: timed on the plain path, FP8 would measure as fast as BF16 and lose every verdict)
             return self._plain_forward(x)
         if x2.dtype not in ops.HP_DTYPES:
             x2 = x2.to(cdtype)

@@ -529,6 +529,22 @@ def test_tune_policy_changes_no_scaling_state_cpu():
     assert model.up.fp8_amax_history[0, 0] > 0
 
 
+def test_policy_measuring_layer_runs_fp8_inside_tune_policy_cpu(monkeypatch):
+    """policy.measure's throwaway layer is created inside tune_policy's forward:
+    it must time the FP8 path, not the plain one (it once timed BF16 against
+    BF16 there, and every layer of a compiled model got a BF16 verdict)."""
+    import fp8ops.linear as linear_mod
+    torch.manual_seed(0)
+    lin = Fp8Linear(32, 16, config=Fp8Config(policy="auto"))
+    lin.fp8_on_cpu = True
+    lin.fp8_policy_measuring = True
+    monkeypatch.setattr(linear_mod, "_POLICY_ONLY", True)
+    x = torch.randn(16, 32, requires_grad=True)
+    lin(x).sum().backward()
+    assert lin.fp8_amax_history[0, 0] > 0 and lin.fp8_amax_history[0, 2] > 0  # x and dy were cast
+    assert lin.fp8_fallback_calls == 0
+
+
 @requires_fp8
 @pytest.mark.gpu
 @pytest.mark.fp8
@@ -553,6 +569,31 @@ def test_tune_policy_then_compile_follows_the_verdicts(monkeypatch):
         compiled(x).float().sum().backward()
     assert model.up.fp8_amax_history.abs().sum() == 0          # BF16 by its verdict
     assert model.down.fp8_amax_history[0].abs().sum() > 0      # FP8
+
+
+@requires_fp8
+@pytest.mark.gpu
+@pytest.mark.fp8
+def test_tune_policy_times_the_fp8_path(monkeypatch, tmp_path):
+    """tune_policy's own measurement (no timing mocked, an empty cache): the FP8
+    side of each timing runs fp8ops' FP8 forward, while the model's layers
+    themselves only compute the plain result."""
+    import fp8ops.ops as ops_mod
+    import fp8ops.policy as policy
+    monkeypatch.setenv("FP8OPS_POLICY_CACHE", str(tmp_path / "policy.json"))
+    monkeypatch.setattr(policy, "_timings", None)
+    calls = []
+    real = ops_mod._linear_fwd_raw
+    monkeypatch.setattr(ops_mod, "_linear_fwd_raw", lambda *a: calls.append(a[0].shape) or real(*a))
+    torch.manual_seed(0)
+    model = fp8ops.convert(MLP(256, 512).cuda(), config=Fp8Config(policy="auto"))
+    x = torch.randn(64, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fp8ops.tune_policy(model, x)
+    assert torch.Size([64, 256]) in calls and torch.Size([64, 512]) in calls   # up's and down's shapes
+    assert all(m.fp8_amax_history.abs().sum() == 0 for m in model.modules() if isinstance(m, Fp8Linear))
+    timings = [t for k, t in policy._load().items() if "64x256->512" in k]
+    assert len(timings) == 1                                                   # measured and cached
 
 
 def test_compiled_bf16_fallback_does_not_recompile_per_call():
