@@ -159,8 +159,9 @@ int fp8ops_ln_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64
  * native_layer_norm_backward computes, with one read of x and dy instead of
  * two. CUDA: rows of at most FP8OPS_LN_BWD_MAX_COLS columns, split into
  * fp8ops_layernorm_bwd_warps_per_row slices of whole 16-byte vectors (4 fp32 /
- * 8 bf16 or fp16 elements), pointers 16-byte aligned
- * (fp8ops_layernorm_bwd_fusable); partial: device scratch of
+ * 8 bf16 or fp16 elements: fp8ops_layernorm_bwd_cols_ok), pointers 16-byte
+ * aligned (fp8ops_layernorm_bwd_fusable; the op copies a misaligned x or dy
+ * first); partial: device scratch of
  * fp8ops_layernorm_bwd_partial_floats(rows, cols) floats. CPU and CUDA agree to
  * fp32 rounding; each is deterministic. */
 #define FP8OPS_LN_BWD_MAX_COLS 2048
@@ -182,11 +183,14 @@ static inline int64_t fp8ops_layernorm_bwd_tiles(int64_t rows, int64_t cols) {
 static inline int64_t fp8ops_layernorm_bwd_partial_floats(int64_t rows, int64_t cols) {
   return fp8ops_layernorm_bwd_tiles(rows, cols) * 2 * cols;
 }
-static inline int fp8ops_layernorm_bwd_fusable(const void* dy, const void* x, const void* dx,
-                                               fp8ops_hp_dtype dtype, int64_t cols) {
+static inline int fp8ops_layernorm_bwd_cols_ok(fp8ops_hp_dtype dtype, int64_t cols) {
   const int64_t per_vec = dtype == FP8OPS_F32 ? 4 : 8;
   return cols > 0 && cols <= FP8OPS_LN_BWD_MAX_COLS &&
-         cols % (per_vec * fp8ops_layernorm_bwd_warps_per_row(cols)) == 0 &&
+         cols % (per_vec * fp8ops_layernorm_bwd_warps_per_row(cols)) == 0;
+}
+static inline int fp8ops_layernorm_bwd_fusable(const void* dy, const void* x, const void* dx,
+                                               fp8ops_hp_dtype dtype, int64_t cols) {
+  return fp8ops_layernorm_bwd_cols_ok(dtype, cols) &&
          (((uintptr_t)dy | (uintptr_t)x | (uintptr_t)dx) & 15u) == 0;
 }
 int fp8ops_layernorm_bwd_cpu(const void* dy, const void* x, fp8ops_hp_dtype dtype, int64_t rows,

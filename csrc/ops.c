@@ -986,8 +986,10 @@ static void boxed_linear_bwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
 // LayerNorm's gamma as float32 [K] (ones when it has none). One pass over x
 // and dy where torch's native_layer_norm_backward makes two (fp8ops.h).
 
+#define LNB_SCRATCH 3 /* the CTAs' partial sums; aligned copies of dy and x where needed */
+
 static int run_layernorm_bwd(AtenTensorHandle in[5], AtenTensorHandle outs[2],
-                             AtenTensorHandle* scratch) {
+                             AtenTensorHandle scratch[LNB_SCRATCH]) {
   const char* op = "fp8ops::layernorm_bwd";
   tinfo dy, x, mean, rstd, w;
   fp8ops_hp_dtype xd = FP8OPS_F32;
@@ -1030,19 +1032,26 @@ static int run_layernorm_bwd(AtenTensorHandle in[5], AtenTensorHandle outs[2],
   if (!is_cuda(&x))
     return fp8ops_layernorm_bwd_cpu(dy.data, x.data, xd, M, K, (const float*)mean.data,
                                     (const float*)rstd.data, (const float*)w.data, dx, dgb);
-  FP8OPS_REQUIRE(fp8ops_layernorm_bwd_fusable(dy.data, x.data, dx, xd, K),
+  FP8OPS_REQUIRE(fp8ops_layernorm_bwd_cols_ok(xd, K),
                  "%s: on CUDA, K must be a multiple of %d (of twice that above 1024) and at most "
-                 "%d, and dy and x 16-byte aligned; found K = %lld. Use "
-                 "torch.ops.aten.native_layer_norm_backward for this shape", op,
-                 xd == FP8OPS_F32 ? 4 : 8, FP8OPS_LN_BWD_MAX_COLS, (long long)K);
+                 "%d; found K = %lld. Use torch.ops.aten.native_layer_norm_backward for this "
+                 "shape", op, xd == FP8OPS_F32 ? 4 : 8, FP8OPS_LN_BWD_MAX_COLS, (long long)K);
   const int64_t pf = fp8ops_layernorm_bwd_partial_floats(M, K);
   const int64_t psz[1] = {pf > 0 ? pf : 1};
-  FP8OPS_TRY(new_tensor(op, 1, psz, aoti_torch_dtype_float32(), &x, scratch));
+  FP8OPS_TRY(new_tensor(op, 1, psz, aoti_torch_dtype_float32(), &x, &scratch[0]));
   cuda_ctx c;
   FP8OPS_TRY(cuda_enter(op, &x, &c, 0));
-  const int rc = fp8ops_layernorm_bwd_cuda(dy.data, x.data, xd, M, K, (const float*)mean.data,
-                                           (const float*)rstd.data, (const float*)w.data, dx, dgb,
-                                           (float*)data_of(*scratch), psz[0], c.stream);
+  /* the kernel reads 16-byte vectors: a view at an odd offset (rare; x and dy are
+   * usually whole allocations) is read from an aligned copy, on the op's stream */
+  const void *dyp = dy.data, *xp = x.data;
+  int rc = FP8OPS_OK;
+  if (M > 0 && ((uintptr_t)dyp & 15u) != 0) rc = clone_to(op, dy.h, &scratch[1], &dyp);
+  if (rc == FP8OPS_OK && M > 0 && ((uintptr_t)xp & 15u) != 0)
+    rc = clone_to(op, x.h, &scratch[2], &xp);
+  if (rc == FP8OPS_OK)
+    rc = fp8ops_layernorm_bwd_cuda(dyp, xp, xd, M, K, (const float*)mean.data,
+                                   (const float*)rstd.data, (const float*)w.data, dx, dgb,
+                                   (float*)data_of(scratch[0]), psz[0], c.stream);
   cuda_exit(&c);
   return rc;
 }
@@ -1051,10 +1060,10 @@ static void boxed_layernorm_bwd(StableIValue* stack, uint64_t nargs, uint64_t nr
   (void)nargs; (void)nret;
   AtenTensorHandle in[5];
   for (int i = 0; i < 5; ++i) in[i] = sv_tensor(stack[i]);
-  AtenTensorHandle outs[2] = {NULL, NULL}, scratch = NULL;
-  int rc = run_layernorm_bwd(in, outs, &scratch);
+  AtenTensorHandle outs[2] = {NULL, NULL}, scratch[LNB_SCRATCH] = {NULL, NULL, NULL};
+  int rc = run_layernorm_bwd(in, outs, scratch);
   release(in, 5);
-  release(&scratch, 1); /* stream-ordered, after the kernels that use it */
+  release(scratch, LNB_SCRATCH); /* stream-ordered, after the kernels that use it */
   if (rc != FP8OPS_OK) {
     release(outs, 2);
     raise_last_error(__func__);

@@ -228,36 +228,37 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
             w8t = w8t_new
             if store is not None:
                 store(w8_new, w8t_new)
-        ctx.save_for_backward(x8t, w8t, views[V_SI + X], x2, mean, rstd, ln_w, ln_b,
+        ctx.save_for_backward(x8t, w8t, views[V_SI + X], x2, mean, rstd, ln_w, ln_b, lw,
                               y if gelu_out is not None else None)
         _keep_context(ctx, views, static, weight, bias, x2)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        x8t, w8t, sx_inv, x2, mean, rstd, ln_w, ln_b, y = ctx.saved_tensors
+        x8t, w8t, sx_inv, x2, mean, rstd, ln_w, ln_b, lw, y = ctx.saved_tensors
         need = ctx.needs_input_grad
         need_ln = need[0] or need[1] or need[2]
         need_db = ctx.b_dtype is not None and need[4]
         dxn, dw, db = _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_ln and ctx.static[8], need[3], need_db)
         dx = dlw = dlb = None
         if dxn is not None:
-            dx, dlw, dlb = _layer_norm_backward(dxn, x2, mean, rstd, ln_w, ln_b, need)
+            dx, dlw, dlb = _layer_norm_backward(dxn, x2, mean, rstd, ln_w, ln_b, need, gamma=lw)
         return dx, dlw, dlb, dw, db, None, None, None, None, None, None, None
 
 
-def _layer_norm_backward(dxn, x2, mean, rstd, ln_w, ln_b, need):
+def _layer_norm_backward(dxn, x2, mean, rstd, ln_w, ln_b, need, gamma=None):
     """The fused LayerNorm's input, weight and bias gradients from the linear's
-    dx: fp8ops' one-pass kernel where the shape allows, else torch's (always
-    under torch.compile, whose own LayerNorm backward inductor fuses; dynamo
-    cannot read the storage offsets the check needs)."""
+    dx: fp8ops' one-pass kernel where the shape allows, eager and compiled
+    alike (the check reads shapes and strides only), else torch's. gamma: ln_w
+    as fp32 [K] (ones without a weight), as the forward made it."""
     M, K = x2.shape
-    if torch.compiler.is_compiling() or not ops.layernorm_bwd_fusable(dxn, x2):
+    if not ops.layernorm_bwd_fusable(dxn, x2):
         return torch.ops.aten.native_layer_norm_backward(
             dxn, x2, [K], mean.view(M, 1), rstd.view(M, 1), ln_w, ln_b,
             [need[0], ln_w is not None and need[1], ln_b is not None and need[2]])
-    gamma = x2.new_ones(K, dtype=torch.float32) if ln_w is None else ln_w.detach().float()
-    dx, dgb = ops.layernorm_bwd(dxn, x2, mean, rstd, gamma)
+    if gamma is None:
+        gamma = x2.new_ones(K, dtype=torch.float32) if ln_w is None else ln_w.detach().float()
+    dx, dgb = ops._layernorm_bwd_raw(dxn, x2, mean, rstd, gamma)
     dlw = dgb[0].to(ln_w.dtype) if ln_w is not None and need[1] else None
     dlb = dgb[1].to(ln_b.dtype) if ln_b is not None and need[2] else None
     return (dx if need[0] else None), dlw, dlb

@@ -382,8 +382,9 @@ LN_BWD_MAX_COLS = 2048
 def layernorm_bwd_fusable(dy: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether layernorm_bwd takes these tensors: one dtype, 2-D, contiguous;
     on CUDA also rows of at most LN_BWD_MAX_COLS columns whose slices (one,
-    or two above 1024 columns) are whole 16-byte vectors, at 16-byte aligned
-    offsets (the CPU kernel takes any row)."""
+    or two above 1024 columns) are whole 16-byte vectors (the CPU kernel takes
+    any row). Shapes, dtypes and strides only, so torch.compile can decide it
+    while tracing: a view at a misaligned offset is copied by the op itself."""
     if (dy.dtype != x.dtype or x.dtype not in HP_DTYPES or x.dim() != 2 or dy.shape != x.shape
             or not x.is_contiguous() or not dy.is_contiguous() or x.shape[1] == 0):
         return False
@@ -391,8 +392,7 @@ def layernorm_bwd_fusable(dy: torch.Tensor, x: torch.Tensor) -> bool:
         return True
     K, size = x.shape[1], x.element_size()
     slices = 2 if K > 1024 else 1
-    return (K <= LN_BWD_MAX_COLS and (K * size) % (16 * slices) == 0 and (x.storage_offset() * size) % 16 == 0
-            and (dy.storage_offset() * size) % 16 == 0)
+    return K <= LN_BWD_MAX_COLS and (K * size) % (16 * slices) == 0
 
 
 def layernorm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
@@ -418,6 +418,10 @@ def _layernorm_bwd_fake(dy, x, mean, rstd, weight):
     _chk_device(op, "dy", dy, "x", x)
     M, K = x.shape
     _chk(K > 0, f"{op}: x has no columns")
+    _chk(layernorm_bwd_fusable(dy, x),
+         f"{op}: on CUDA, K must be a multiple of {4 if x.dtype == torch.float32 else 8} (of twice that above "
+         f"1024) and at most {LN_BWD_MAX_COLS}; found K = {K}. Use torch.ops.aten.native_layer_norm_backward "
+         f"for this shape")
     for name, t, n in (("mean", mean, M), ("rstd", rstd, M), ("weight", weight, K)):
         _chk(t.dim() == 1 and t.numel() == n and t.dtype == torch.float32,
              f"{op}: {name} must be float32 [{n}], found {_dname(t.dtype)} with {t.numel()} elements")
@@ -533,7 +537,7 @@ def _empty_bias_for(x, out_dtype):
     return bias
 
 
-# Fp8Linear's two calls per layer: the OpOverloads themselves once the core is
+# Fp8Linear's two calls per layer (and the fused LayerNorm's two): the OpOverloads themselves once the core is
 # loaded (_register binds them), no Python frame in between.
 def _linear_fwd_raw(*args):
     _require()
@@ -544,6 +548,10 @@ def _linear_bwd_raw(*args):
 
 
 def _ln_linear_fwd_raw(*args):
+    _require()
+
+
+def _layernorm_bwd_raw(*args):
     _require()
 
 
@@ -562,10 +570,11 @@ def _register() -> None:
     torch.library.register_fake("fp8ops::linear_bwd")(_linear_bwd_fake)
     torch.library.register_fake("fp8ops::ln_linear_fwd")(_ln_linear_fwd_fake)
     torch.library.register_fake("fp8ops::layernorm_bwd")(_layernorm_bwd_fake)
-    global _linear_fwd_raw, _linear_bwd_raw, _ln_linear_fwd_raw
+    global _linear_fwd_raw, _linear_bwd_raw, _ln_linear_fwd_raw, _layernorm_bwd_raw
     _linear_fwd_raw = torch.ops.fp8ops.linear_fwd.default
     _linear_bwd_raw = torch.ops.fp8ops.linear_bwd.default
     _ln_linear_fwd_raw = torch.ops.fp8ops.ln_linear_fwd.default
+    _layernorm_bwd_raw = torch.ops.fp8ops.layernorm_bwd.default
 
 
 if _loader.is_available():

@@ -123,9 +123,9 @@ def test_fused_layernorm_trains_like_unfused(device, monkeypatch):
     fused = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, device)
     plain = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, device, fuse_layernorm=False)
     calls, bwd_calls = [], []
-    raw, raw_bwd = ops._ln_linear_fwd_raw, ops.layernorm_bwd
+    raw, raw_bwd = ops._ln_linear_fwd_raw, ops._layernorm_bwd_raw
     monkeypatch.setattr(ops, "_ln_linear_fwd_raw", lambda *a: (calls.append(1), raw(*a))[1])
-    monkeypatch.setattr(ops, "layernorm_bwd", lambda *a: (bwd_calls.append(1), raw_bwd(*a))[1])
+    monkeypatch.setattr(ops, "_layernorm_bwd_raw", lambda *a: (bwd_calls.append(1), raw_bwd(*a))[1])
     with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
         _grads_match(fused, plain, torch.randn(4, 32, 64, device=device))
     assert len(calls) == 4 and len(bwd_calls) == 4  # steps 2 and 3, two LayerNorms each
@@ -149,6 +149,28 @@ def test_fused_layernorm_compiles(monkeypatch):
     torch.manual_seed(0)
     base = Block()
     assert_compiled_matches_eager(base, monkeypatch, (2, 24, 64))
+
+
+def test_compiled_fused_layernorm_backward_is_fp8ops(monkeypatch):
+    """Under torch.compile the fused LayerNorm's backward is fp8ops' one-pass op,
+    as in eager mode (inductor's code calls it), with the gradients of eager."""
+    from torch._inductor.utils import run_and_get_code
+    torch.manual_seed(0)
+    model = convert_as_on_fp8_gpu(Block(), monkeypatch)
+    x = torch.randn(2, 24, 64)
+    model(x).square().mean().backward()
+    fp8ops.step(model)                             # delayed scales known: the LayerNorms fuse
+    model.zero_grad()
+    model(x).square().mean().backward()
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    fn = torch.compile(model, fullgraph=True)
+    _, code = run_and_get_code(lambda: fn(x).square().mean().backward())
+    assert sum(c.count("= torch.ops.fp8ops.layernorm_bwd.default(") for c in code) == 2  # two LayerNorms
+    assert sum(c.count("native_layer_norm_backward") for c in code) == 0
+    for a, p in zip(eager, model.parameters()):
+        assert sqnr(a, p.grad) >= 30
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
@@ -279,10 +301,11 @@ def test_layernorm_bwd_matches_torch(device, dtype, M, K):
 @pytest.mark.parametrize("device", FP8_DEVICES)
 def test_layernorm_bwd_shapes_outside_the_kernel_take_torchs(device):
     """Rows the CUDA kernel does not hold (too wide; 1028: two slices of 514 floats, not
-    whole 16-byte vectors; 100 bf16 not whole vectors; at an odd offset) fail the fusable test on CUDA, so the fused LayerNorm's backward runs torch's
-    there; called anyway, the op says why and what to use. The CPU kernel takes them."""
+    whole 16-byte vectors; 100 bf16 not whole vectors) fail the fusable test on CUDA, so
+    the fused LayerNorm's backward runs torch's there; called anyway, the op says why and
+    what to use. The CPU kernel takes them."""
     torch.manual_seed(0)
-    cases = [(torch.float32, 2052, 0), (torch.float32, 1028, 0), (torch.bfloat16, 100, 0), (torch.float32, 64, 1)]
+    cases = [(torch.float32, 2052, 0), (torch.float32, 1028, 0), (torch.bfloat16, 100, 0)]
     for dtype, K, offset in cases:
         dy, x, mean, rstd, gamma = _ln_bwd_inputs(16, K, dtype, device, offset)
         assert ops.layernorm_bwd_fusable(dy, x) == (device == "cpu")
@@ -306,6 +329,22 @@ def test_layernorm_bwd_shapes_outside_the_kernel_take_torchs(device):
     dy, x, mean, rstd, gamma = _ln_bwd_inputs(16, 64, torch.bfloat16, device)
     assert ops.layernorm_bwd_fusable(dy, x) and not ops.layernorm_bwd_fusable(dy.float(), x)
     assert not ops.layernorm_bwd_fusable(dy.t(), x.t())
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layernorm_bwd_misaligned_views(device, dtype):
+    """x or dy at an offset that is not a whole 16-byte vector: the op reads an aligned
+    copy (CUDA), with the bits of the aligned call."""
+    torch.manual_seed(0)
+    dy, x, mean, rstd, gamma = _ln_bwd_inputs(40, 64, dtype, device, offset=1)
+    assert x.storage_offset() == 1 and ops.layernorm_bwd_fusable(dy, x)
+    dy_off = torch.empty(40 * 64 + 3, device=device, dtype=dtype)[3:].view(40, 64).copy_(dy)
+    ref = ops.layernorm_bwd(dy, x.clone(), mean, rstd, gamma)
+    for args in ((dy, x), (dy_off, x.clone()), (dy_off, x)):
+        out = ops.layernorm_bwd(*args, mean, rstd, gamma)
+        for a, b in zip(out, ref):
+            assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)

@@ -109,6 +109,11 @@ if torch.cuda.get_device_capability() >= (8, 9):
         xl = torch.randn(M, K, device=dev).to(dt)
         _, mu, rs = torch.native_layer_norm(xl.float(), [K], None, None, 1e-5)
         ops.layernorm_bwd(torch.randn_like(xl), xl, mu.view(-1), rs.view(-1), torch.randn(K, device=dev))[1].sum().item()
+    # x and dy at misaligned offsets: read from the op's aligned copies
+    xm = torch.randn(64 * 96 + 1, device=dev).to(torch.bfloat16)[1:].view(64, 96)
+    _, mu, rs = torch.native_layer_norm(xm.float(), [96], None, None, 1e-5)
+    ops.layernorm_bwd(torch.randn(64 * 96 + 3, device=dev).to(torch.bfloat16)[3:].view(64, 96), xm, mu.view(-1),
+                      rs.view(-1), torch.randn(96, device=dev))[0].float().sum().item()
     print("--- Fp8Linear", flush=True)
     mlp = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 512), torch.nn.GELU("tanh"),
                               torch.nn.Linear(512, 256))
