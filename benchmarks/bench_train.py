@@ -232,6 +232,15 @@ def main() -> int:
                     print(f"  {v}: warm-up losses match BF16 ({losses[0]:.4f} -> {losses[-1]:.4f}). "
                           f"All results match. Starting benchmarks.", flush=True)
                 if v.startswith("fp8ops"):
+                    # converted is not running FP8: policy auto may have chosen BF16 (a fault once
+                    # made it choose BF16 for every layer before torch.compile, and nothing said so)
+                    from fp8ops.report import RUNS_FP8, runs_now
+                    runs = [runs_now(m) for m in model.modules() if type(m).__name__ == "Fp8Linear"]
+                    row["fp8_layers_ran"] = runs.count(RUNS_FP8)
+                    row["note"] += f"; {runs.count(RUNS_FP8)} ran FP8"
+                    if not runs.count(RUNS_FP8):
+                        print(f"  WARNING: {v}: no layer runs FP8 after the warm-up: this row times BF16",
+                              flush=True)
                     fb = sum(getattr(m, "fp8_fallback_calls", 0) for m in model.modules())
                     row["fp8ops_fallback_calls_warmup"] = fb
                     if fb:

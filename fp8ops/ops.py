@@ -537,8 +537,8 @@ def _empty_bias_for(x, out_dtype):
     return bias
 
 
-# Fp8Linear's two calls per layer (and the fused LayerNorm's two): the OpOverloads themselves once the core is
-# loaded (_register binds them), no Python frame in between.
+# Fp8Linear's two calls per layer (and the fused LayerNorm's two): the OpOverloads
+# themselves once the core is loaded (_register binds them), no Python frame in between.
 def _linear_fwd_raw(*args):
     _require()
 

@@ -122,6 +122,7 @@ def test_bench_train_runs_a_tiny_gpt_in_fp8_and_validates_it(monkeypatch, tmp_pa
     assert set(rows) == {"bf16", "fp8ops"} and not result["validation_failures"]
     fp8 = rows["fp8ops"]
     assert fp8["valid"] and fp8["tokens_per_s"] > 0 and fp8["note"].startswith("8/9 linears Fp8Linear")
+    assert fp8["fp8_layers_ran"] == 8 and "; 8 ran FP8" in fp8["note"]
     assert fp8["warmup_losses"] != rows["bf16"]["warmup_losses"]   # FP8 numerics, not the BF16 path again
     assert any(t["what"].startswith("small: fp8ops vs bf16 tokens/s") for t in result["targets"])
     assert "small |  fp8ops" in capsys.readouterr().out
