@@ -195,6 +195,19 @@ static void raise_last_error(const char* func) {
   aoti_torch_check(false, func, __FILE__, __LINE__, fp8ops_last_error());
 }
 
+/* A boxed wrapper's last step, once it has released its inputs and scratch: on
+ * success its n outputs go onto the stack, which then owns them; on failure
+ * they are released and the error is raised. */
+static void finish_boxed(const char* func, int rc, AtenTensorHandle* outs, int n,
+                         StableIValue* stack) {
+  if (rc != FP8OPS_OK) {
+    release(outs, n);
+    raise_last_error(func);
+    return;
+  }
+  for (int i = 0; i < n; ++i) stack[i] = sv_from_tensor(outs[i]);
+}
+
 // ----------------------------------------------------------------------------
 // CUDA context: guard, stream, capability
 
@@ -288,12 +301,7 @@ static void boxed_cast(StableIValue* stack, uint64_t nargs, uint64_t nret) {
   AtenTensorHandle outs[3] = {NULL, NULL, NULL};
   int rc = run_cast(in[0], in[1], NULL, sv_i32(stack[2]), sv_bool(stack[3]), outs);
   release(in, 2);
-  if (rc != FP8OPS_OK) {
-    release(outs, 3);
-    raise_last_error(__func__);
-    return;
-  }
-  for (int i = 0; i < 3; ++i) stack[i] = sv_from_tensor(outs[i]);
+  finish_boxed(__func__, rc, outs, 3, stack);
 }
 
 static void boxed_cast_accumulate(StableIValue* stack, uint64_t nargs, uint64_t nret) {
@@ -302,12 +310,7 @@ static void boxed_cast_accumulate(StableIValue* stack, uint64_t nargs, uint64_t 
   AtenTensorHandle outs[3] = {NULL, NULL, NULL};
   int rc = run_cast(in[0], in[1], in[2], sv_i32(stack[3]), sv_bool(stack[4]), outs);
   release(in, 3);
-  if (rc != FP8OPS_OK) {
-    release(outs, 3);
-    raise_last_error(__func__);
-    return;
-  }
-  for (int i = 0; i < 2; ++i) stack[i] = sv_from_tensor(outs[i]);
+  finish_boxed(__func__, rc, outs, 2, stack); /* (no outs[2]: the amax went into the slot) */
 }
 
 // ----------------------------------------------------------------------------
@@ -335,12 +338,7 @@ static void boxed_amax(StableIValue* stack, uint64_t nargs, uint64_t nret) {
   AtenTensorHandle x = sv_tensor(stack[0]), out = NULL;
   int rc = run_amax(x, &out);
   release(&x, 1);
-  if (rc != FP8OPS_OK) {
-    release(&out, 1);
-    raise_last_error(__func__);
-    return;
-  }
-  stack[0] = sv_from_tensor(out);
+  finish_boxed(__func__, rc, &out, 1, stack);
 }
 
 // ----------------------------------------------------------------------------
@@ -423,7 +421,7 @@ static void boxed_amax_update(StableIValue* stack, uint64_t nargs, uint64_t nret
                             sv_tensor(stack[3]), sv_tensor(stack[6])};
   int rc = run_amax_update(in[0], in[1], in[2], in[3], sv_f64(stack[4]), sv_i64(stack[5]), in[4]);
   release(in, 5);
-  if (rc != FP8OPS_OK) raise_last_error(__func__);
+  finish_boxed(__func__, rc, NULL, 0, stack);
 }
 
 // ----------------------------------------------------------------------------
@@ -590,12 +588,7 @@ static void boxed_gemm(StableIValue* stack, uint64_t nargs, uint64_t nret) {
                     &scratch);
   release(in, 5);
   scratch_release(&scratch); /* stream-ordered: the GEMM that reads them is queued first */
-  if (rc != FP8OPS_OK) {
-    release(&out, 1);
-    raise_last_error(__func__);
-    return;
-  }
-  stack[0] = sv_from_tensor(out);
+  finish_boxed(__func__, rc, &out, 1, stack);
 }
 
 // ----------------------------------------------------------------------------
@@ -764,12 +757,7 @@ static void boxed_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
   release(in, LFWD_NIN);
   release(&x8, 1); /* stream-ordered, after the GEMM that reads it */
   scratch_release(&scratch);
-  if (rc != FP8OPS_OK) {
-    release(outs, 4);
-    raise_last_error(__func__);
-    return;
-  }
-  for (int i = 0; i < 4; ++i) stack[i] = sv_from_tensor(outs[i]);
+  finish_boxed(__func__, rc, outs, 4, stack);
 }
 
 // ----------------------------------------------------------------------------
@@ -801,16 +789,8 @@ static void boxed_ln_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nr
   release(&ln.bias, 1);
   release(&x8, 1); /* stream-ordered, after the GEMM that reads it */
   scratch_release(&scratch);
-  if (rc != FP8OPS_OK) {
-    release(outs, 4);
-    release(&ln.mean, 1);
-    release(&ln.rstd, 1);
-    raise_last_error(__func__);
-    return;
-  }
-  for (int i = 0; i < 4; ++i) stack[i] = sv_from_tensor(outs[i]);
-  stack[4] = sv_from_tensor(ln.mean);
-  stack[5] = sv_from_tensor(ln.rstd);
+  AtenTensorHandle all[6] = {outs[0], outs[1], outs[2], outs[3], ln.mean, ln.rstd};
+  finish_boxed(__func__, rc, all, 6, stack);
 }
 
 // ----------------------------------------------------------------------------
@@ -969,12 +949,7 @@ static void boxed_linear_bwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
   release(in, LBWD_NIN);
   release(tmp, 4); /* stream-ordered, after the kernels that read them */
   scratch_release(&scratch);
-  if (rc != FP8OPS_OK) {
-    release(outs, 3);
-    raise_last_error(__func__);
-    return;
-  }
-  for (int i = 0; i < 3; ++i) stack[i] = sv_from_tensor(outs[i]);
+  finish_boxed(__func__, rc, outs, 3, stack);
 }
 
 // ----------------------------------------------------------------------------
@@ -1064,12 +1039,7 @@ static void boxed_layernorm_bwd(StableIValue* stack, uint64_t nargs, uint64_t nr
   int rc = run_layernorm_bwd(in, outs, scratch);
   release(in, 5);
   release(scratch, LNB_SCRATCH); /* stream-ordered, after the kernels that use it */
-  if (rc != FP8OPS_OK) {
-    release(outs, 2);
-    raise_last_error(__func__);
-    return;
-  }
-  for (int i = 0; i < 2; ++i) stack[i] = sv_from_tensor(outs[i]);
+  finish_boxed(__func__, rc, outs, 2, stack);
 }
 
 // ----------------------------------------------------------------------------
