@@ -76,8 +76,9 @@ int fp8ops_dgelu_cast_accumulate_cuda(const void* x, const void* aux, fp8ops_hp_
   return NO_CUDA("dgelu_cast");
 }
 int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
-                                float eps, float* mean, float* rstd, void* stream) {
-  (void)x; (void)dtype; (void)rows; (void)cols; (void)eps; (void)mean; (void)rstd; (void)stream;
+                                float eps, int rms, float* mean, float* rstd, void* stream) {
+  (void)x; (void)dtype; (void)rows; (void)cols; (void)eps; (void)rms; (void)mean; (void)rstd;
+  (void)stream;
   return NO_CUDA("layernorm_stats");
 }
 int fp8ops_ln_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
@@ -90,9 +91,10 @@ int fp8ops_ln_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64
 }
 int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_hp_dtype dtype, int64_t rows,
                               int64_t cols, const float* mean, const float* rstd,
-                              const float* gamma, void* dx, float* dgb, float* partial,
+                              const float* gamma, int rms, void* dx, float* dgb, float* partial,
                               int64_t partial_floats, void* stream) {
   (void)dy; (void)x; (void)dtype; (void)rows; (void)cols; (void)mean; (void)rstd; (void)gamma;
+  (void)rms;
   (void)dx; (void)dgb; (void)partial; (void)partial_floats; (void)stream;
   return NO_CUDA("layernorm_bwd");
 }

@@ -143,7 +143,8 @@ __device__ __forceinline__ float round_to(float f) {
 }
 
 // The operands of a cast kernel's prologue (ACT): the GELU's input for
-// ACT_DGELU; per-row mean / rstd and per-column gamma / beta for ACT_LN.
+// ACT_DGELU; per-row mean / rstd and per-column gamma / beta for ACT_LN
+// (gamma, beta NULL: ones, zeros; an RMSNorm's mean is 0, layernorm.cu).
 struct Prologue {
   const void* aux;
   const float* mean;
@@ -486,8 +487,8 @@ __global__ void __launch_bounds__(CT_THREADS, DB || (ACT == ACT_DGELU && DT == F
       float gam[VEC], bet[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        gam[j] = __ldg(pro.gamma + c0 + j);
-        bet[j] = __ldg(pro.beta + c0 + j);
+        gam[j] = pro.gamma ? __ldg(pro.gamma + c0 + j) : 1.0f;
+        bet[j] = pro.beta ? __ldg(pro.beta + c0 + j) : 0.0f;
       }
 #pragma unroll
       for (int i = 0; i < CT_RB; ++i) {
@@ -662,7 +663,8 @@ __global__ void __launch_bounds__(256)
       float v = load_elem<DT>(x, rr * cols + cc);
       if constexpr (ACT == ACT_GELU) v = round_to<DT>(fp8ops_gelu_tanh(v));
       if constexpr (ACT == ACT_LN)
-        v = round_to<DT>(pro.gamma[cc] * (pro.rstd[rr] * (v - pro.mean[rr])) + pro.beta[cc]);
+        v = round_to<DT>((pro.gamma ? pro.gamma[cc] : 1.0f) * (pro.rstd[rr] * (v - pro.mean[rr])) +
+                         (pro.beta ? pro.beta[cc] : 0.0f));
       am.add_f32(v);
       const uint8_t q = (uint8_t)cast_byte<FMT>(v, scale);
       out[rr * cols + cc] = q;
@@ -989,8 +991,7 @@ extern "C" int fp8ops_ln_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_d
                                               void* stream) {
   FP8OPS_REQUIRE(aligned(amax, sizeof(float)), "cast: amax pointer %p is not 4-byte aligned",
                  (const void*)amax);
-  FP8OPS_REQUIRE(ln && ln->mean && ln->rstd && ln->gamma && ln->beta,
-                 "cast: the LayerNorm cast needs mean, rstd, gamma and beta");
+  FP8OPS_REQUIRE(ln && ln->mean && ln->rstd, "cast: the LayerNorm cast needs mean and rstd");
   const Prologue pro = {NULL, ln->mean, ln->rstd, ln->gamma, ln->beta};
   return cast_cuda(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, true, NULL, NULL, ACT_LN,
                    pro, stream);

@@ -38,9 +38,11 @@ static inline uint32_t abs_bits(float v) { return fp8ops_f32_bits(v) & 0x7FFFFFF
 // ----------------------------------------------------------------------------
 // kernels
 
-/* LayerNorm(x) of element (r, c), fp32 (fp8ops.h: fp8ops_ln_params) */
+/* LayerNorm(x) of element (r, c), fp32 (fp8ops.h: fp8ops_ln_params; no gamma:
+ * ones, no beta: zeros) */
 static inline float ln_f32(float v, int64_t r, int64_t c, const fp8ops_ln_params* ln) {
-  return ln->gamma[c] * (ln->rstd[r] * (v - ln->mean[r])) + ln->beta[c];
+  const float g = ln->gamma ? ln->gamma[c] : 1.0f, b = ln->beta ? ln->beta[c] : 0.0f;
+  return g * (ln->rstd[r] * (v - ln->mean[r])) + b;
 }
 
 /* gelu: cast gelu_tanh(x); ln (not NULL): cast LayerNorm(x); either rounded to x's dtype first */
@@ -99,13 +101,12 @@ int fp8ops_gelu_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int6
 int fp8ops_ln_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
                                   int64_t cols, const fp8ops_ln_params* ln, const float* scale,
                                   fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t, float* amax) {
-  FP8OPS_REQUIRE(ln && ln->mean && ln->rstd && ln->gamma && ln->beta,
-                 "cast: the LayerNorm cast needs mean, rstd, gamma and beta");
+  FP8OPS_REQUIRE(ln && ln->mean && ln->rstd, "cast: the LayerNorm cast needs mean and rstd");
   return cast_cpu(x, x_dtype, rows, cols, scale, fmt, out, out_t, amax, 1, 0, ln);
 }
 
 int fp8ops_layernorm_stats_cpu(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
-                               float eps, float* mean, float* rstd) {
+                               float eps, int rms, float* mean, float* rstd) {
   FP8OPS_REQUIRE(rows >= 0 && cols > 0 && (rows == 0 || (x && mean && rstd)),
                  "layernorm_stats: bad arguments (rows %lld, cols %lld)", (long long)rows,
                  (long long)cols);
@@ -113,8 +114,9 @@ int fp8ops_layernorm_stats_cpu(const void* x, fp8ops_hp_dtype dtype, int64_t row
                  "layernorm_stats: unknown dtype code %d", (int)dtype);
   for (int64_t r = 0; r < rows; ++r) {
     double sum = 0.0, sq = 0.0;
-    for (int64_t c = 0; c < cols; ++c) sum += load_hp(x, dtype, r * cols + c);
-    const double m = sum / (double)cols;
+    if (!rms)
+      for (int64_t c = 0; c < cols; ++c) sum += load_hp(x, dtype, r * cols + c);
+    const double m = sum / (double)cols; /* 0 for an RMSNorm */
     for (int64_t c = 0; c < cols; ++c) {
       const double d = load_hp(x, dtype, r * cols + c) - m;
       sq += d * d;
@@ -128,8 +130,8 @@ int fp8ops_layernorm_stats_cpu(const void* x, fp8ops_hp_dtype dtype, int64_t row
 /* Row sums in double; dx rounded once from float, as the CUDA kernel does. */
 int fp8ops_layernorm_bwd_cpu(const void* dy, const void* x, fp8ops_hp_dtype dtype, int64_t rows,
                              int64_t cols, const float* mean, const float* rstd,
-                             const float* gamma, void* dx, float* dgb) {
-  FP8OPS_REQUIRE(rows >= 0 && cols > 0 && dgb && gamma &&
+                             const float* gamma, int rms, void* dx, float* dgb) {
+  FP8OPS_REQUIRE(rows >= 0 && cols > 0 && dgb &&
                      (rows == 0 || (dy && x && mean && rstd && dx)),
                  "layernorm_bwd: bad arguments (rows %lld, cols %lld)", (long long)rows,
                  (long long)cols);
@@ -141,17 +143,17 @@ int fp8ops_layernorm_bwd_cpu(const void* dy, const void* x, fp8ops_hp_dtype dtyp
     const float m = mean[r], rs = rstd[r];
     double s1 = 0.0, s2 = 0.0;
     for (int64_t c = 0; c < cols; ++c) {
-      const double g = (double)load_hp(dy, dtype, r * cols + c) * gamma[c];
+      const double g = (double)load_hp(dy, dtype, r * cols + c) * (gamma ? gamma[c] : 1.0f);
       s1 += g;
       s2 += g * ((load_hp(x, dtype, r * cols + c) - m) * rs);
     }
-    const float c1 = (float)(s1 / (double)cols), c2 = (float)(s2 / (double)cols);
+    const float c1 = rms ? 0.0f : (float)(s1 / (double)cols), c2 = (float)(s2 / (double)cols);
     for (int64_t c = 0; c < cols; ++c) {
       const float d = load_hp(dy, dtype, r * cols + c);
       const float xh = (load_hp(x, dtype, r * cols + c) - m) * rs;
       col[c] += (double)d * xh;
       col[cols + c] += d;
-      const float v = rs * (d * gamma[c] - c1 - xh * c2);
+      const float v = rs * (d * (gamma ? gamma[c] : 1.0f) - c1 - xh * c2);
       switch (dtype) {
         case FP8OPS_BF16: ((uint16_t*)dx)[r * cols + c] = fp8ops_f32_to_bf16(v); break;
         case FP8OPS_F16: ((uint16_t*)dx)[r * cols + c] = fp8ops_f32_to_f16(v); break;

@@ -124,14 +124,17 @@ int fp8ops_dgelu_cast_accumulate_cuda(const void* x, const void* aux, fp8ops_hp_
                                       float* amax, float* dbias, float* partial,
                                       int64_t partial_floats, void* stream);
 
-/* The LayerNorm fused into an FP8 linear's input cast (layernorm_fusion.py).
- * layernorm_stats: per row of x [rows, cols], mean[r] and rstd[r] =
- * 1 / sqrt(var[r] + eps) (biased variance), fp32: what torch's
- * native_layer_norm returns beside its output, and its backward takes.
- * ln_cast_accumulate: cast_accumulate of LayerNorm(x) = gamma[c] * (rstd[r] *
- * (x - mean[r])) + beta[c] rounded to x's dtype (the tensor torch's LayerNorm
- * writes), amax of it; gamma, beta fp32 [cols]; out_t is required. CPU and
- * CUDA agree to fp32 rounding, not bit for bit. */
+/* The LayerNorm or RMSNorm fused into an FP8 linear's input cast
+ * (layernorm_fusion.py). layernorm_stats: per row of x [rows, cols], mean[r]
+ * and rstd[r] = 1 / sqrt(var[r] + eps) (biased variance), fp32: what torch's
+ * native_layer_norm returns beside its output, and its backward takes; with
+ * rms, RMSNorm's: mean[r] = 0 and rstd[r] = 1 / sqrt(sum_c(x^2) / cols + eps),
+ * so that everything downstream reads an RMSNorm as a LayerNorm whose mean is
+ * 0. ln_cast_accumulate: cast_accumulate of LayerNorm(x) = gamma[c] * (rstd[r]
+ * * (x - mean[r])) + beta[c] rounded to x's dtype (the tensor torch's
+ * LayerNorm writes), amax of it; gamma, beta fp32 [cols], or NULL for ones /
+ * zeros (no weight / no bias); out_t is required. CPU and CUDA agree to fp32
+ * rounding, not bit for bit. */
 typedef struct {
   const float* mean;
   const float* rstd;
@@ -139,9 +142,9 @@ typedef struct {
   const float* beta;
 } fp8ops_ln_params;
 int fp8ops_layernorm_stats_cpu(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
-                               float eps, float* mean, float* rstd);
+                               float eps, int rms, float* mean, float* rstd);
 int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
-                                float eps, float* mean, float* rstd, void* stream);
+                                float eps, int rms, float* mean, float* rstd, void* stream);
 int fp8ops_ln_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
                                   int64_t cols, const fp8ops_ln_params* ln, const float* scale,
                                   fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t, float* amax);
@@ -151,13 +154,16 @@ int fp8ops_ln_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64
                                    void* stream);
 
 /* layernorm_bwd: the LayerNorm's backward from layernorm_stats' mean and rstd,
- * for x and dy [rows, cols] of one dtype, gamma fp32 [cols]; per row, with
- * xhat = (x - mean[r]) * rstd[r] and g = dy * gamma[c],
+ * for x and dy [rows, cols] of one dtype, gamma fp32 [cols] (NULL: ones); per
+ * row, with xhat = (x - mean[r]) * rstd[r] and g = dy * gamma[c],
  *   dx = rstd[r] * (g - sum_c(g) / cols - xhat * sum_c(g * xhat) / cols)
  * rounded to the dtype, and over the rows dgb[c] = sum_r dy * xhat (dgamma),
  * dgb[cols + c] = sum_r dy (dbeta), fp32: what torch's
  * native_layer_norm_backward computes, with one read of x and dy instead of
- * two. CUDA: rows of at most FP8OPS_LN_BWD_MAX_COLS columns, split into
+ * two. With rms (RMSNorm's statistics, mean 0) the sum_c(g) / cols term is
+ * not there: the mean was not subtracted, so its gradient is not either; dbeta
+ * is then the column sum of dy, which an RMSNorm has no use for. CUDA: rows of
+ * at most FP8OPS_LN_BWD_MAX_COLS columns, split into
  * fp8ops_layernorm_bwd_warps_per_row slices of whole 16-byte vectors (4 fp32 /
  * 8 bf16 or fp16 elements: fp8ops_layernorm_bwd_cols_ok), pointers 16-byte
  * aligned (fp8ops_layernorm_bwd_fusable; the op copies a misaligned x or dy
@@ -195,10 +201,10 @@ static inline int fp8ops_layernorm_bwd_fusable(const void* dy, const void* x, co
 }
 int fp8ops_layernorm_bwd_cpu(const void* dy, const void* x, fp8ops_hp_dtype dtype, int64_t rows,
                              int64_t cols, const float* mean, const float* rstd,
-                             const float* gamma, void* dx, float* dgb);
+                             const float* gamma, int rms, void* dx, float* dgb);
 int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_hp_dtype dtype, int64_t rows,
                               int64_t cols, const float* mean, const float* rstd,
-                              const float* gamma, void* dx, float* dgb, float* partial,
+                              const float* gamma, int rms, void* dx, float* dgb, float* partial,
                               int64_t partial_floats, void* stream);
 
 /* dbias: the column sums of x [rows, cols] (Fp8Linear's bias gradient: the

@@ -3,7 +3,9 @@
  * (layernorm_fusion.py; the cast is cast.cu's ACT_LN): its per-row statistics,
  * mean[r] and rstd[r] = 1 / sqrt(var[r] + eps) over the row's cols elements,
  * var the biased variance (divided by cols), as torch's layer_norm defines
- * them (torch's native_layer_norm_backward takes them as they are), and its
+ * them (torch's native_layer_norm_backward takes them as they are), or with
+ * rms an RMSNorm's, mean[r] = 0 and rstd[r] = 1 / sqrt(sum(x^2) / cols + eps)
+ * (the cast and the backward then read it as a LayerNorm of mean 0), and its
  * backward (layernorm_bwd, below). The statistics take two passes over the
  * row (the second reads it from L1 / L2): sum, then the sum of squared
  * deviations from the mean, both in fp32.
@@ -28,15 +30,17 @@ __device__ __forceinline__ float warp_sum(float v) {
 template <int DT>
 __global__ void __launch_bounds__(LN_THREADS)
     layernorm_stats_kernel(const void* __restrict__ x, int64_t rows, int64_t cols, float eps,
-                           float* __restrict__ mean, float* __restrict__ rstd) {
+                           bool rms, float* __restrict__ mean, float* __restrict__ rstd) {
   const int lane = threadIdx.x & 31;
   const int64_t r = (int64_t)blockIdx.x * (LN_THREADS / 32) + (threadIdx.x >> 5);
   if (r >= rows) return;
   const int64_t base = r * cols;
   float sum = 0.0f;
-  for (int64_t c = lane; c < cols; c += 32) sum += load_elem<DT>(x, base + c);
-  sum = warp_sum(sum);
-  const float m = sum / (float)cols;
+  if (!rms) {
+    for (int64_t c = lane; c < cols; c += 32) sum += load_elem<DT>(x, base + c);
+    sum = warp_sum(sum);
+  }
+  const float m = sum / (float)cols;  // 0 for an RMSNorm
   float sq = 0.0f;
   for (int64_t c = lane; c < cols; c += 32) {
     const float d = load_elem<DT>(x, base + c) - m;
@@ -57,7 +61,7 @@ __global__ void __launch_bounds__(LN_THREADS)
 template <int DT, int NV>
 __global__ void __launch_bounds__(LN_THREADS)
     layernorm_stats_vec_kernel(const void* __restrict__ x, int64_t rows, int cols, float eps,
-                               float* __restrict__ mean, float* __restrict__ rstd) {
+                               bool rms, float* __restrict__ mean, float* __restrict__ rstd) {
   constexpr int EPV = DT == FP8OPS_F32 ? 4 : 8;  // elements per 16-byte vector
   const int lane = threadIdx.x & 31;
   const int64_t r = (int64_t)blockIdx.x * (LN_THREADS / 32) + (threadIdx.x >> 5);
@@ -71,12 +75,14 @@ __global__ void __launch_bounds__(LN_THREADS)
     v[j] = k < nvec ? xr[k] : make_uint4(0, 0, 0, 0);
   }
   float sum = 0.0f;
+  if (!rms) {
 #pragma unroll
-  for (int j = 0; j < NV; ++j)
+    for (int j = 0; j < NV; ++j)
 #pragma unroll
-    for (int e = 0; e < EPV; ++e) sum += vec_elem<DT>(v[j], e);  // (padding is +0)
-  sum = warp_sum(sum);
-  const float m = sum / (float)cols;
+      for (int e = 0; e < EPV; ++e) sum += vec_elem<DT>(v[j], e);  // (padding is +0)
+    sum = warp_sum(sum);
+  }
+  const float m = sum / (float)cols;  // 0 for an RMSNorm
   float sq = 0.0f;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
@@ -98,21 +104,22 @@ __global__ void __launch_bounds__(LN_THREADS)
 // NV rounded up to a power of two: fewer instances, the extra vectors masked.
 template <int DT>
 static int launch_layernorm_stats_vec(const void* x, int64_t rows, int64_t cols, float eps,
-                                      float* mean, float* rstd, unsigned blocks, cudaStream_t s) {
+                                      bool rms, float* mean, float* rstd, unsigned blocks,
+                                      cudaStream_t s) {
   constexpr int EPV = DT == FP8OPS_F32 ? 4 : 8;
   const int64_t nv = FP8OPS_CEIL_DIV(cols / EPV, (int64_t)32);
   if (nv <= 1)
-    layernorm_stats_vec_kernel<DT, 1><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, mean, rstd);
+    layernorm_stats_vec_kernel<DT, 1><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, rms, mean, rstd);
   else if (nv <= 2)
-    layernorm_stats_vec_kernel<DT, 2><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, mean, rstd);
+    layernorm_stats_vec_kernel<DT, 2><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, rms, mean, rstd);
   else if (nv <= 4)
-    layernorm_stats_vec_kernel<DT, 4><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, mean, rstd);
+    layernorm_stats_vec_kernel<DT, 4><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, rms, mean, rstd);
   else if (nv <= 8)
-    layernorm_stats_vec_kernel<DT, 8><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, mean, rstd);
+    layernorm_stats_vec_kernel<DT, 8><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, rms, mean, rstd);
   else if constexpr (EPV == 4)  // (2048 bf16 / fp16 columns are 8 vectors per lane)
     if (nv <= 16)
-      layernorm_stats_vec_kernel<DT, 16><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, mean,
-                                                                      rstd);
+      layernorm_stats_vec_kernel<DT, 16><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, rms,
+                                                                      mean, rstd);
   if (nv > (EPV == 4 ? 16 : 8))
     return fp8ops_set_error(FP8OPS_ERR_INVALID, "layernorm_stats: %lld columns is too wide for the "
                             "vector kernel", (long long)cols);
@@ -121,8 +128,8 @@ static int launch_layernorm_stats_vec(const void* x, int64_t rows, int64_t cols,
 }
 
 extern "C" int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype, int64_t rows,
-                                           int64_t cols, float eps, float* mean, float* rstd,
-                                           void* stream) {
+                                           int64_t cols, float eps, int rms, float* mean,
+                                           float* rstd, void* stream) {
   FP8OPS_REQUIRE(rows >= 0 && cols > 0 && (rows == 0 || (x && mean && rstd)),
                  "layernorm_stats: bad arguments (rows %lld, cols %lld)", (long long)rows,
                  (long long)cols);
@@ -136,25 +143,28 @@ extern "C" int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype,
   if (cols <= 2048 && cols % epv == 0 && ((uintptr_t)x & 15u) == 0) {
     switch (dtype) {
       case FP8OPS_F32:
-        return launch_layernorm_stats_vec<FP8OPS_F32>(x, rows, cols, eps, mean, rstd, (unsigned)blocks, s);
+        return launch_layernorm_stats_vec<FP8OPS_F32>(x, rows, cols, eps, rms != 0, mean, rstd,
+                                                       (unsigned)blocks, s);
       case FP8OPS_BF16:
-        return launch_layernorm_stats_vec<FP8OPS_BF16>(x, rows, cols, eps, mean, rstd, (unsigned)blocks, s);
+        return launch_layernorm_stats_vec<FP8OPS_BF16>(x, rows, cols, eps, rms != 0, mean, rstd,
+                                                       (unsigned)blocks, s);
       default:
-        return launch_layernorm_stats_vec<FP8OPS_F16>(x, rows, cols, eps, mean, rstd, (unsigned)blocks, s);
+        return launch_layernorm_stats_vec<FP8OPS_F16>(x, rows, cols, eps, rms != 0, mean, rstd,
+                                                       (unsigned)blocks, s);
     }
   }
   switch (dtype) {
     case FP8OPS_F32:
       layernorm_stats_kernel<FP8OPS_F32><<<(unsigned)blocks, LN_THREADS, 0, s>>>(x, rows, cols, eps,
-                                                                                mean, rstd);
+                                                                                rms != 0, mean, rstd);
       break;
     case FP8OPS_BF16:
       layernorm_stats_kernel<FP8OPS_BF16><<<(unsigned)blocks, LN_THREADS, 0, s>>>(x, rows, cols, eps,
-                                                                                 mean, rstd);
+                                                                                 rms != 0, mean, rstd);
       break;
     default:
       layernorm_stats_kernel<FP8OPS_F16><<<(unsigned)blocks, LN_THREADS, 0, s>>>(x, rows, cols, eps,
-                                                                                mean, rstd);
+                                                                                rms != 0, mean, rstd);
   }
   FP8OPS_CHECK_CUDA(cudaGetLastError());
   return FP8OPS_OK;
@@ -202,7 +212,7 @@ template <int DT, int NV, int WPR>
 __global__ void __launch_bounds__(LNB_WARPS * 32)
     layernorm_bwd_kernel(const void* __restrict__ dy, const void* __restrict__ x,
                          const float* __restrict__ mean, const float* __restrict__ rstd,
-                         const float* __restrict__ gamma, int64_t rows, int cols,
+                         const float* __restrict__ gamma, bool rms, int64_t rows, int cols,
                          int rows_per_warp, void* __restrict__ dx, float* __restrict__ partial) {
   constexpr int EPV = DT == FP8OPS_F32 ? 4 : 8;  // elements per 16-byte vector
   constexpr int GROUPS = LNB_WARPS / WPR;        // rows in flight per CTA
@@ -210,7 +220,7 @@ __global__ void __launch_bounds__(LNB_WARPS * 32)
   __shared__ float2 red[LNB_WARPS];              // per-warp row sums (WPR > 1)
   float* gs = (float*)lnb_smem;
   float* sums = gs + cols;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) gs[c] = gamma[c];
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) gs[c] = gamma ? gamma[c] : 1.0f;
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int group = warp / WPR, half = warp % WPR;
@@ -267,7 +277,7 @@ __global__ void __launch_bounds__(LNB_WARPS * 32)
       __syncthreads();  // red is rewritten for the next row
       if (!live) continue;
     }
-    const float c1 = s1 * inv_cols, c2 = s2 * inv_cols;
+    const float c1 = rms ? 0.0f : s1 * inv_cols, c2 = s2 * inv_cols;
     uint4* dxr = (uint4*)dx + r * row_vecs + v0;
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
@@ -329,12 +339,12 @@ __global__ void __launch_bounds__(32 * LNB_REDUCE_GROUPS)
 
 template <int DT, int NV, int WPR>
 static int launch_layernorm_bwd(const void* dy, const void* x, const float* mean,
-                                const float* rstd, const float* gamma, int64_t rows, int cols,
-                                int rows_per_warp, int64_t tiles, void* dx, float* partial,
-                                cudaStream_t s) {
+                                const float* rstd, const float* gamma, bool rms, int64_t rows,
+                                int cols, int rows_per_warp, int64_t tiles, void* dx,
+                                float* partial, cudaStream_t s) {
   const size_t smem = 3 * (size_t)cols * sizeof(float);
   layernorm_bwd_kernel<DT, NV, WPR><<<(unsigned)tiles, LNB_WARPS * 32, smem, s>>>(
-      dy, x, mean, rstd, gamma, rows, cols, rows_per_warp, dx, partial);
+      dy, x, mean, rstd, gamma, rms, rows, cols, rows_per_warp, dx, partial);
   FP8OPS_CHECK_CUDA(cudaGetLastError());
   return FP8OPS_OK;
 }
@@ -345,19 +355,19 @@ static int launch_layernorm_bwd(const void* dy, const void* x, const float* mean
 template <int DT>
 static int layernorm_bwd_dispatch(int nv, int wpr, const void* dy, const void* x,
                                   const float* mean, const float* rstd, const float* gamma,
-                                  int64_t rows, int cols, int rows_per_warp, int64_t tiles,
-                                  void* dx, float* partial, cudaStream_t s) {
+                                  bool rms, int64_t rows, int cols, int rows_per_warp,
+                                  int64_t tiles, void* dx, float* partial, cudaStream_t s) {
   constexpr int MAX_NV = 1024 / 32 / (DT == FP8OPS_F32 ? 4 : 8);
   static_assert(MAX_NV == 8 || MAX_NV == 4, "the cases below cover 8 vectors per lane");
 #define LNB_CASE(n)                                                                            \
   case n:                                                                                      \
     if constexpr (n <= MAX_NV) {                                                               \
       if (wpr == 1)                                                                            \
-        return launch_layernorm_bwd<DT, n, 1>(dy, x, mean, rstd, gamma, rows, cols,            \
+        return launch_layernorm_bwd<DT, n, 1>(dy, x, mean, rstd, gamma, rms, rows, cols,       \
                                               rows_per_warp, tiles, dx, partial, s);           \
       if constexpr (2 * n > MAX_NV)                                                            \
         if (wpr == 2)                                                                          \
-          return launch_layernorm_bwd<DT, n, 2>(dy, x, mean, rstd, gamma, rows, cols,          \
+          return launch_layernorm_bwd<DT, n, 2>(dy, x, mean, rstd, gamma, rms, rows, cols,     \
                                                 rows_per_warp, tiles, dx, partial, s);         \
     }                                                                                          \
     break;
@@ -373,12 +383,12 @@ static int layernorm_bwd_dispatch(int nv, int wpr, const void* dy, const void* x
 
 extern "C" int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_hp_dtype dtype,
                                          int64_t rows, int64_t cols, const float* mean,
-                                         const float* rstd, const float* gamma, void* dx,
-                                         float* dgb, float* partial, int64_t partial_floats,
-                                         void* stream) {
+                                         const float* rstd, const float* gamma, int rms,
+                                         void* dx, float* dgb, float* partial,
+                                         int64_t partial_floats, void* stream) {
   FP8OPS_REQUIRE(dtype == FP8OPS_F32 || dtype == FP8OPS_BF16 || dtype == FP8OPS_F16,
                  "layernorm_bwd: unknown dtype code %d", (int)dtype);
-  FP8OPS_REQUIRE(rows >= 0 && cols > 0 && dgb && gamma &&
+  FP8OPS_REQUIRE(rows >= 0 && cols > 0 && dgb &&
                      (rows == 0 || (dy && x && mean && rstd && dx && partial)),
                  "layernorm_bwd: bad arguments (rows %lld, cols %lld)", (long long)rows,
                  (long long)cols);
@@ -401,16 +411,16 @@ extern "C" int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_h
   int rc;
   switch (dtype) {
     case FP8OPS_F32:
-      rc = layernorm_bwd_dispatch<FP8OPS_F32>(nv, wpr, dy, x, mean, rstd, gamma, rows, (int)cols,
-                                              rpw, tiles, dx, partial, s);
+      rc = layernorm_bwd_dispatch<FP8OPS_F32>(nv, wpr, dy, x, mean, rstd, gamma, rms != 0, rows,
+                                              (int)cols, rpw, tiles, dx, partial, s);
       break;
     case FP8OPS_BF16:
-      rc = layernorm_bwd_dispatch<FP8OPS_BF16>(nv, wpr, dy, x, mean, rstd, gamma, rows, (int)cols,
-                                               rpw, tiles, dx, partial, s);
+      rc = layernorm_bwd_dispatch<FP8OPS_BF16>(nv, wpr, dy, x, mean, rstd, gamma, rms != 0, rows,
+                                               (int)cols, rpw, tiles, dx, partial, s);
       break;
     default:
-      rc = layernorm_bwd_dispatch<FP8OPS_F16>(nv, wpr, dy, x, mean, rstd, gamma, rows, (int)cols,
-                                              rpw, tiles, dx, partial, s);
+      rc = layernorm_bwd_dispatch<FP8OPS_F16>(nv, wpr, dy, x, mean, rstd, gamma, rms != 0, rows,
+                                              (int)cols, rpw, tiles, dx, partial, s);
   }
   FP8OPS_TRY(rc);
   const dim3 block(32, LNB_REDUCE_GROUPS);

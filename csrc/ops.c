@@ -610,11 +610,12 @@ static void boxed_gemm(StableIValue* stack, uint64_t nargs, uint64_t nret) {
 // One dispatcher call instead of up to five: small layers are bound by the
 // host's per-op cost, not by the GPU.
 
-/* ln_linear_fwd's LayerNorm: its weight and bias (fp32 [K]) and eps in; mean
- * and rstd ([M] fp32) out. */
+/* ln_linear_fwd's LayerNorm: its weight and bias (fp32 [K], or empty: none),
+ * eps and rms (an RMSNorm) in; mean and rstd ([M] fp32) out. */
 typedef struct {
   AtenTensorHandle weight, bias;
   double eps;
+  bool rms;
   AtenTensorHandle mean, rstd;
 } ln_args;
 
@@ -681,10 +682,11 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
     const tinfo* pp[2] = {&lw, &lb};
     const char* names[2] = {"ln_weight", "ln_bias"};
     for (int i = 0; i < 2; ++i) {
+      if (pp[i]->numel == 0 && K > 0) continue; /* none: ones / zeros */
       FP8OPS_REQUIRE(pp[i]->ndim == 1 && pp[i]->numel == K &&
                      pp[i]->dtype == aoti_torch_dtype_float32(),
-                     "%s: %s must be float32 [K] = [%lld] (the LayerNorm's, as float32), found "
-                     "%s with %lld elements", op, names[i], (long long)K,
+                     "%s: %s must be float32 [K] = [%lld] (the LayerNorm's, as float32) or "
+                     "empty (none), found %s with %lld elements", op, names[i], (long long)K,
                      dtype_name(pp[i]->dtype), (long long)pp[i]->numel);
       FP8OPS_TRY(require_contiguous(op, names[i], pp[i]));
       FP8OPS_TRY(require_same_device(op, names[i], pp[i], "x", &x));
@@ -695,8 +697,8 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
     FP8OPS_TRY(new_tensor(op, 1, msz, aoti_torch_dtype_float32(), &x, &ln->rstd));
     lnp.mean = (const float*)data_of(ln->mean);
     lnp.rstd = (const float*)data_of(ln->rstd);
-    lnp.gamma = (const float*)lw.data;
-    lnp.beta = (const float*)lb.data;
+    lnp.gamma = lw.numel ? (const float*)lw.data : NULL;
+    lnp.beta = lb.numel ? (const float*)lb.data : NULL;
     save_xt = true; /* the LayerNorm cast writes the transpose */
   }
   const int64_t xtsz[2] = {K, M}, wtsz[2] = {K, N}, zero[1] = {0};
@@ -719,9 +721,9 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
                        : fp8ops_cast_accumulate_cpu(w.data, wd, N, K, ws.data, wf, pw8, pw8t,
                                                      wa.data);
     if (rc == FP8OPS_OK && ln)
-      rc = is_cuda(&x) ? fp8ops_layernorm_stats_cuda(x.data, xd, M, K, (float)ln->eps,
+      rc = is_cuda(&x) ? fp8ops_layernorm_stats_cuda(x.data, xd, M, K, (float)ln->eps, ln->rms,
                                                      (float*)lnp.mean, (float*)lnp.rstd, stream)
-                       : fp8ops_layernorm_stats_cpu(x.data, xd, M, K, (float)ln->eps,
+                       : fp8ops_layernorm_stats_cpu(x.data, xd, M, K, (float)ln->eps, ln->rms,
                                                     (float*)lnp.mean, (float*)lnp.rstd);
     if (rc == FP8OPS_OK && ln)
       rc = is_cuda(&x) ? fp8ops_ln_cast_accumulate_cuda(x.data, xd, M, K, &lnp, xs.data, xf, p8,
@@ -765,20 +767,22 @@ static void boxed_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
 //               Tensor x_scale, Tensor(a!) x_amax, Tensor x_scale_inv, Tensor w_scale,
 //               Tensor(b!) w_amax, Tensor w_scale_inv, Tensor bias,
 //               ScalarType x_fp8_dtype, ScalarType w_fp8_dtype, ScalarType out_dtype,
-//               bool use_fast_accum, bool save_wt)
+//               bool use_fast_accum, bool save_wt, bool rms=False)
 //     -> (Tensor y, Tensor x8t, Tensor w8, Tensor w8t, Tensor mean, Tensor rstd)
 //
 // linear_fwd of LayerNorm(x): x is the LayerNorm's input; its per-row mean and
 // rstd are computed here (returned for the LayerNorm's backward) and the cast
-// normalizes each element as it loads it (ln_weight, ln_bias: float32 [K]), so
-// the LayerNorm's output is never written. x8t is always returned.
+// normalizes each element as it loads it (ln_weight, ln_bias: float32 [K], or
+// empty for none), so the LayerNorm's output is never written. x8t is always
+// returned. rms: RMSNorm(x) instead (mean comes back as zeros; fp8ops.h).
 
 static void boxed_ln_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret) {
   (void)nargs; (void)nret;
   static const int k_idx[LFWD_NIN] = {0, 4, 5, 6, 7, 8, 9, 10, 11}; /* linear_fwd's inputs */
   AtenTensorHandle in[LFWD_NIN];
   for (int i = 0; i < LFWD_NIN; ++i) in[i] = sv_tensor(stack[k_idx[i]]);
-  ln_args ln = {sv_tensor(stack[1]), sv_tensor(stack[2]), sv_f64(stack[3]), NULL, NULL};
+  ln_args ln = {sv_tensor(stack[1]), sv_tensor(stack[2]), sv_f64(stack[3]), sv_bool(stack[17]),
+                NULL, NULL};
   AtenTensorHandle outs[4] = {NULL, NULL, NULL, NULL}, x8 = NULL;
   gemm_scratch scratch = {0};
   int rc = run_linear_fwd(in, sv_i32(stack[12]), sv_i32(stack[13]), sv_i32(stack[14]),
@@ -953,17 +957,18 @@ static void boxed_linear_bwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
 }
 
 // ----------------------------------------------------------------------------
-// layernorm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor weight)
-//     -> (Tensor dx, Tensor dweight_bias)
+// layernorm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor weight,
+//               bool rms=False) -> (Tensor dx, Tensor dweight_bias)
 //
 // The fused LayerNorm's backward (ln_linear_fwd's mean and rstd): dx in x's
 // dtype, and dweight_bias fp32 [2, K] = (dgamma, dbeta). weight: the
-// LayerNorm's gamma as float32 [K] (ones when it has none). One pass over x
+// LayerNorm's gamma as float32 [K], or empty when it has none. rms: an
+// RMSNorm's backward (ln_linear_fwd(rms=True)'s statistics). One pass over x
 // and dy where torch's native_layer_norm_backward makes two (fp8ops.h).
 
 #define LNB_SCRATCH 3 /* the CTAs' partial sums; aligned copies of dy and x where needed */
 
-static int run_layernorm_bwd(AtenTensorHandle in[5], AtenTensorHandle outs[2],
+static int run_layernorm_bwd(AtenTensorHandle in[5], bool rms, AtenTensorHandle outs[2],
                              AtenTensorHandle scratch[LNB_SCRATCH]) {
   const char* op = "fp8ops::layernorm_bwd";
   tinfo dy, x, mean, rstd, w;
@@ -992,10 +997,12 @@ static int run_layernorm_bwd(AtenTensorHandle in[5], AtenTensorHandle outs[2],
   const char* names[3] = {"mean", "rstd", "weight"};
   const int64_t lens[3] = {M, M, K};
   for (int i = 0; i < 3; ++i) {
+    if (i == 2 && w.numel == 0) continue; /* no weight: ones */
     FP8OPS_REQUIRE(vv[i]->ndim == 1 && vv[i]->numel == lens[i] &&
                    vv[i]->dtype == aoti_torch_dtype_float32(),
-                   "%s: %s must be float32 [%lld], found %s with %lld elements", op, names[i],
-                   (long long)lens[i], dtype_name(vv[i]->dtype), (long long)vv[i]->numel);
+                   "%s: %s must be float32 [%lld]%s, found %s with %lld elements", op, names[i],
+                   (long long)lens[i], i == 2 ? " or empty (none)" : "",
+                   dtype_name(vv[i]->dtype), (long long)vv[i]->numel);
     FP8OPS_TRY(require_contiguous(op, names[i], vv[i]));
     FP8OPS_TRY(require_same_device(op, names[i], vv[i], "x", &x));
   }
@@ -1004,9 +1011,10 @@ static int run_layernorm_bwd(AtenTensorHandle in[5], AtenTensorHandle outs[2],
   FP8OPS_TRY(new_tensor(op, 2, gsz, aoti_torch_dtype_float32(), &x, &outs[1]));
   void* dx = data_of(outs[0]);
   float* dgb = (float*)data_of(outs[1]);
+  const float* gamma = w.numel ? (const float*)w.data : NULL;
   if (!is_cuda(&x))
     return fp8ops_layernorm_bwd_cpu(dy.data, x.data, xd, M, K, (const float*)mean.data,
-                                    (const float*)rstd.data, (const float*)w.data, dx, dgb);
+                                    (const float*)rstd.data, gamma, rms, dx, dgb);
   FP8OPS_REQUIRE(fp8ops_layernorm_bwd_cols_ok(xd, K),
                  "%s: on CUDA, K must be a multiple of %d (of twice that above 1024) and at most "
                  "%d; found K = %lld. Use torch.ops.aten.native_layer_norm_backward for this "
@@ -1025,7 +1033,7 @@ static int run_layernorm_bwd(AtenTensorHandle in[5], AtenTensorHandle outs[2],
     rc = clone_to(op, x.h, &scratch[2], &xp);
   if (rc == FP8OPS_OK)
     rc = fp8ops_layernorm_bwd_cuda(dyp, xp, xd, M, K, (const float*)mean.data,
-                                   (const float*)rstd.data, (const float*)w.data, dx, dgb,
+                                   (const float*)rstd.data, gamma, rms, dx, dgb,
                                    (float*)data_of(scratch[0]), psz[0], c.stream);
   cuda_exit(&c);
   return rc;
@@ -1036,7 +1044,7 @@ static void boxed_layernorm_bwd(StableIValue* stack, uint64_t nargs, uint64_t nr
   AtenTensorHandle in[5];
   for (int i = 0; i < 5; ++i) in[i] = sv_tensor(stack[i]);
   AtenTensorHandle outs[2] = {NULL, NULL}, scratch[LNB_SCRATCH] = {NULL, NULL, NULL};
-  int rc = run_layernorm_bwd(in, outs, scratch);
+  int rc = run_layernorm_bwd(in, sv_bool(stack[5]), outs, scratch);
   release(in, 5);
   release(scratch, LNB_SCRATCH); /* stream-ordered, after the kernels that use it */
   finish_boxed(__func__, rc, outs, 2, stack);
@@ -1090,10 +1098,12 @@ static const op_row k_ops[] = {
                       "Tensor w, Tensor x_scale, Tensor(a!) x_amax, Tensor x_scale_inv, "
                       "Tensor w_scale, Tensor(b!) w_amax, Tensor w_scale_inv, Tensor bias, "
                       "ScalarType x_fp8_dtype, ScalarType w_fp8_dtype, ScalarType out_dtype, "
-                      "bool use_fast_accum, bool save_wt) -> (Tensor y, Tensor x8t, Tensor w8, "
+                      "bool use_fast_accum, bool save_wt, bool rms=False) -> (Tensor y, "
+                      "Tensor x8t, Tensor w8, "
                       "Tensor w8t, Tensor mean, Tensor rstd)", boxed_ln_linear_fwd},
     {"layernorm_bwd", "layernorm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, "
-                      "Tensor weight) -> (Tensor dx, Tensor dweight_bias)", boxed_layernorm_bwd},
+                      "Tensor weight, bool rms=False) -> (Tensor dx, Tensor dweight_bias)",
+     boxed_layernorm_bwd},
     {"linear_bwd", "linear_bwd(Tensor gy, Tensor w8t, Tensor x8t, Tensor g_scale, "
                    "Tensor(a!) g_amax, Tensor g_scale_inv, Tensor w_scale_inv, "
                    "Tensor x_scale_inv, Tensor gelu_input, ScalarType g_fp8_dtype, "

@@ -6,6 +6,10 @@ embedding; weights initialised as GPT-2 does. Every projection is a plain `nn.Li
 because those are what `fp8ops.convert_to_fp8_training` swaps. The tied `lm_head` must stay a
 plain `nn.Linear` (swapping it would untie it): `LM_HEAD_FILTER` is the filter that keeps it out.
 
+arch="llama" swaps in Llama-style blocks: RMSNorm instead of LayerNorm, a SwiGLU MLP (one
+gate-and-up projection to 2 x ~8/3 d, then silu(gate) * up) and no biases; positions stay
+learned (no RoPE), which leaves the linears' shapes, what FP8 is about, as Llama's.
+
     from gpt2 import GPT, GPTConfig
     model = GPT(GPTConfig.preset("tiny"))
     logits, loss = model(idx, targets)
@@ -24,7 +28,9 @@ PRESETS = {
     "tiny": dict(n_layer=2, n_head=4, n_embd=128, block_size=128),
     "small": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
     "1b": dict(n_layer=16, n_head=16, n_embd=2048, block_size=2048),
+    "llama1b": dict(n_layer=16, n_head=16, n_embd=2048, block_size=2048, arch="llama"),
 }
+ARCHS = ("gpt2", "llama")
 
 
 @dataclasses.dataclass
@@ -35,6 +41,11 @@ class GPTConfig:
     block_size: int = 1024
     vocab_size: int = 256
     dropout: float = 0.0
+    arch: str = "gpt2"  # or "llama": RMSNorm, SwiGLU, no biases (see the module's docstring)
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, found {self.arch!r}")
 
     @classmethod
     def preset(cls, name, **overrides):
@@ -56,8 +67,9 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"n_embd ({cfg.n_embd}) must be a multiple of n_head ({cfg.n_head})")
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=True)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=True)
+        bias = cfg.arch == "gpt2"
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
@@ -83,13 +95,33 @@ class MLP(nn.Module):
         return self.drop(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+class SwiGLU(nn.Module):
+    """Llama's MLP: c_proj(silu(gate) * up), gate and up from one projection; the hidden
+    width ~8/3 d rounded up to a multiple of 256, as Llama's."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        hidden = -(-8 * cfg.n_embd // 3 // 256) * 256
+        self.c_fc = nn.Linear(cfg.n_embd, 2 * hidden, bias=False)
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        gate, up = self.c_fc(x).chunk(2, dim=-1)
+        return self.drop(self.c_proj(F.silu(gate) * up))
+
+
+def _norm(cfg):
+    return nn.LayerNorm(cfg.n_embd) if cfg.arch == "gpt2" else nn.RMSNorm(cfg.n_embd, eps=1e-5)
+
+
 class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.ln_1 = _norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.ln_2 = _norm(cfg)
+        self.mlp = MLP(cfg) if cfg.arch == "gpt2" else SwiGLU(cfg)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -105,7 +137,7 @@ class GPT(nn.Module):
             wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
             drop=nn.Dropout(cfg.dropout),
             h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
-            ln_f=nn.LayerNorm(cfg.n_embd),
+            ln_f=_norm(cfg),
         ))
         # GPT-2's output layer has no bias and shares its weight with the token embedding.
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)

@@ -41,7 +41,7 @@ except ImportError:  # run from a source checkout that was not pip-installed
     import fp8ops
 from fp8ops.training import add_fp8_args, portable_state_dict, prepare_model, run_summary
 
-from gpt2 import GPT, LM_HEAD_FILTER, PRESETS, GPTConfig
+from gpt2 import ARCHS, GPT, LM_HEAD_FILTER, PRESETS, GPTConfig
 
 try:
     from tqdm import tqdm
@@ -61,7 +61,11 @@ def parse_args(argv=None):
     m = p.add_argument_group("model")
     m.add_argument("--model", choices=list(PRESETS), default=None,
                    help="size preset: tiny (d128 L2, CPU smoke tests), small (GPT-2 124M), "
-                        "1b (d2048 L16). Default: small on CUDA, tiny on CPU")
+                        "1b (d2048 L16), llama1b (1b's shape, Llama-style blocks). Default: small "
+                        "on CUDA, tiny on CPU")
+    m.add_argument("--arch", choices=ARCHS, default=None,
+                   help="block style: gpt2 (LayerNorm, tanh-GELU MLP, biases) or llama (RMSNorm, "
+                        "SwiGLU MLP, no biases). Default: the preset's")
     m.add_argument("--n_layer", type=int, help="override the preset's number of blocks")
     m.add_argument("--n_head", type=int, help="override the preset's attention heads")
     m.add_argument("--n_embd", type=int, help="override the preset's width")
@@ -324,7 +328,7 @@ def main(argv=None):
         preset = args.model or ("small" if device.type == "cuda" else "tiny")
         cfg = GPTConfig.preset(preset, n_layer=args.n_layer, n_head=args.n_head,
                                n_embd=args.n_embd, block_size=args.block_size,
-                               dropout=args.dropout)
+                               dropout=args.dropout, arch=args.arch)
     # The same seed gives FP8 and BF16 runs identical initial weights, so their curves compare.
     torch.manual_seed(args.seed)
     model = GPT(cfg)

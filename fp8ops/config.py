@@ -43,11 +43,11 @@ class Fp8Config:
             gradient in its gradient cast, and the GELU's own forward and
             backward passes no longer run. The module becomes nn.Identity;
             state_dict keys do not change (see gelu_fusion.py). Default True.
-        fuse_layernorm: move each nn.LayerNorm whose output only feeds one
-            converted linear (GPT-2's ln_1 -> c_attn, ln_2 -> c_fc) into that
-            linear, which normalizes inside its input cast: the LayerNorm's
-            output is never written. The LayerNorm module keeps its parameters
-            (see layernorm_fusion.py). Default True.
+        fuse_layernorm: move each nn.LayerNorm or nn.RMSNorm whose output
+            only feeds one converted linear (GPT-2's ln_1 -> c_attn, ln_2 ->
+            c_fc) into that linear, which normalizes inside its input cast:
+            the norm's output is never written. The norm module keeps its
+            parameters (see layernorm_fusion.py). Default True.
     """
 
     recipe: str = "delayed"

@@ -1,4 +1,4 @@
-"""Moving a LayerNorm into the FP8 linear that consumes it.
+"""Moving a LayerNorm or RMSNorm into the FP8 linear that consumes it.
 
 In a pre-LayerNorm transformer block, c_attn(ln_1(x)) and c_fc(ln_2(x)), the
 LayerNorm writes its fp32 output and the linear's cast reads it back: two
@@ -7,17 +7,21 @@ inside its cast (ln_linear_fwd: per-row statistics in a small pass, then
 gamma * (rstd * (x - mean)) + beta as each element is loaded), and its backward
 turns the linear's input gradient into the LayerNorm's gradients in one pass
 over x and it (layernorm_bwd; torch's LayerNorm backward, which makes two, for
-rows wider than 2048 or under torch.compile). A call that
-does not run the fused FP8 path (BF16 by policy, delayed scaling's first step,
-all-E5M2 layers) applies torch's LayerNorm first, as the model did.
+rows wider than 2048). An nn.RMSNorm (Llama-style blocks) takes the same path
+with mean 0 and no bias (ln_linear_fwd(rms=True); above 2048 columns its
+backward is _rms_norm_backward's formula). A call that does not run the fused
+FP8 path (BF16 by policy, delayed scaling's first step, all-E5M2 layers)
+applies the norm first, as the model did.
 
 The move is made where the model's own forward shows it is safe, read with
 torch.fx in train and eval mode (gelu_fusion.py's tracer): an nn.LayerNorm
-over the last dimension whose output goes to exactly one converted Fp8Linear
-and nowhere else, both called once, neither shared nor hooked. The LayerNorm
-module stays in the model with its parameters (state_dict keys unchanged) and
-becomes a pass-through (its class is swapped to LayerNormFusedIntoLinear);
-the linear holds a reference to it.
+over the last dimension (or nn.RMSNorm) whose output goes to exactly one
+converted Fp8Linear and nowhere else, both called once, neither shared nor
+hooked: a block whose norm feeds separate q, k and v projections keeps it. The
+norm module stays in the model with its parameters (state_dict keys
+unchanged) and becomes a pass-through (its class is swapped to
+LayerNormFusedIntoLinear or RMSNormFusedIntoLinear); the linear holds a
+reference to it.
 """
 from __future__ import annotations
 
@@ -39,8 +43,22 @@ class LayerNormFusedIntoLinear(nn.LayerNorm):
         return super().extra_repr() + ", applied by the next linear (fused)"
 
 
+class RMSNormFusedIntoLinear(nn.RMSNorm):
+    """An nn.RMSNorm whose normalization the next (FP8) linear applies: its
+    forward passes x through unchanged. Same parameters and state_dict keys."""
+
+    def forward(self, x):
+        return x
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", applied by the next linear (fused)"
+
+
+_FUSED_CLASS = {nn.LayerNorm: LayerNormFusedIntoLinear, nn.RMSNorm: RMSNormFusedIntoLinear}
+
+
 class Fused(NamedTuple):
-    layernorm: str  # the LayerNorm's fqn (now a pass-through)
+    layernorm: str  # the LayerNorm's or RMSNorm's fqn (now a pass-through)
     consumer: str   # the Fp8Linear that applies it
 
 
@@ -67,10 +85,10 @@ def _consumer(calls: dict, parent: nn.Module, name: str, uses: dict) -> str | No
 
 
 def fuse_layernorm(model: nn.Module) -> list[Fused]:
-    """Fuse every eligible LayerNorm of `model` into its consumer, in place."""
+    """Fuse every eligible LayerNorm and RMSNorm of `model` into its consumer, in place."""
     fused: list[Fused] = []
     for prefix, parent, name, calls, uses in candidates(
-            model, lambda m: type(m) is nn.LayerNorm and len(m.normalized_shape) == 1, "LayerNorm"):
+            model, lambda m: type(m) in _FUSED_CLASS and len(m.normalized_shape) == 1, "LayerNorm"):
         targets = {_consumer(c, parent, name, uses) for c in calls}
         if len(targets) != 1 or None in targets:
             continue  # not eligible, or routed differently in train and eval mode
@@ -79,6 +97,6 @@ def fuse_layernorm(model: nn.Module) -> list[Fused]:
         if lin.fp8_ln_input is not None or lin.fp8_gelu_input or lin.in_features != ln.normalized_shape[0]:
             continue
         lin.__dict__["fp8_ln_input"] = ln  # not a submodule: the LayerNorm stays where it is
-        ln.__class__ = LayerNormFusedIntoLinear
+        ln.__class__ = _FUSED_CLASS[type(ln)]
         fused.append(Fused(prefix + name, prefix + target))
     return fused

@@ -206,24 +206,25 @@ def _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_dx: bool, wants_dw: bool, n
 
 
 class _Fp8LayerNormLinearFn(torch.autograd.Function):
-    """_Fp8LinearFn of LayerNorm(x2) (the fused LayerNorm, layernorm_fusion.py):
-    forward normalizes x2 inside its cast (ln_linear_fwd: the LayerNorm's
-    output is never written); backward turns the linear's dx into the
-    LayerNorm's input, weight and bias gradients (_layer_norm_backward)."""
+    """_Fp8LinearFn of LayerNorm(x2) or RMSNorm(x2) (rms; the fused norm,
+    layernorm_fusion.py): forward normalizes x2 inside its cast (ln_linear_fwd:
+    the norm's output is never written); backward turns the linear's dx into
+    the norm's input, weight and bias gradients (_layer_norm_backward)."""
 
     @staticmethod
-    def forward(ctx, x2, ln_w, ln_b, weight, bias, w_in, w8t, b_lp, views, static, store, eps):
+    def forward(ctx, x2, ln_w, ln_b, weight, bias, w_in, w8t, b_lp, views, static, store, eps, rms):
         (x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed,
          gelu_in, gelu_out) = static
         assert not current and not gelu_in, "the fused LayerNorm needs known scales and no fused GELU input"
-        K = x2.shape[1]
-        lw = x2.new_ones(K, dtype=torch.float32) if ln_w is None else ln_w.detach().float()
-        lb = x2.new_zeros(K, dtype=torch.float32) if ln_b is None else ln_b.detach().float()
+        # fp32 [K] copies of the norm's parameters (free for fp32 ones); none: an empty tensor
+        none = ops._empty_for(x2, torch.float32)
+        lw = none if ln_w is None else ln_w.detach().float()
+        lb = none if ln_b is None else ln_b.detach().float()
         if b_lp is None:
             b_lp = ops._empty_bias_for(x2, out_dtype)
         y, x8t, w8_new, w8t_new, mean, rstd = ops._ln_linear_fwd_raw(
             x2, lw, lb, eps, w_in, views[V_S + X], views[V_H + X], views[V_SI + X], views[V_S + W],
-            views[V_H + W], views[V_SI + W], b_lp, x_dtype, w_dtype, out_dtype, fast_accum, need_dgrad)
+            views[V_H + W], views[V_SI + W], b_lp, x_dtype, w_dtype, out_dtype, fast_accum, need_dgrad, rms)
         if w8t is None:
             w8t = w8t_new
             if store is not None:
@@ -231,6 +232,7 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
         ctx.save_for_backward(x8t, w8t, views[V_SI + X], x2, mean, rstd, ln_w, ln_b, lw,
                               y if gelu_out is not None else None)
         _keep_context(ctx, views, static, weight, bias, x2)
+        ctx.rms = rms
         return y
 
     @staticmethod
@@ -242,26 +244,47 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
         dxn, dw, db = _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_ln and ctx.static[8], need[3], need_db)
         dx = dlw = dlb = None
         if dxn is not None:
-            dx, dlw, dlb = _layer_norm_backward(dxn, x2, mean, rstd, ln_w, ln_b, need, gamma=lw)
-        return dx, dlw, dlb, dw, db, None, None, None, None, None, None, None
+            dx, dlw, dlb = _layer_norm_backward(dxn, x2, mean, rstd, ln_w, ln_b, lw, need, ctx.rms)
+        return dx, dlw, dlb, dw, db, None, None, None, None, None, None, None, None
 
 
-def _layer_norm_backward(dxn, x2, mean, rstd, ln_w, ln_b, need, gamma=None):
-    """The fused LayerNorm's input, weight and bias gradients from the linear's
-    dx: fp8ops' one-pass kernel where the shape allows, eager and compiled
-    alike (the check reads shapes and strides only), else torch's. gamma: ln_w
-    as fp32 [K] (ones without a weight), as the forward made it."""
+def _layer_norm_backward(dxn, x2, mean, rstd, ln_w, ln_b, gamma, need, rms):
+    """The fused norm's input, weight and bias gradients from the linear's dx:
+    fp8ops' one-pass kernel where the shape allows, eager and compiled alike
+    (the check reads shapes and strides only), else torch's LayerNorm backward
+    or the RMSNorm's formula. gamma: ln_w as fp32 [K] (empty without a
+    weight), as the forward made it."""
     M, K = x2.shape
     if not ops.layernorm_bwd_fusable(dxn, x2):
+        if rms:
+            return _rms_norm_backward(dxn, x2, rstd, ln_w, need)
         return torch.ops.aten.native_layer_norm_backward(
             dxn, x2, [K], mean.view(M, 1), rstd.view(M, 1), ln_w, ln_b,
             [need[0], ln_w is not None and need[1], ln_b is not None and need[2]])
-    if gamma is None:
-        gamma = x2.new_ones(K, dtype=torch.float32) if ln_w is None else ln_w.detach().float()
-    dx, dgb = ops._layernorm_bwd_raw(dxn, x2, mean, rstd, gamma)
+    dx, dgb = ops._layernorm_bwd_raw(dxn, x2, mean, rstd, gamma, rms)
     dlw = dgb[0].to(ln_w.dtype) if ln_w is not None and need[1] else None
     dlb = dgb[1].to(ln_b.dtype) if ln_b is not None and need[2] else None
     return (dx if need[0] else None), dlw, dlb
+
+
+def _rms_norm_backward(dy, x2, rstd, ln_w, need):
+    """RMSNorm's backward for shapes layernorm_bwd does not take (torch has no
+    public one): xhat = x * rstd, g = dy * w, dx = rstd * (g - xhat * mean(g *
+    xhat)), dw = sum over rows of dy * xhat; in fp32."""
+    r = rstd.unsqueeze(1)
+    xhat = x2.float() * r
+    d = dy.float()
+    g = d if ln_w is None else d * ln_w.float()
+    dx = (r * (g - xhat * (g * xhat).mean(1, keepdim=True))).to(x2.dtype) if need[0] else None
+    dlw = (d * xhat).sum(0).to(ln_w.dtype) if ln_w is not None and need[1] else None
+    return dx, dlw, None
+
+
+def _normalize(ln: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The fused norm's own computation, for calls that do not fuse it."""
+    if isinstance(ln, nn.RMSNorm):
+        return F.rms_norm(x, ln.normalized_shape, ln.weight, ln.eps)
+    return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
 
 
 class _GeluGradToProducer(torch.autograd.Function):
@@ -371,7 +394,9 @@ class Fp8Linear(nn.Linear):
     def extra_repr(self) -> str:
         gelu = ", input=gelu_tanh(x) (fused)" if self.fp8_gelu_input else ""
         gelu += ", output feeds a fused GELU" if self.fp8_gelu_output else ""
-        gelu += ", input=LayerNorm(x) (fused)" if self.fp8_ln_input is not None else ""
+        ln = self.fp8_ln_input
+        gelu += f", input={'RMSNorm' if isinstance(ln, nn.RMSNorm) else 'LayerNorm'}(x) (fused)" if ln is not None \
+            else ""
         return super().extra_repr() + f", fp8={self.fp8_config.short_str()}{gelu}"
 
     # ------------------------------------------------------------------ scales
@@ -489,7 +514,7 @@ class Fp8Linear(nn.Linear):
             x = _gelu_of_input(x, getattr(x, GELU_BOX, None))
         ln = d["fp8_ln_input"]
         if ln is not None:
-            x = F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+            x = _normalize(ln, x)
         return F.linear(x, w, b)
 
     def _fp8_pays(self, M: int, cdtype: torch.dtype, compiling: bool = False) -> bool:
@@ -630,21 +655,24 @@ class Fp8Linear(nn.Linear):
         # (the fused LayerNorm keeps x's dtype, torch's LayerNorm backward wants its weight's)
         ln_fused = ln is not None and fusable and (ln.weight is None or ln.weight.dtype == x2.dtype)
         if ln is not None and not ln_fused:
-            x2 = F.layer_norm(x2, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+            x2 = _normalize(ln, x2)
+        rms = ln_fused and isinstance(ln, nn.RMSNorm)  # (an RMSNorm has no bias attribute)
+        ln_bias = None if not ln_fused or rms else ln.bias
         d["_fp8_cast_since_update"] = True
         grad = torch.is_grad_enabled()
         need_wgrad = grad and weight.requires_grad
         # (x2: after an unfused LayerNorm, whose parameters need the gradient too)
         need_dgrad = grad and (x2.requires_grad or (ln_fused and any(
-            p is not None and p.requires_grad for p in (ln.weight, ln.bias))))
+            p is not None and p.requires_grad for p in (ln.weight, ln_bias))))
         views = self._fp8_views(compiling)
         w_in, w8t, b_lp, store = self._weight_fp8(cdtype, need_dgrad, views, compiling, current)
         x_dt, w_dt, g_dt = d["fp8_dtypes"]
         static = (x_dt, w_dt, g_dt, cdtype, cfg.fast_accum, current, float(cfg.margin), need_wgrad, need_dgrad,
                   delayed, gelu_in, gelu_out)
         if ln_fused:
-            y = _Fp8LayerNormLinearFn.apply(x2, ln.weight, ln.bias, weight, bias, w_in, w8t, b_lp, views, static,
-                                            store, float(ln.eps))
+            eps = ln.eps if ln.eps is not None else torch.finfo(x2.dtype).eps  # (RMSNorm's None: F.rms_norm's)
+            y = _Fp8LayerNormLinearFn.apply(x2, ln.weight, ln_bias, weight, bias, w_in, w8t, b_lp, views, static,
+                                            store, float(eps), rms)
         else:
             y = d["_fp8_fn"].apply(x2, weight, bias, w_in, w8t, b_lp, views, static, store)
         y = y.reshape(*x.shape[:-1], self.out_features)

@@ -345,28 +345,34 @@ def _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scal
 
 def ln_linear_fwd(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
                   x_fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, use_fast_accum=False, w_scale=None,
-                  w_amax=None, w_fp8_dtype=torch.float8_e4m3fn, save_wt=False):
+                  w_amax=None, w_fp8_dtype=torch.float8_e4m3fn, save_wt=False, rms=False):
     """linear_fwd of LayerNorm(x) (normalized over x's last dim, ln_weight and
-    ln_bias float32 [K]) without writing the LayerNorm's output: the cast
-    normalizes x as it loads it. Returns (y, x8t, w8, w8t, mean [M], rstd [M]);
-    mean and rstd are what torch's LayerNorm backward takes."""
+    ln_bias float32 [K], or None for none) without writing the LayerNorm's
+    output: the cast normalizes x as it loads it. rms: RMSNorm(x) instead
+    (ln_bias must then be None). Returns (y, x8t, w8, w8t, mean [M], rstd [M]);
+    mean (zeros for an RMSNorm) and rstd are what layernorm_bwd takes."""
     _require()
+    _chk(not (rms and ln_bias is not None), "ln_linear_fwd: an RMSNorm has no bias; pass ln_bias=None with rms=True")
     bias, w_scale, w_amax = _fwd_defaults("ln_linear_fwd", x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv)
-    return torch.ops.fp8ops.ln_linear_fwd.default(x, ln_weight, ln_bias, float(eps), w, x_scale, x_amax,
-                                                  x_scale_inv, w_scale, w_amax, w_scale_inv, bias, x_fp8_dtype,
-                                                  w_fp8_dtype, out_dtype, use_fast_accum, save_wt)
+    none = _empty_for(x, torch.float32)
+    return torch.ops.fp8ops.ln_linear_fwd.default(
+        x, none if ln_weight is None else ln_weight, none if ln_bias is None else ln_bias, float(eps), w, x_scale,
+        x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv, bias, x_fp8_dtype, w_fp8_dtype, out_dtype,
+        use_fast_accum, save_wt, rms)
 
 
 def _ln_linear_fwd_fake(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv,
-                        bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_wt):
+                        bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_wt, rms=False):
     op = "fp8ops::ln_linear_fwd"
     y, x8t, w8, w8t = _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv, bias,
                                        x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, True, save_wt)
     K = x.shape[1]
     for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        if t.numel() == 0 and K > 0:
+            continue  # none: ones / zeros
         _chk(t.dim() == 1 and t.shape[0] == K and t.dtype == torch.float32,
-             f"{op}: {name} must be float32 [K] = [{K}] (the LayerNorm's, as float32), found {_dname(t.dtype)} "
-             f"{list(t.shape)}")
+             f"{op}: {name} must be float32 [K] = [{K}] (the LayerNorm's, as float32) or empty (none), found "
+             f"{_dname(t.dtype)} with {t.numel()} elements")
         _chk_contig(op, name, t)
         _chk_device(op, name, t, "x", x)
     _chk(eps >= 0, f"{op}: eps must be >= 0, found {eps}")
@@ -396,17 +402,20 @@ def layernorm_bwd_fusable(dy: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def layernorm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  weight: torch.Tensor | None, rms: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward of LayerNorm over x's last dim from ln_linear_fwd's mean and
-    rstd ([M] fp32), weight the LayerNorm's gamma as float32 [K]. Returns (dx in
-    x's dtype, dweight_bias fp32 [2, K] = (dgamma, dbeta)): torch's
-    native_layer_norm_backward with one read of x and dy instead of two. On
-    CUDA the shapes must pass layernorm_bwd_fusable."""
+    rstd ([M] fp32), weight the LayerNorm's gamma as float32 [K] (None: ones).
+    Returns (dx in x's dtype, dweight_bias fp32 [2, K] = (dgamma, dbeta)):
+    torch's native_layer_norm_backward with one read of x and dy instead of
+    two. rms: an RMSNorm's backward, from ln_linear_fwd(rms=True)'s statistics
+    (dweight_bias[1] is then of no use). On CUDA the shapes must pass
+    layernorm_bwd_fusable."""
     _require()
-    return torch.ops.fp8ops.layernorm_bwd.default(dy, x, mean, rstd, weight)
+    w = _empty_for(x, torch.float32) if weight is None else weight
+    return torch.ops.fp8ops.layernorm_bwd.default(dy, x, mean, rstd, w, rms)
 
 
-def _layernorm_bwd_fake(dy, x, mean, rstd, weight):
+def _layernorm_bwd_fake(dy, x, mean, rstd, weight, rms=False):
     op = "fp8ops::layernorm_bwd"
     _chk(x.dtype in HP_DTYPES, f"{op}: x must be float32, bfloat16 or float16, found {_dname(x.dtype)}")
     _chk(x.dim() == 2, f"{op}: x must be 2-D [M, K], found {x.dim()} dims; reshape it to (-1, normalized_shape)")
@@ -423,8 +432,11 @@ def _layernorm_bwd_fake(dy, x, mean, rstd, weight):
          f"1024) and at most {LN_BWD_MAX_COLS}; found K = {K}. Use torch.ops.aten.native_layer_norm_backward "
          f"for this shape")
     for name, t, n in (("mean", mean, M), ("rstd", rstd, M), ("weight", weight, K)):
+        if name == "weight" and t.numel() == 0:
+            continue  # none: ones
         _chk(t.dim() == 1 and t.numel() == n and t.dtype == torch.float32,
-             f"{op}: {name} must be float32 [{n}], found {_dname(t.dtype)} with {t.numel()} elements")
+             f"{op}: {name} must be float32 [{n}]{' or empty (none)' if name == 'weight' else ''}, found "
+             f"{_dname(t.dtype)} with {t.numel()} elements")
         _chk_contig(op, name, t)
         _chk_device(op, name, t, "x", x)
     return torch.empty_like(x), x.new_empty((2, K), dtype=torch.float32)
@@ -515,7 +527,7 @@ def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_
 # so their wrappers call them directly (eager and compiled alike).
 
 _below_autograd = torch._C._AutoDispatchBelowAutograd
-_empty_bias: dict = {}
+_empty: dict = {}
 
 
 def _amax_raw(x):
@@ -525,16 +537,21 @@ def _amax_raw(x):
         return torch.ops.fp8ops.amax.default(x)
 
 
-def _empty_bias_for(x, out_dtype):
-    """The "no bias" argument (an empty tensor of the bias dtype), one per
-    device and dtype in eager mode."""
+def _empty_for(x, dtype):
+    """The "none" argument of an op's optional tensor (an empty tensor of that
+    dtype on x's device), one per device and dtype in eager mode."""
     if torch.compiler.is_compiling():
-        return x.new_empty((0,), dtype=_bias_dtype(out_dtype))
-    key = (x.device, out_dtype)
-    bias = _empty_bias.get(key)
-    if bias is None:
-        bias = _empty_bias[key] = x.new_empty((0,), dtype=_bias_dtype(out_dtype))
-    return bias
+        return x.new_empty((0,), dtype=dtype)
+    key = (x.device, dtype)
+    t = _empty.get(key)
+    if t is None:
+        t = _empty[key] = x.new_empty((0,), dtype=dtype)
+    return t
+
+
+def _empty_bias_for(x, out_dtype):
+    """The "no bias" argument (an empty tensor of the bias dtype)."""
+    return _empty_for(x, _bias_dtype(out_dtype))
 
 
 # Fp8Linear's two calls per layer (and the fused LayerNorm's two): the OpOverloads

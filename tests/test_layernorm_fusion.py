@@ -321,7 +321,7 @@ def test_layernorm_bwd_shapes_outside_the_kernel_take_torchs(device):
             ops.layernorm_bwd(dy, x, mean, rstd, gamma)
         need = (True, True, True)
         g = gamma.to(dtype)  # the fusion's guard: the LayerNorm's weight has x's dtype
-        dx, dw, db = _layer_norm_backward(dy, x, mean, rstd, g, g, need)
+        dx, dw, db = _layer_norm_backward(dy, x, mean, rstd, g, g, g.float(), need, False)
         ref = torch.ops.aten.native_layer_norm_backward(dy, x, [K], mean.view(-1, 1), rstd.view(-1, 1), g, g,
                                                         list(need))
         for a, b in zip((dx, dw, db), ref):
@@ -354,7 +354,7 @@ def test_layernorm_bwd_checks_its_arguments(device):
         ops.layernorm_bwd(dy.bfloat16(), x, mean, rstd, gamma)
     with pytest.raises(RuntimeError, match=r"mean must be float32 \[32\], found float32 with 31 elements"):
         ops.layernorm_bwd(dy, x, mean[:31], rstd, gamma)
-    with pytest.raises(RuntimeError, match=r"weight must be float32 \[64\], found bfloat16"):
+    with pytest.raises(RuntimeError, match=r"weight must be float32 \[64\] or empty \(none\), found bfloat16"):
         ops.layernorm_bwd(dy, x, mean, rstd, gamma.bfloat16())
     with pytest.raises(RuntimeError, match=r"dy \[32, 32\] must have x's shape \[32, 64\]"):
         ops.layernorm_bwd(dy[:, :32].contiguous(), x, mean, rstd, gamma)

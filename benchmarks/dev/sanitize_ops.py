@@ -114,6 +114,15 @@ if torch.cuda.get_device_capability() >= (8, 9):
     _, mu, rs = torch.native_layer_norm(xm.float(), [96], None, None, 1e-5)
     ops.layernorm_bwd(torch.randn(64 * 96 + 3, device=dev).to(torch.bfloat16)[3:].view(64, 96), xm, mu.view(-1),
                       rs.view(-1), torch.randn(96, device=dev))[0].float().sum().item()
+    # the RMSNorm variant, without weight / bias (the kernels' ones and zeros): vector and scalar
+    # statistics, the backward with and without gamma
+    print("--- fused RMSNorm", flush=True)
+    ops.ln_linear_fwd(torch.randn(400, 256, device=dev), None, None, 1e-6, w8, one, slot, one, one, rms=True)
+    ops.ln_linear_fwd(xo, lw, None, 1e-6, w8, one, slot, one, one, rms=True)[0].sum().item()
+    for M, K, dt, g in ((400, 256, torch.float32, None), (45, 2048, torch.bfloat16, torch.randn(2048, device=dev))):
+        xl = torch.randn(M, K, device=dev).to(dt)
+        rs = torch.rsqrt(xl.float().square().mean(1) + 1e-6)
+        ops.layernorm_bwd(torch.randn_like(xl), xl, torch.zeros(M, device=dev), rs, g, rms=True)[1].sum().item()
     print("--- Fp8Linear", flush=True)
     mlp = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 512), torch.nn.GELU("tanh"),
                               torch.nn.Linear(512, 256))
