@@ -4,7 +4,9 @@
 # overfits) and on a corpus large enough for 2000 steps to stay under one epoch (every .py file
 # under the stdlib and torch directories, tens of MB: CORPUS=big). The runs go side by side on the
 # GPU (all four at once), so their tokens/s say nothing; their losses do not depend on timing.
-#   STEPS=2000 CORPUS="default big" bash benchmarks/dev/long_run.sh      (logs, metrics -> $OUT)
+# ARCH="gpt2 llama" runs each corpus with each block style (examples/gpt2.py; files *_<arch>_*
+# for llama, unchanged names for gpt2).
+#   STEPS=2000 CORPUS="default big" ARCH=gpt2 bash benchmarks/dev/long_run.sh      (logs, metrics -> $OUT)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-2000}
@@ -18,16 +20,22 @@ for corpus in ${CORPUS:-default big}; do
     data="--data /tmp/corpus_big.txt"
     echo "big corpus: $(wc -c < /tmp/corpus_big.txt) bytes"
   fi
-  for mode in bf16 fp8; do
-    fp8=""; [ "$mode" = fp8 ] && fp8="--use_fp8 --fp8_backend fp8ops --fp8_policy always"
-    python3 examples/train_fp8.py $common $data $fp8 --out_dir "/tmp/runs/${corpus}_$mode" \
-      > "$OUT/long_${corpus}_$mode.log" 2>&1 &
+  for arch in ${ARCH:-gpt2}; do
+    tag=$corpus; [ "$arch" = gpt2 ] || tag="${corpus}_$arch"
+    for mode in bf16 fp8; do
+      fp8=""; [ "$mode" = fp8 ] && fp8="--use_fp8 --fp8_backend fp8ops --fp8_policy always"
+      python3 examples/train_fp8.py $common --arch "$arch" $data $fp8 --out_dir "/tmp/runs/${tag}_$mode" \
+        > "$OUT/long_${tag}_$mode.log" 2>&1 &
+    done
   done
 done
 wait
 for corpus in ${CORPUS:-default big}; do
-  for mode in bf16 fp8; do
-    cp "/tmp/runs/${corpus}_$mode/metrics.json" "$OUT/long_${corpus}_$mode.json" 2>/dev/null
-    tail -4 "$OUT/long_${corpus}_$mode.log"
+  for arch in ${ARCH:-gpt2}; do
+    tag=$corpus; [ "$arch" = gpt2 ] || tag="${corpus}_$arch"
+    for mode in bf16 fp8; do
+      cp "/tmp/runs/${tag}_$mode/metrics.json" "$OUT/long_${tag}_$mode.json" 2>/dev/null
+      tail -4 "$OUT/long_${tag}_$mode.log"
+    done
   done
 done
