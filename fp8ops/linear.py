@@ -229,8 +229,9 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
             w8t = w8t_new
             if store is not None:
                 store(w8_new, w8t_new)
-        ctx.save_for_backward(x8t, w8t, views[V_SI + X], x2, mean, rstd, ln_w, ln_b, lw,
-                              y if gelu_out is not None else None)
+        # (not the shared empty "none": made under inference_mode it could not be saved)
+        ctx.save_for_backward(x8t, w8t, views[V_SI + X], x2, mean, rstd, ln_w, ln_b,
+                              None if ln_w is None else lw, y if gelu_out is not None else None)
         _keep_context(ctx, views, static, weight, bias, x2)
         ctx.rms = rms
         return y
@@ -244,7 +245,8 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
         dxn, dw, db = _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_ln and ctx.static[8], need[3], need_db)
         dx = dlw = dlb = None
         if dxn is not None:
-            dx, dlw, dlb = _layer_norm_backward(dxn, x2, mean, rstd, ln_w, ln_b, lw, need, ctx.rms)
+            gamma = ops._empty_for(x2, torch.float32) if lw is None else lw
+            dx, dlw, dlb = _layer_norm_backward(dxn, x2, mean, rstd, ln_w, ln_b, gamma, need, ctx.rms)
         return dx, dlw, dlb, dw, db, None, None, None, None, None, None, None, None
 
 

@@ -292,3 +292,21 @@ def test_example_llama_arch_fuses_its_rmsnorms(monkeypatch):
     assert losses[-1] < losses[0], losses
     with pytest.raises(ValueError, match="arch must be one of"):
         GPTConfig(arch="mamba")
+
+
+def test_norm_without_weight_first_called_under_inference_mode_then_trains(monkeypatch):
+    """The fused norm's "no weight" argument is an empty tensor cached per device: made
+    first under torch.inference_mode, it must not be saved for a later training backward
+    (inference tensors cannot be)."""
+    torch.manual_seed(0)
+    ops._empty.clear()
+    model = convert_as_on_fp8_gpu(NormLinear(nn.RMSNorm(64, elementwise_affine=False)), monkeypatch)
+    x = torch.randn(2, 16, 64)
+    model(x).sum().backward()
+    fp8ops.step(model)  # delayed scales known: the norm fuses from here on
+    ops._empty.clear()
+    with torch.inference_mode():
+        model(x)
+    xi = x.clone().requires_grad_()
+    model(xi).square().mean().backward()
+    assert xi.grad is not None and torch.isfinite(xi.grad).all()
