@@ -672,7 +672,9 @@ class Fp8Linear(nn.Linear):
         static = (x_dt, w_dt, g_dt, cdtype, cfg.fast_accum, current, float(cfg.margin), need_wgrad, need_dgrad,
                   delayed, gelu_in, gelu_out)
         if ln_fused:
-            eps = ln.eps if ln.eps is not None else torch.finfo(x2.dtype).eps  # (RMSNorm's None: F.rms_norm's)
+            # RMSNorm's eps None: F.rms_norm's, the epsilon of its fp32 arithmetic for every input dtype
+            # this path takes (not the bf16 epsilon the docs suggest: measured, torch 2.11)
+            eps = ln.eps if ln.eps is not None else torch.finfo(torch.float32).eps
             y = _Fp8LayerNormLinearFn.apply(x2, ln.weight, ln_bias, weight, bias, w_in, w8t, b_lp, views, static,
                                             store, float(eps), rms)
         else:

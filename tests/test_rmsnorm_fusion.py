@@ -310,3 +310,23 @@ def test_norm_without_weight_first_called_under_inference_mode_then_trains(monke
     xi = x.clone().requires_grad_()
     model(xi).square().mean().backward()
     assert xi.grad is not None and torch.isfinite(xi.grad).all()
+
+
+def test_rmsnorm_eps_none_in_bfloat16_is_torchs(monkeypatch):
+    """nn.RMSNorm(eps=None) on bf16 activations: F.rms_norm then adds float32's epsilon, not
+    bfloat16's (2^-7, which would visibly shrink rows of small values); the fused norm adds the
+    same."""
+    torch.manual_seed(0)
+    base = NormLinear(nn.RMSNorm(64)).to(torch.bfloat16)
+    fused = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
+    plain = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, fuse_layernorm=False)
+    x = (torch.randn(32, 64) * 0.02).to(torch.bfloat16)  # mean(x^2) ~ 4e-4: eps 2^-7 would matter
+    for m in (fused, plain):  # past the first (current-scaled) step
+        m(x).float().sum().backward()
+        fp8ops.step(m)
+    calls = []
+    raw = ops._ln_linear_fwd_raw
+    monkeypatch.setattr(ops, "_ln_linear_fwd_raw", lambda *a: (calls.append(a[3]), raw(*a))[1])
+    y_f, y_p = fused(x).float(), plain(x).float()
+    assert calls == [torch.finfo(torch.float32).eps]
+    assert sqnr(y_p, y_f) >= 30
