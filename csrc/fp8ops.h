@@ -170,10 +170,12 @@ int fp8ops_ln_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64
  * first); partial: device scratch of
  * fp8ops_layernorm_bwd_partial_floats(rows, cols) floats. CPU and CUDA agree to
  * fp32 rounding; each is deterministic. */
-#define FP8OPS_LN_BWD_MAX_COLS 2048
+#define FP8OPS_LN_BWD_MAX_COLS 4096
 #define FP8OPS_LN_BWD_WARPS 4 /* warps per CTA */
 /* warps that share a row: its registers hold at most 1024 columns per warp */
-static inline int fp8ops_layernorm_bwd_warps_per_row(int64_t cols) { return cols > 1024 ? 2 : 1; }
+static inline int fp8ops_layernorm_bwd_warps_per_row(int64_t cols) {
+  return cols > 2048 ? 4 : cols > 1024 ? 2 : 1;
+}
 /* rows per warp (group): 4, doubled until the grid is at most 1024 CTAs */
 static inline int fp8ops_layernorm_bwd_rows_per_warp(int64_t rows, int64_t cols) {
   const int64_t in_flight = FP8OPS_LN_BWD_WARPS / fp8ops_layernorm_bwd_warps_per_row(cols);

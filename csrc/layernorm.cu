@@ -177,9 +177,10 @@ extern "C" int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype,
 // third of the memory bandwidth in GPT-2's profile, benchmarks/RESULTS.md §5).
 //
 // layernorm_bwd_kernel: WPR warps per row (1 up to 1024 columns, 2 up to
-// 2048) hold the row's x and dy in registers, each warp a slice of cols / WPR
-// columns (NV 16-byte vectors per lane), reduce sum(g) and sum(g * xhat) with
-// shuffles (and, for WPR 2, through shared memory in warp order), write dx,
+// 2048, 4 up to 4096) hold the row's x and dy in registers, each warp a slice
+// of cols / WPR columns (NV 16-byte vectors per lane), reduce sum(g) and
+// sum(g * xhat) with shuffles (and, for WPR > 1, through shared memory in
+// warp order), write dx,
 // and add dy * xhat and dy into their lanes' column sums, kept in registers
 // over the rows. Each CTA then adds its warps' sums in warp order (shared
 // memory) and writes them to partial[blockIdx.x][0 : 2 cols] (dgamma, then
@@ -343,6 +344,9 @@ static int launch_layernorm_bwd(const void* dy, const void* x, const float* mean
                                 int cols, int rows_per_warp, int64_t tiles, void* dx,
                                 float* partial, cudaStream_t s) {
   const size_t smem = 3 * (size_t)cols * sizeof(float);
+  if (smem > 40 * 1024)  // 4096 columns: 48 KB, over the default limit with the static red[]
+    FP8OPS_CHECK_CUDA(cudaFuncSetAttribute(layernorm_bwd_kernel<DT, NV, WPR>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   layernorm_bwd_kernel<DT, NV, WPR><<<(unsigned)tiles, LNB_WARPS * 32, smem, s>>>(
       dy, x, mean, rstd, gamma, rms, rows, cols, rows_per_warp, dx, partial);
   FP8OPS_CHECK_CUDA(cudaGetLastError());
@@ -351,7 +355,8 @@ static int launch_layernorm_bwd(const void* dy, const void* x, const float* mean
 
 // NV = the 16-byte vectors per lane that cover a warp's slice of at most 1024
 // columns: 1 .. 8 (fp32), 1 .. 4 (bf16, fp16). Two warps per row only for rows
-// over 1024 columns, i.e. slices over 512 (NV over 4 / 2).
+// over 1024 columns, i.e. slices over 512 (NV over 4 / 2); four only for rows
+// over 2048, slices over 512 again.
 template <int DT>
 static int layernorm_bwd_dispatch(int nv, int wpr, const void* dy, const void* x,
                                   const float* mean, const float* rstd, const float* gamma,
@@ -365,10 +370,14 @@ static int layernorm_bwd_dispatch(int nv, int wpr, const void* dy, const void* x
       if (wpr == 1)                                                                            \
         return launch_layernorm_bwd<DT, n, 1>(dy, x, mean, rstd, gamma, rms, rows, cols,       \
                                               rows_per_warp, tiles, dx, partial, s);           \
-      if constexpr (2 * n > MAX_NV)                                                            \
+      if constexpr (2 * n > MAX_NV) {                                                          \
         if (wpr == 2)                                                                          \
           return launch_layernorm_bwd<DT, n, 2>(dy, x, mean, rstd, gamma, rms, rows, cols,     \
                                                 rows_per_warp, tiles, dx, partial, s);         \
+        if (wpr == 4)                                                                          \
+          return launch_layernorm_bwd<DT, n, 4>(dy, x, mean, rstd, gamma, rms, rows, cols,     \
+                                                rows_per_warp, tiles, dx, partial, s);         \
+      }                                                                                        \
     }                                                                                          \
     break;
   switch (nv) {

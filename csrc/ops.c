@@ -1016,7 +1016,8 @@ static int run_layernorm_bwd(AtenTensorHandle in[5], bool rms, AtenTensorHandle 
     return fp8ops_layernorm_bwd_cpu(dy.data, x.data, xd, M, K, (const float*)mean.data,
                                     (const float*)rstd.data, gamma, rms, dx, dgb);
   FP8OPS_REQUIRE(fp8ops_layernorm_bwd_cols_ok(xd, K),
-                 "%s: on CUDA, K must be a multiple of %d (of twice that above 1024) and at most "
+                 "%s: on CUDA, K must be a multiple of %d (of twice that above 1024, four times "
+                 "that above 2048) and at most "
                  "%d; found K = %lld. Use torch.ops.aten.native_layer_norm_backward for this "
                  "shape", op, xd == FP8OPS_F32 ? 4 : 8, FP8OPS_LN_BWD_MAX_COLS, (long long)K);
   const int64_t pf = fp8ops_layernorm_bwd_partial_floats(M, K);

@@ -654,8 +654,11 @@ class Fp8Linear(nn.Linear):
         gelu_out = [False] if d["fp8_gelu_output"] and fusable and not compiling and torch.is_grad_enabled() \
             else None
         ln = d["fp8_ln_input"]
-        # (the fused LayerNorm keeps x's dtype, torch's LayerNorm backward wants its weight's)
-        ln_fused = ln is not None and fusable and (ln.weight is None or ln.weight.dtype == x2.dtype)
+        # (the fused LayerNorm keeps x's dtype, torch's LayerNorm backward wants its weight's; an
+        # RMSNorm only where layernorm_bwd takes its rows: torch's own RMSNorm kernels beat the
+        # fallback formula, _rms_norm_backward)
+        ln_fused = ln is not None and fusable and (ln.weight is None or ln.weight.dtype == x2.dtype) and (
+            not x2.is_cuda or not isinstance(ln, nn.RMSNorm) or ops.layernorm_bwd_cols_ok(x2.shape[1], x2.dtype))
         if ln is not None and not ln_fused:
             x2 = _normalize(ln, x2)
         rms = ln_fused and isinstance(ln, nn.RMSNorm)  # (an RMSNorm has no bias attribute)

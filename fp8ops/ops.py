@@ -381,24 +381,29 @@ def _ln_linear_fwd_fake(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_
 
 
 # the CUDA layernorm_bwd's limits (csrc/fp8ops.h): at most this many columns, in slices of whole
-# 16-byte vectors, one slice per warp: one up to 1024 columns, two above
-LN_BWD_MAX_COLS = 2048
+# 16-byte vectors, one slice per warp: one up to 1024 columns, two up to 2048, four above
+LN_BWD_MAX_COLS = 4096
+
+
+def layernorm_bwd_cols_ok(K: int, dtype: torch.dtype) -> bool:
+    """Whether the CUDA layernorm_bwd takes rows of K elements of this dtype."""
+    slices = 4 if K > 2048 else 2 if K > 1024 else 1
+    return 0 < K <= LN_BWD_MAX_COLS and (K * dtype.itemsize) % (16 * slices) == 0
 
 
 def layernorm_bwd_fusable(dy: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether layernorm_bwd takes these tensors: one dtype, 2-D, contiguous;
     on CUDA also rows of at most LN_BWD_MAX_COLS columns whose slices (one,
-    or two above 1024 columns) are whole 16-byte vectors (the CPU kernel takes
-    any row). Shapes, dtypes and strides only, so torch.compile can decide it
-    while tracing: a view at a misaligned offset is copied by the op itself."""
+    two above 1024 columns, four above 2048) are whole 16-byte vectors
+    (layernorm_bwd_cols_ok; the CPU kernel takes any row). Shapes, dtypes and
+    strides only, so torch.compile can decide it while tracing: a view at a
+    misaligned offset is copied by the op itself."""
     if (dy.dtype != x.dtype or x.dtype not in HP_DTYPES or x.dim() != 2 or dy.shape != x.shape
             or not x.is_contiguous() or not dy.is_contiguous() or x.shape[1] == 0):
         return False
     if not x.is_cuda:
         return True
-    K, size = x.shape[1], x.element_size()
-    slices = 2 if K > 1024 else 1
-    return K <= LN_BWD_MAX_COLS and (K * size) % (16 * slices) == 0
+    return layernorm_bwd_cols_ok(x.shape[1], x.dtype)
 
 
 def layernorm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
@@ -429,8 +434,8 @@ def _layernorm_bwd_fake(dy, x, mean, rstd, weight, rms=False):
     _chk(K > 0, f"{op}: x has no columns")
     _chk(layernorm_bwd_fusable(dy, x),
          f"{op}: on CUDA, K must be a multiple of {4 if x.dtype == torch.float32 else 8} (of twice that above "
-         f"1024) and at most {LN_BWD_MAX_COLS}; found K = {K}. Use torch.ops.aten.native_layer_norm_backward "
-         f"for this shape")
+         f"1024, four times that above 2048) and at most {LN_BWD_MAX_COLS}; found K = {K}. Use "
+         f"torch.ops.aten.native_layer_norm_backward for this shape")
     for name, t, n in (("mean", mean, M), ("rstd", rstd, M), ("weight", weight, K)):
         if name == "weight" and t.numel() == 0:
             continue  # none: ones

@@ -271,11 +271,12 @@ def _ln_bwd_inputs(M, K, dtype, device, offset=0):
 @pytest.mark.parametrize("device", FP8_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M, K", [(256, 768), (1000, 64), (20000, 96), (8, 1024), (37, 8), (0, 64), (300, 1040),
-                                  (4100, 2048)])
+                                  (4100, 2048), (40, 3072), (300, 4096)])
 def test_layernorm_bwd_matches_torch(device, dtype, M, K):
     """dx, dgamma and dbeta against torch's LayerNorm backward in float64, from the same
     mean and rstd. M=1000: a partial CTA; 20000: more rows per warp (fp8ops.h); K=1024 the
-    widest row one warp holds, 1040 and 2048 rows two warps share (2048 the widest); M=0:
+    widest row one warp holds, 1040 and 2048 rows two warps share, 3072 and 4096 (the widest)
+    rows four warps share, in 48 KB of shared memory at 4096; M=0:
     zero column sums. On CUDA: the same bits twice, and the CPU kernel's values to rounding."""
     torch.manual_seed(0)
     dy, x, mean, rstd, gamma = _ln_bwd_inputs(M, K, dtype, device)
@@ -300,12 +301,13 @@ def test_layernorm_bwd_matches_torch(device, dtype, M, K):
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
 def test_layernorm_bwd_shapes_outside_the_kernel_take_torchs(device):
-    """Rows the CUDA kernel does not hold (too wide; 1028: two slices of 514 floats, not
-    whole 16-byte vectors; 100 bf16 not whole vectors) fail the fusable test on CUDA, so
+    """Rows the CUDA kernel does not hold (4112: too wide; 2052: four slices of 513 floats,
+    1028: two of 514, not whole 16-byte vectors; 100 bf16 not whole vectors) fail the
+    fusable test on CUDA, so
     the fused LayerNorm's backward runs torch's there; called anyway, the op says why and
     what to use. The CPU kernel takes them."""
     torch.manual_seed(0)
-    cases = [(torch.float32, 2052, 0), (torch.float32, 1028, 0), (torch.bfloat16, 100, 0)]
+    cases = [(torch.float32, 4112, 0), (torch.float32, 2052, 0), (torch.float32, 1028, 0), (torch.bfloat16, 100, 0)]
     for dtype, K, offset in cases:
         dy, x, mean, rstd, gamma = _ln_bwd_inputs(16, K, dtype, device, offset)
         assert ops.layernorm_bwd_fusable(dy, x) == (device == "cpu")

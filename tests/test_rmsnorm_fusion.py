@@ -205,11 +205,11 @@ def _rms_reference(dy, x, gamma, eps=1e-6):
 @pytest.mark.parametrize("device", FP8_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_weight", [True, False])
-@pytest.mark.parametrize("M, K", [(256, 768), (1000, 64), (8, 1024), (300, 2048)])
+@pytest.mark.parametrize("M, K", [(256, 768), (1000, 64), (8, 1024), (300, 2048), (100, 4096)])
 def test_layernorm_bwd_rms_matches_autograd(device, dtype, with_weight, M, K):
     """layernorm_bwd(rms=True) against autograd through F.rms_norm in float64: dx, and
-    dgamma in dweight_bias[0]. K=2048: two warps per row. On CUDA: the same bits twice and
-    the CPU kernel's values to rounding."""
+    dgamma in dweight_bias[0]. K=2048: two warps per row, 4096 four. On CUDA: the same bits
+    twice and the CPU kernel's values to rounding."""
     torch.manual_seed(0)
     dy, x, mean, rstd, gamma = _rms_inputs(M, K, dtype, device)
     g = gamma if with_weight else None
@@ -330,3 +330,15 @@ def test_rmsnorm_eps_none_in_bfloat16_is_torchs(monkeypatch):
     y_f, y_p = fused(x).float(), plain(x).float()
     assert calls == [torch.finfo(torch.float32).eps]
     assert sqnr(y_p, y_f) >= 30
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+@pytest.mark.parametrize("K", [4096, 4112])
+def test_rmsnorm_fuses_only_where_its_backward_kernel_runs(device, K, monkeypatch):
+    """On CUDA an RMSNorm runs fused only for rows layernorm_bwd takes (4096 columns, not
+    4112): elsewhere torch's RMSNorm kernels beat the fallback formula. The CPU kernels take
+    any row. Either way the layer trains as the unfused one."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.RMSNorm(K), nn.Linear(K, 32, bias=False)).to(device)
+    calls, _ = _train_like_unfused(base, torch.randn(16, K, device=device), device, monkeypatch)
+    assert len(calls) == (0 if device == "cuda" and K == 4112 else 2)

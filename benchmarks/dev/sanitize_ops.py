@@ -105,7 +105,8 @@ if torch.cuda.get_device_capability() >= (8, 9):
         torch.float8_e4m3fn), one, slot, one, one)[0].sum().item()
     # its backward: a partial CTA, more rows per warp, two warps per row (fp8ops.h), each dtype
     for M, K, dt in ((400, 256, torch.float32), (20000, 64, torch.bfloat16), (37, 1024, torch.float16),
-                     (45, 2048, torch.float32), (9, 1040, torch.bfloat16)):
+                     (45, 2048, torch.float32), (9, 1040, torch.bfloat16), (13, 4096, torch.float32),
+                     (70, 3072, torch.bfloat16)):
         xl = torch.randn(M, K, device=dev).to(dt)
         _, mu, rs = torch.native_layer_norm(xl.float(), [K], None, None, 1e-5)
         ops.layernorm_bwd(torch.randn_like(xl), xl, mu.view(-1), rs.view(-1), torch.randn(K, device=dev))[1].sum().item()
@@ -119,7 +120,8 @@ if torch.cuda.get_device_capability() >= (8, 9):
     print("--- fused RMSNorm", flush=True)
     ops.ln_linear_fwd(torch.randn(400, 256, device=dev), None, None, 1e-6, w8, one, slot, one, one, rms=True)
     ops.ln_linear_fwd(xo, lw, None, 1e-6, w8, one, slot, one, one, rms=True)[0].sum().item()
-    for M, K, dt, g in ((400, 256, torch.float32, None), (45, 2048, torch.bfloat16, torch.randn(2048, device=dev))):
+    for M, K, dt, g in ((400, 256, torch.float32, None), (45, 2048, torch.bfloat16, torch.randn(2048, device=dev)),
+                        (21, 4096, torch.float32, torch.randn(4096, device=dev))):
         xl = torch.randn(M, K, device=dev).to(dt)
         rs = torch.rsqrt(xl.float().square().mean(1) + 1e-6)
         ops.layernorm_bwd(torch.randn_like(xl), xl, torch.zeros(M, device=dev), rs, g, rms=True)[1].sum().item()
