@@ -50,6 +50,8 @@ MODELS = {
     "1b": dict(cfg=dict(n_layer=16, n_head=16, n_embd=2048, block_size=2048), batch=4),
     # the 1b shape with Llama-style blocks (examples/gpt2.py: RMSNorm, SwiGLU, no biases); no target
     "llama1b": dict(cfg=dict(n_layer=16, n_head=16, n_embd=2048, block_size=2048, arch="llama"), batch=4),
+    # four blocks of a 7B Llama's width (d4096, SwiGLU hidden 11008): the 4096-wide norms; no target
+    "llama4096": dict(cfg=dict(n_layer=4, n_head=32, n_embd=4096, block_size=2048, arch="llama"), batch=4),
 }
 VOCAB = 50304
 # fp8ops_unfused: fp8ops with Fp8Config(fuse_gelu=False, fuse_layernorm=False), the GELUs and LayerNorms left to
