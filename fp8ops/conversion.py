@@ -118,7 +118,7 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
         from .layernorm_fusion import fuse_layernorm  # noqa: PLC0415 -- imports torch.fx
         for f in fuse_layernorm(model):
             backend, reason = decisions.get(f.consumer, ("fp8ops", "converted"))
-            norm = type(model.get_submodule(f.layernorm)).__mro__[1].__name__  # LayerNorm or RMSNorm
+            norm = "RMSNorm" if isinstance(model.get_submodule(f.layernorm), nn.RMSNorm) else "LayerNorm"
             decisions[f.consumer] = (backend, f"{reason}; {norm} {f.layernorm} fused into its input cast")
     n_fp8 = sum(1 for b, _ in decisions.values() if b == "fp8ops")
     log.info("fp8ops: %d of %d linear layers converted to FP8 (%s)", n_fp8, len(decisions), config.short_str())

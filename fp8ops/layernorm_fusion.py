@@ -32,8 +32,8 @@ import torch.nn as nn
 from .gelu_fusion import _hooked, _single, candidates
 from .linear import Fp8Linear
 
-class LayerNormFusedIntoLinear(nn.LayerNorm):
-    """An nn.LayerNorm whose normalization the next (FP8) linear applies: its
+class _AppliedByNextLinear:
+    """A norm module whose normalization the next (FP8) linear applies: its
     forward passes x through unchanged. Same parameters and state_dict keys."""
 
     def forward(self, x):
@@ -43,15 +43,12 @@ class LayerNormFusedIntoLinear(nn.LayerNorm):
         return super().extra_repr() + ", applied by the next linear (fused)"
 
 
-class RMSNormFusedIntoLinear(nn.RMSNorm):
-    """An nn.RMSNorm whose normalization the next (FP8) linear applies: its
-    forward passes x through unchanged. Same parameters and state_dict keys."""
+class LayerNormFusedIntoLinear(_AppliedByNextLinear, nn.LayerNorm):
+    """An nn.LayerNorm the next linear applies (_AppliedByNextLinear)."""
 
-    def forward(self, x):
-        return x
 
-    def extra_repr(self) -> str:
-        return super().extra_repr() + ", applied by the next linear (fused)"
+class RMSNormFusedIntoLinear(_AppliedByNextLinear, nn.RMSNorm):
+    """An nn.RMSNorm the next linear applies (_AppliedByNextLinear)."""
 
 
 _FUSED_CLASS = {nn.LayerNorm: LayerNormFusedIntoLinear, nn.RMSNorm: RMSNormFusedIntoLinear}

@@ -56,6 +56,27 @@ def assert_compiled_matches_eager(base, monkeypatch, input_shape, steps=3):
             assert sqnr(a, b) >= 30
 
 
+def assert_trains_like(fused, plain, x, steps=3, min_sqnr=25):
+    """`steps` SGD steps of two copies of a model on x: outputs (>= 30 dB), the input's
+    gradient and every parameter's gradient (>= min_sqnr) equal to FP8 rounding."""
+    from fp8ops._reference import sqnr  # noqa: PLC0415
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (fused, plain)]
+    for step in range(steps):
+        res = []
+        for m, opt in zip((fused, plain), opts):
+            xi = x.clone().requires_grad_()
+            y = m(xi)
+            (y.float() ** 2).mean().backward()
+            res.append((y.detach().float(), xi.grad, {n: p.grad.clone() for n, p in m.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+        (y_f, dx_f, g_f), (y_p, dx_p, g_p) = res
+        assert sqnr(y_p, y_f) >= 30, step
+        assert sqnr(dx_p, dx_f) >= min_sqnr, step
+        for n in g_p:
+            assert sqnr(g_p[n], g_f[n]) >= min_sqnr, (step, n, sqnr(g_p[n], g_f[n]))
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
