@@ -217,9 +217,8 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
          gelu_in, gelu_out) = static
         assert not current and not gelu_in, "the fused LayerNorm needs known scales and no fused GELU input"
         # fp32 [K] copies of the norm's parameters (free for fp32 ones); none: an empty tensor
-        none = ops._empty_for(x2, torch.float32)
-        lw = none if ln_w is None else ln_w.detach().float()
-        lb = none if ln_b is None else ln_b.detach().float()
+        lw = ops._empty_for(x2, torch.float32) if ln_w is None else ln_w.detach().float()
+        lb = ops._empty_for(x2, torch.float32) if ln_b is None else ln_b.detach().float()
         if b_lp is None:
             b_lp = ops._empty_bias_for(x2, out_dtype)
         y, x8t, w8_new, w8t_new, mean, rstd = ops._ln_linear_fwd_raw(
@@ -654,15 +653,16 @@ class Fp8Linear(nn.Linear):
         gelu_out = [False] if d["fp8_gelu_output"] and fusable and not compiling and torch.is_grad_enabled() \
             else None
         ln = d["fp8_ln_input"]
+        is_rms = isinstance(ln, nn.RMSNorm)
         # (the fused LayerNorm keeps x's dtype, torch's LayerNorm backward wants its weight's; an
         # RMSNorm only where layernorm_bwd takes its rows: torch's own RMSNorm kernels beat the
         # fallback formula, _rms_norm_backward)
         ln_fused = ln is not None and fusable and (ln.weight is None or ln.weight.dtype == x2.dtype) and (
-            not x2.is_cuda or not isinstance(ln, nn.RMSNorm) or ops.layernorm_bwd_cols_ok(x2.shape[1], x2.dtype))
+            not x2.is_cuda or not is_rms or ops.layernorm_bwd_cols_ok(x2.shape[1], x2.dtype))
         if ln is not None and not ln_fused:
             x2 = _normalize(ln, x2)
-        rms = ln_fused and isinstance(ln, nn.RMSNorm)  # (an RMSNorm has no bias attribute)
-        ln_bias = None if not ln_fused or rms else ln.bias
+        rms = ln_fused and is_rms
+        ln_bias = None if not ln_fused or rms else ln.bias  # (an RMSNorm has no bias attribute)
         d["_fp8_cast_since_update"] = True
         grad = torch.is_grad_enabled()
         need_wgrad = grad and weight.requires_grad
