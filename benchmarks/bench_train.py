@@ -54,8 +54,8 @@ MODELS = {
     "llama4096": dict(cfg=dict(n_layer=4, n_head=32, n_embd=4096, block_size=2048, arch="llama"), batch=4),
 }
 VOCAB = 50304
-# fp8ops_unfused: fp8ops with Fp8Config(fuse_gelu=False, fuse_layernorm=False), the GELUs and LayerNorms left to
-# torch (what the fusions save)
+# fp8ops_unfused: fp8ops with Fp8Config(fuse_gelu=False, fuse_layernorm=False, fuse_swiglu=False), the GELUs,
+# norms and SwiGLUs left to torch (what the fusions save)
 VARIANTS = ("bf16", "bf16_compiled", "fp8ops", "fp8ops_compiled", "fp8ops_unfused", "torchao_compiled", "torchao")
 DEFAULT_VARIANTS = "bf16,bf16_compiled,fp8ops,fp8ops_compiled,torchao_compiled"
 TARGETS = {"small": 1.15, "1b": 1.30}
@@ -91,9 +91,9 @@ def build(variant: str, GPT, GPTConfig, lm_filter, mcfg: dict, args, fp8ops, exa
     model = GPT(cfg).to(DEVICE)  # fp32 master weights
     note = ""
     if variant.startswith("fp8ops"):
+        fuse = variant != "fp8ops_unfused"
         fp8ops.convert(model, config=fp8ops.Fp8Config(policy=args.fp8_policy, recipe=args.fp8_recipe,
-                                                      fuse_gelu=variant != "fp8ops_unfused",
-                                                      fuse_layernorm=variant != "fp8ops_unfused"),
+                                                      fuse_gelu=fuse, fuse_layernorm=fuse, fuse_swiglu=fuse),
                        module_filter_fn=lm_filter)
         n_fp8 = sum(type(m).__name__ == "Fp8Linear" for m in model.modules())
         n_lin = sum(isinstance(m, torch.nn.Linear) for m in model.modules())

@@ -33,7 +33,9 @@
  * instances of the transposing kernel (fp8ops_dgelu_cast_accumulate_cuda)
  * likewise replace each element x of the output gradient by
  * x * gelu_tanh'(h) (h read from a second input of the same shape), rounded
- * to x's dtype: what torch's GELU backward would have written.
+ * to x's dtype: what torch's GELU backward would have written. SWIGLU
+ * instances (fp8ops_swiglu_cast_accumulate_cuda) read x [rows, 2 * cols] and
+ * replace each element by silu(gate) * up of its two halves (swiglu.h).
  * Nothing here allocates, synchronises or reads device memory from the host,
  * so every launcher can be captured in a CUDA graph.
  */
@@ -44,6 +46,7 @@
 #include "common.h"       // defines: FP8OPS_REQUIRE, FP8OPS_CHECK_CUDA, FP8OPS_CEIL_DIV
 #include "fp8_convert.h"  // defines: fp8ops_f32_bits / bits_f32, fp8ops_bf16/f16_to_f32
 #include "gelu.h"         // defines: fp8ops_gelu_tanh
+#include "swiglu.h"       // defines: fp8ops_silu
 #include "load_elem.cuh"  // defines: load_elem, vec_elem, map_vec
 
 // ----------------------------------------------------------------------------
@@ -129,19 +132,6 @@ __host__ __device__ __forceinline__ uint32_t cast_byte(float x, float scale) {
   return code | (((nan ? nan_sign : yb) >> 24) & 0x80u);
 }
 
-// f(x) rounded to dtype DT: what a torch kernel computing f on a tensor of
-// dtype DT writes (the fused prologues below replace such a kernel).
-template <int DT>
-__device__ __forceinline__ float round_to(float f) {
-  if constexpr (DT == FP8OPS_BF16) {
-    return fp8ops_bf16_to_f32(fp8ops_f32_to_bf16(f));
-  } else if constexpr (DT == FP8OPS_F16) {
-    return fp8ops_f16_to_f32(fp8ops_f32_to_f16(f));
-  } else {
-    return f;
-  }
-}
-
 // The operands of a cast kernel's prologue (ACT): the GELU's input for
 // ACT_DGELU; per-row mean / rstd and per-column gamma / beta for ACT_LN
 // (gamma, beta NULL: ones, zeros; an RMSNorm's mean is 0, layernorm.cu).
@@ -158,6 +148,7 @@ struct Prologue {
 #define ACT_GELU 1   // cast gelu_tanh(x)
 #define ACT_DGELU 2  // cast x * gelu_tanh'(aux)
 #define ACT_LN 3     // cast LayerNorm(x): gamma * (rstd * (x - mean)) + beta, per row / column
+#define ACT_SWIGLU 4 // cast silu(x[:, :cols]) * x[:, cols:], x [rows, 2 * cols] (swiglu.h)
 
 // ----------------------------------------------------------------------------
 // CUDA helpers (amax, packing)
@@ -432,7 +423,8 @@ __device__ __forceinline__ void cast_batch(const uint4 (&v)[N], float scale, Abs
 // then adds the tiles in row order (the order fp8ops_dbias_cpu defines). A
 // row past the end of the last tile counts as +0 (the loads there are 0).
 template <int DT, int FMT, bool DB, int ACT>
-__global__ void __launch_bounds__(CT_THREADS, DB || (ACT == ACT_DGELU && DT == FP8OPS_F16)
+__global__ void __launch_bounds__(CT_THREADS, DB || ((ACT == ACT_DGELU || ACT == ACT_SWIGLU) &&
+                                                     DT == FP8OPS_F16)
                                                   ? CT_MIN_BLOCKS_DB(DT)
                                                   : CT_MIN_BLOCKS(DT))
     cast_transpose_kernel(const void* __restrict__ x, const float* __restrict__ scale_p,
@@ -460,12 +452,29 @@ __global__ void __launch_bounds__(CT_THREADS, DB || (ACT == ACT_DGELU && DT == F
   // once, so the loads are marked evict-first (ld.global.cs).
   uint4 v[CT_RB];
   const int64_t off = (row0 + h * CT_RB) * cols + col0 + l * VEC;  // element offset of row 0
+  // x's rows are 2 * cols long for the SwiGLU (gate, then up), cols otherwise
+  constexpr int XW = ACT == ACT_SWIGLU ? 2 : 1;
   if (valid) {
-    const uint4* src = (const uint4*)((const char*)x + off * ESZ);
-    const int64_t stride = cols * ESZ / 16;  // one row in uint4
+    const int64_t xoff = XW == 1 ? off : (row0 + h * CT_RB) * XW * cols + col0 + l * VEC;
+    const uint4* src = (const uint4*)((const char*)x + xoff * ESZ);
+    const int64_t stride = XW * cols * ESZ / 16;  // one row of x in uint4
 #pragma unroll
     for (int i = 0; i < CT_RB; ++i) v[i] = __ldcs(src + i * stride);
-    if constexpr (ACT == ACT_GELU) {
+    if constexpr (ACT == ACT_SWIGLU) {
+      // up: cols elements after gate in the same row; silu(gate) rounded to DT
+      // first, as torch's silu writes it (map_vec rounds the product)
+      const uint4* src_u = src + cols * ESZ / 16;
+      uint4 uv[CT_RB];
+#pragma unroll
+      for (int i = 0; i < CT_RB; ++i) uv[i] = __ldcs(src_u + i * stride);
+#pragma unroll
+      for (int i = 0; i < CT_RB; ++i) {
+        const uint4 u = uv[i];
+        v[i] = map_vec<DT>(v[i], [&](int j, float g) {
+          return round_to<DT>(fp8ops_silu(g)) * vec_elem<DT>(u, j);
+        });
+      }
+    } else if constexpr (ACT == ACT_GELU) {
 #pragma unroll
       for (int i = 0; i < CT_RB; ++i)
         v[i] = map_vec<DT>(v[i], [](int, float x) { return fp8ops_gelu_tanh(x); });
@@ -1081,6 +1090,50 @@ extern "C" int fp8ops_dgelu_cast_accumulate_cuda(const void* x, const void* aux,
     default: FP8OPS_DGELU_LAUNCH(FP8OPS_F16);
   }
 #undef FP8OPS_DGELU_LAUNCH
+}
+
+// The SwiGLU cast (fast path only; fp8ops_swiglu_cast_fusable says when):
+// silu(gate) * up of x [rows, 2 * cols] cast and transposed, amax folded in.
+template <int DT, int FMT>
+static int launch_swiglu_cast(const void* x, int64_t rows, int64_t cols, const float* scale,
+                              uint8_t* out, uint8_t* out_t, float* amax, cudaStream_t stream) {
+  const dim3 grid((unsigned)FP8OPS_CEIL_DIV(cols, (int64_t)CT_TN(DT)),
+                  (unsigned)FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM));
+  cast_transpose_kernel<DT, FMT, false, ACT_SWIGLU><<<grid, CT_THREADS, 0, stream>>>(
+      x, scale, out, out_t, amax, rows, cols, NULL, kNoPrologue);
+  FP8OPS_CHECK_CUDA(cudaGetLastError());
+  return FP8OPS_OK;
+}
+
+extern "C" int fp8ops_swiglu_cast_fusable(const void* x, int64_t rows, int64_t cols,
+                                          const uint8_t* out, const uint8_t* out_t) {
+  // (x's rows are 2 * cols long: with cols % 16 == 0 every row and the up half
+  // start 16-byte aligned when x does, as ct_fast asks of a [rows, cols] input)
+  return rows > 0 && cols > 0 && cols <= INT64_MAX / 2 && ct_fast(x, rows, cols, out, out_t);
+}
+
+extern "C" int fp8ops_swiglu_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype,
+                                                  int64_t rows, int64_t cols, const float* scale,
+                                                  fp8ops_fp8_format fmt, uint8_t* out,
+                                                  uint8_t* out_t, float* amax, void* stream) {
+  FP8OPS_REQUIRE(fp8ops_swiglu_cast_fusable(x, rows, cols, out, out_t),
+                 "cast: the fused SwiGLU cast needs out_t, rows and cols multiples of 16 and "
+                 "16-byte aligned pointers (fp8ops_swiglu_cast_fusable)");
+  FP8OPS_REQUIRE(x_dtype == FP8OPS_F32 || x_dtype == FP8OPS_BF16 || x_dtype == FP8OPS_F16,
+                 "cast: unknown input dtype code %d", (int)x_dtype);
+  FP8OPS_REQUIRE(fmt == FP8OPS_E4M3 || fmt == FP8OPS_E5M2, "cast: unknown fp8 format %d", (int)fmt);
+  FP8OPS_REQUIRE(scale && amax && aligned(amax, sizeof(float)), "cast: bad scale / amax pointer");
+  cudaStream_t s = (cudaStream_t)stream;
+#define FP8OPS_SWIGLU_LAUNCH(DT)                                                                 \
+  return fmt == FP8OPS_E4M3                                                                       \
+             ? launch_swiglu_cast<DT, FP8OPS_E4M3>(x, rows, cols, scale, out, out_t, amax, s)     \
+             : launch_swiglu_cast<DT, FP8OPS_E5M2>(x, rows, cols, scale, out, out_t, amax, s)
+  switch (x_dtype) {
+    case FP8OPS_F32: FP8OPS_SWIGLU_LAUNCH(FP8OPS_F32);
+    case FP8OPS_BF16: FP8OPS_SWIGLU_LAUNCH(FP8OPS_BF16);
+    default: FP8OPS_SWIGLU_LAUNCH(FP8OPS_F16);
+  }
+#undef FP8OPS_SWIGLU_LAUNCH
 }
 
 // out[i] = x[i] * gelu_tanh'(aux[i]) rounded to DT: the GELU's gradient as a

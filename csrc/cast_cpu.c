@@ -1,6 +1,6 @@
 /*
  * cast_cpu.c -- CPU reference kernels of fp8ops::cast and fp8ops::amax (and
- * of the fused GELU and LayerNorm around them). The casts define the semantics
+ * of the fused GELU, SwiGLU and LayerNorm around them). The casts define the semantics
  * the CUDA kernels are tested against bit for bit.
  */
 #include <math.h>
@@ -10,6 +10,7 @@
 #include "common.h"
 #include "fp8_convert.h"
 #include "gelu.h"
+#include "swiglu.h"
 
 // ----------------------------------------------------------------------------
 // helpers
@@ -28,6 +29,15 @@ static inline float round_hp(float v, fp8ops_hp_dtype dt) {
     case FP8OPS_BF16: return fp8ops_bf16_to_f32(fp8ops_f32_to_bf16(v));
     case FP8OPS_F16: return fp8ops_f16_to_f32(fp8ops_f32_to_f16(v));
     default: return v;
+  }
+}
+
+/* element i of x (dtype dt) set to v rounded to dt */
+static inline void store_hp(void* x, fp8ops_hp_dtype dt, int64_t i, float v) {
+  switch (dt) {
+    case FP8OPS_BF16: ((uint16_t*)x)[i] = fp8ops_f32_to_bf16(v); break;
+    case FP8OPS_F16: ((uint16_t*)x)[i] = fp8ops_f32_to_f16(v); break;
+    default: ((float*)x)[i] = v;
   }
 }
 
@@ -153,12 +163,7 @@ int fp8ops_layernorm_bwd_cpu(const void* dy, const void* x, fp8ops_hp_dtype dtyp
       const float xh = (load_hp(x, dtype, r * cols + c) - m) * rs;
       col[c] += (double)d * xh;
       col[cols + c] += d;
-      const float v = rs * (d * (gamma ? gamma[c] : 1.0f) - c1 - xh * c2);
-      switch (dtype) {
-        case FP8OPS_BF16: ((uint16_t*)dx)[r * cols + c] = fp8ops_f32_to_bf16(v); break;
-        case FP8OPS_F16: ((uint16_t*)dx)[r * cols + c] = fp8ops_f32_to_f16(v); break;
-        default: ((float*)dx)[r * cols + c] = v;
-      }
+      store_hp(dx, dtype, r * cols + c, rs * (d * (gamma ? gamma[c] : 1.0f) - c1 - xh * c2));
     }
   }
   for (int64_t c = 0; c < 2 * cols; ++c) dgb[c] = (float)col[c];
@@ -172,13 +177,43 @@ int fp8ops_gelu_grad_cpu(const void* x, const void* aux, fp8ops_hp_dtype dtype, 
   FP8OPS_REQUIRE(dtype == FP8OPS_F32 || dtype == FP8OPS_BF16 || dtype == FP8OPS_F16,
                  "gelu_grad: unknown dtype code %d", (int)dtype);
   for (int64_t i = 0; i < n; ++i) {
-    const float v = load_hp(x, dtype, i) * fp8ops_gelu_tanh_grad(load_hp(aux, dtype, i));
-    switch (dtype) {
-      case FP8OPS_BF16: ((uint16_t*)out)[i] = fp8ops_f32_to_bf16(v); break;
-      case FP8OPS_F16: ((uint16_t*)out)[i] = fp8ops_f32_to_f16(v); break;
-      default: ((float*)out)[i] = v;
-    }
+    store_hp(out, dtype, i, load_hp(x, dtype, i) * fp8ops_gelu_tanh_grad(load_hp(aux, dtype, i)));
   }
+  return FP8OPS_OK;
+}
+
+static int swiglu_args(const char* op, const void* a, const void* b, fp8ops_hp_dtype dtype,
+                       int64_t rows, int64_t cols, const void* out) {
+  FP8OPS_REQUIRE(rows >= 0 && cols >= 0 && (rows * cols == 0 || (a && b && out)),
+                 "%s: bad arguments", op);
+  FP8OPS_REQUIRE(dtype == FP8OPS_F32 || dtype == FP8OPS_BF16 || dtype == FP8OPS_F16,
+                 "%s: unknown dtype code %d", op, (int)dtype);
+  return FP8OPS_OK;
+}
+
+int fp8ops_swiglu_cpu(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
+                      void* out) {
+  FP8OPS_TRY(swiglu_args("swiglu", x, x, dtype, rows, cols, out));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float s = round_hp(fp8ops_silu(load_hp(x, dtype, 2 * r * cols + c)), dtype);
+      store_hp(out, dtype, r * cols + c, s * load_hp(x, dtype, (2 * r + 1) * cols + c));
+    }
+  return FP8OPS_OK;
+}
+
+int fp8ops_swiglu_grad_cpu(const void* dh, const void* x, fp8ops_hp_dtype dtype, int64_t rows,
+                           int64_t cols, void* dx) {
+  FP8OPS_TRY(swiglu_args("swiglu_grad", dh, x, dtype, rows, cols, dx));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t gi = 2 * r * cols + c, ui = gi + cols;
+      const float d = load_hp(dh, dtype, r * cols + c), g = load_hp(x, dtype, gi);
+      const float dup = d * round_hp(fp8ops_silu(g), dtype);
+      const float dgate = round_hp(d * load_hp(x, dtype, ui), dtype) * fp8ops_silu_grad(g);
+      store_hp(dx, dtype, gi, dgate);
+      store_hp(dx, dtype, ui, dup);
+    }
   return FP8OPS_OK;
 }
 

@@ -124,6 +124,34 @@ int fp8ops_dgelu_cast_accumulate_cuda(const void* x, const void* aux, fp8ops_hp_
                                       float* amax, float* dbias, float* partial,
                                       int64_t partial_floats, void* stream);
 
+/* The SwiGLU activation (swiglu_fusion.py): x [rows, 2 * cols] holds gate =
+ * x[:, :cols] and up = x[:, cols:] (one projection's output, chunked).
+ * swiglu: out [rows, cols] = silu(gate) * up, rounded to `dtype` after the
+ * SiLU and after the product (the tensors torch's silu and mul write).
+ * swiglu_grad: its backward, dx [rows, 2 * cols] from the output's gradient
+ * dh [rows, cols]: dgate = round(round(dh * up) * silu'(gate)), dup =
+ * round(dh * round(silu(gate))) (torch's mul and silu_backward, and the chunk's
+ * cat, in one pass). swiglu.h has the formulas; CPU and CUDA agree to expf's
+ * rounding. */
+int fp8ops_swiglu_cpu(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
+                      void* out);
+int fp8ops_swiglu_cuda(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
+                       void* out, void* stream);
+int fp8ops_swiglu_grad_cpu(const void* dh, const void* x, fp8ops_hp_dtype dtype, int64_t rows,
+                           int64_t cols, void* dx);
+int fp8ops_swiglu_grad_cuda(const void* dh, const void* x, fp8ops_hp_dtype dtype, int64_t rows,
+                            int64_t cols, void* dx, void* stream);
+/* cast_accumulate of swiglu(x) (x [rows, 2 * cols]; out [rows, cols], out_t
+ * [cols, rows], amax of swiglu(x)) in the cast's own pass over x: the input
+ * cast of the linear a SwiGLU feeds. Fast path only (out_t, rows and cols
+ * multiples of 16, 16-byte aligned pointers): fp8ops_swiglu_cast_fusable says
+ * when; else fp8ops_swiglu_cuda into a buffer, then the plain cast. */
+int fp8ops_swiglu_cast_fusable(const void* x, int64_t rows, int64_t cols, const uint8_t* out,
+                               const uint8_t* out_t);
+int fp8ops_swiglu_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
+                                       int64_t cols, const float* scale, fp8ops_fp8_format fmt,
+                                       uint8_t* out, uint8_t* out_t, float* amax, void* stream);
+
 /* The LayerNorm or RMSNorm fused into an FP8 linear's input cast
  * (layernorm_fusion.py). layernorm_stats: per row of x [rows, cols], mean[r]
  * and rstd[r] = 1 / sqrt(var[r] + eps) (biased variance), fp32: what torch's

@@ -9,7 +9,7 @@
 #include <cuda_fp16.h>  // defines: __half2float, __ushort_as_half
 #include <stdint.h>
 
-#include "fp8_convert.h"  // defines: fp8ops_bf16_to_f32, fp8ops_f16_to_f32
+#include "fp8_convert.h"  // defines: fp8ops_bf16_to_f32, fp8ops_f32_to_bf16
 #include "fp8ops.h"       // defines: FP8OPS_F32, FP8OPS_BF16
 
 // Element i of x (dtype DT), as float.
@@ -37,6 +37,19 @@ __device__ __forceinline__ float vec_elem(const uint4& v, int j) {
     return fp8ops_bits_f32((j & 1) ? (w & 0xFFFF0000u) : (w << 16));
   } else {
     return __half2float(__ushort_as_half((unsigned short)((j & 1) ? (w >> 16) : (w & 0xFFFFu))));
+  }
+}
+
+// f(x) rounded to dtype DT: what a torch kernel computing f on a tensor of
+// dtype DT writes (what the cast kernels' fused prologues replace).
+template <int DT>
+__device__ __forceinline__ float round_to(float f) {
+  if constexpr (DT == FP8OPS_BF16) {
+    return fp8ops_bf16_to_f32(fp8ops_f32_to_bf16(f));
+  } else if constexpr (DT == FP8OPS_F16) {
+    return fp8ops_f16_to_f32(fp8ops_f32_to_f16(f));
+  } else {
+    return f;
   }
 }
 

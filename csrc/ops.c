@@ -16,6 +16,7 @@
  *   cast_accumulate, linear_fwd, ln_linear_fwd, linear_bwd, layernorm_bwd:
  *        Fp8Linear's fused calls (and its fused LayerNorm's backward), schemas
  *        at their wrappers below (cast + amax folded into a history slot + GEMMs).
+ *   swiglu, swiglu_backward: the SwiGLU activation and its gradient.
  * `bias` is "absent" when it has no elements (schemas avoid T?, see STYLE.md).
  */
 #include <dlfcn.h>
@@ -595,8 +596,8 @@ static void boxed_gemm(StableIValue* stack, uint64_t nargs, uint64_t nret) {
 // linear_fwd(Tensor x, Tensor w, Tensor x_scale, Tensor(a!) x_amax, Tensor x_scale_inv,
 //            Tensor w_scale, Tensor(b!) w_amax, Tensor w_scale_inv, Tensor bias,
 //            ScalarType x_fp8_dtype, ScalarType w_fp8_dtype, ScalarType out_dtype,
-//            bool use_fast_accum, bool save_xt, bool save_wt, bool gelu_input=False)
-//     -> (Tensor y, Tensor x8t, Tensor w8, Tensor w8t)
+//            bool use_fast_accum, bool save_xt, bool save_wt, bool gelu_input=False,
+//            bool swiglu_input=False) -> (Tensor y, Tensor x8t, Tensor w8, Tensor w8t)
 //
 // Fp8Linear's forward in one call: x8 (, x8t) = cast(x * x_scale) with x's
 // amax folded into x_amax; y = gemm(x8, w8) * x_scale_inv * w_scale_inv + bias.
@@ -607,6 +608,9 @@ static void boxed_gemm(StableIValue* stack, uint64_t nargs, uint64_t nret) {
 // the weight gradient) is returned when save_xt, else empty. gelu_input: x is
 // the input h of a GELU and the layer's input is gelu_tanh(h): the cast reads
 // h and casts its GELU (amax and x8t are the GELU's; cast_cpu.c / cast.cu).
+// swiglu_input: x is [M, 2K], a SwiGLU's input (gate | up), and the layer's
+// input is silu(gate) * up [M, K]: cast in the cast's pass where
+// fp8ops_swiglu_cast_fusable, else computed into a buffer first.
 // One dispatcher call instead of up to five: small layers are bound by the
 // host's per-op cost, not by the GPU.
 
@@ -622,8 +626,8 @@ typedef struct {
 #define LFWD_NIN 9
 static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t w_fp8,
                           int32_t out_dtype, bool fast_accum, bool save_xt, bool save_wt,
-                          bool gelu, ln_args* ln, AtenTensorHandle outs[4], AtenTensorHandle* x8,
-                          gemm_scratch* scratch) {
+                          bool gelu, bool swiglu, ln_args* ln, AtenTensorHandle outs[4],
+                          AtenTensorHandle* x8, AtenTensorHandle* act, gemm_scratch* scratch) {
   const char* op = ln ? "fp8ops::ln_linear_fwd" : "fp8ops::linear_fwd";
   tinfo x, w, xs, xa, xsi, ws, wa, wsi, bias, lw, lb;
   fp8ops_hp_dtype xd = FP8OPS_F32, od = FP8OPS_BF16, wd = FP8OPS_F32;
@@ -658,8 +662,13 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
   FP8OPS_REQUIRE(w.ndim == 2, "%s: w must be 2-D [N, K], found %lld dims", op, (long long)w.ndim);
   shape_str(&x, sh1, sizeof sh1);
   shape_str(&w, sh2, sizeof sh2);
-  FP8OPS_REQUIRE(x.sizes[1] == w.sizes[1], "%s: x %s and w %s must share the inner dim K "
-                 "(x is [M, K], w is [N, K]: y = x @ w.T)", op, sh1, sh2);
+  FP8OPS_REQUIRE(!(gelu && swiglu), "%s: gelu_input and swiglu_input are exclusive", op);
+  if (swiglu)
+    FP8OPS_REQUIRE(x.sizes[1] == 2 * w.sizes[1], "%s: with swiglu_input, x %s must be [M, 2K] "
+                   "(the SwiGLU's gate and up halves) for w [N, K] = %s", op, sh1, sh2);
+  else
+    FP8OPS_REQUIRE(x.sizes[1] == w.sizes[1], "%s: x %s and w %s must share the inner dim K "
+                   "(x is [M, K], w is [N, K]: y = x @ w.T)", op, sh1, sh2);
   FP8OPS_TRY(require_contiguous(op, "x", &x));
   FP8OPS_TRY(require_contiguous(op, "w", &w));
   FP8OPS_TRY(require_same_device(op, "w", &w, "x", &x));
@@ -671,7 +680,7 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
     FP8OPS_TRY(require_scalar_f32(op, "w_amax", &wa, &x, "x"));
   }
   FP8OPS_TRY(require_scalar_f32(op, "w_scale_inv", &wsi, &x, "x"));
-  const int64_t M = x.sizes[0], K = x.sizes[1], N = w.sizes[0];
+  const int64_t M = x.sizes[0], K = w.sizes[1], N = w.sizes[0];
   const void* bias_ptr = NULL;
   FP8OPS_TRY(check_bias(op, &bias, N, out_dtype, od, &x, "x", &bias_ptr));
   if (is_cuda(&x)) FP8OPS_TRY(require_gemm_dims(op, M, N, K));
@@ -701,9 +710,9 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
     lnp.beta = lb.numel ? (const float*)lb.data : NULL;
     save_xt = true; /* the LayerNorm cast writes the transpose */
   }
-  const int64_t xtsz[2] = {K, M}, wtsz[2] = {K, N}, zero[1] = {0};
+  const int64_t xsz[2] = {M, K}, xtsz[2] = {K, M}, wtsz[2] = {K, N}, zero[1] = {0};
   const int32_t w8_dtype = cast_w ? w_fp8 : w.dtype;
-  FP8OPS_TRY(new_tensor(op, 2, x.sizes, x_fp8, &x, x8));
+  FP8OPS_TRY(new_tensor(op, 2, xsz, x_fp8, &x, x8));
   FP8OPS_TRY(new_tensor(op, save_xt ? 2 : 1, save_xt ? xtsz : zero, x_fp8, &x, &outs[1]));
   FP8OPS_TRY(new_tensor(op, cast_w ? 2 : 1, cast_w ? w.sizes : zero, w8_dtype, &x, &outs[2]));
   FP8OPS_TRY(new_tensor(op, cast_w && save_wt ? 2 : 1, cast_w && save_wt ? wtsz : zero, w8_dtype,
@@ -713,6 +722,13 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
   uint8_t* pw8 = cast_w ? (uint8_t*)data_of(outs[2]) : (uint8_t*)w.data;
   uint8_t* pw8t = cast_w && save_wt ? (uint8_t*)data_of(outs[3]) : NULL;
   const gemm_operand a = {*x8, p8, xf}, b = {cast_w ? outs[2] : in[1], pw8, wf};
+  /* the SwiGLU: in the cast's pass, or first into *act, which is then cast */
+  const bool swiglu_fused = swiglu && is_cuda(&x) && fp8ops_swiglu_cast_fusable(x.data, M, K, p8, p8t);
+  const void* xc = x.data; /* what the plain cast reads */
+  if (swiglu && !swiglu_fused) {
+    FP8OPS_TRY(new_tensor(op, 2, xsz, x.dtype, &x, act));
+    xc = data_of(*act);
+  }
   int rc;
   CUDA_BODY(op, &x, 1, rc, {
     if (cast_w)
@@ -735,11 +751,19 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
                                                            xa.data, stream)
                        : fp8ops_gelu_cast_accumulate_cpu(x.data, xd, M, K, xs.data, xf, p8, p8t,
                                                           xa.data);
-    else if (rc == FP8OPS_OK)
-      rc = is_cuda(&x) ? fp8ops_cast_accumulate_cuda(x.data, xd, M, K, xs.data, xf, p8, p8t,
-                                                      xa.data, stream)
-                       : fp8ops_cast_accumulate_cpu(x.data, xd, M, K, xs.data, xf, p8, p8t,
-                                                     xa.data);
+    else if (rc == FP8OPS_OK && swiglu_fused)
+      rc = fp8ops_swiglu_cast_accumulate_cuda(x.data, xd, M, K, xs.data, xf, p8, p8t, xa.data,
+                                              stream);
+    else if (rc == FP8OPS_OK) {
+      if (swiglu)
+        rc = is_cuda(&x) ? fp8ops_swiglu_cuda(x.data, xd, M, K, (void*)xc, stream)
+                         : fp8ops_swiglu_cpu(x.data, xd, M, K, (void*)xc);
+      if (rc == FP8OPS_OK)
+        rc = is_cuda(&x) ? fp8ops_cast_accumulate_cuda(xc, xd, M, K, xs.data, xf, p8, p8t,
+                                                        xa.data, stream)
+                         : fp8ops_cast_accumulate_cpu(xc, xd, M, K, xs.data, xf, p8, p8t,
+                                                       xa.data);
+    }
     if (rc == FP8OPS_OK)
       rc = gemm_into(op, a, b, M, N, K, xsi.data, wsi.data, in[8], bias_ptr, out_dtype, od,
                      fast_accum, &x, stream, scratch, &outs[0]);
@@ -751,13 +775,14 @@ static void boxed_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
   (void)nargs; (void)nret;
   AtenTensorHandle in[LFWD_NIN];
   for (int i = 0; i < LFWD_NIN; ++i) in[i] = sv_tensor(stack[i]);
-  AtenTensorHandle outs[4] = {NULL, NULL, NULL, NULL}, x8 = NULL;
+  AtenTensorHandle outs[4] = {NULL, NULL, NULL, NULL}, x8 = NULL, act = NULL;
   gemm_scratch scratch = {0};
   int rc = run_linear_fwd(in, sv_i32(stack[9]), sv_i32(stack[10]), sv_i32(stack[11]),
                           sv_bool(stack[12]), sv_bool(stack[13]), sv_bool(stack[14]),
-                          sv_bool(stack[15]), NULL, outs, &x8, &scratch);
+                          sv_bool(stack[15]), sv_bool(stack[16]), NULL, outs, &x8, &act, &scratch);
   release(in, LFWD_NIN);
   release(&x8, 1); /* stream-ordered, after the GEMM that reads it */
+  release(&act, 1);
   scratch_release(&scratch);
   finish_boxed(__func__, rc, outs, 4, stack);
 }
@@ -786,8 +811,8 @@ static void boxed_ln_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nr
   AtenTensorHandle outs[4] = {NULL, NULL, NULL, NULL}, x8 = NULL;
   gemm_scratch scratch = {0};
   int rc = run_linear_fwd(in, sv_i32(stack[12]), sv_i32(stack[13]), sv_i32(stack[14]),
-                          sv_bool(stack[15]), true, sv_bool(stack[16]), false, &ln, outs, &x8,
-                          &scratch);
+                          sv_bool(stack[15]), true, sv_bool(stack[16]), false, false, &ln, outs,
+                          &x8, NULL, &scratch);
   release(in, LFWD_NIN);
   release(&ln.weight, 1);
   release(&ln.bias, 1);
@@ -1052,6 +1077,73 @@ static void boxed_layernorm_bwd(StableIValue* stack, uint64_t nargs, uint64_t nr
 }
 
 // ----------------------------------------------------------------------------
+// swiglu(Tensor x) -> Tensor
+// swiglu_backward(Tensor dh, Tensor x) -> Tensor
+//
+// The SwiGLU activation on its own (fp8ops.h): x [..., 2H] holds gate and up;
+// swiglu returns silu(gate) * up [..., H], swiglu_backward the gradient of x
+// [..., 2H] from the output's gradient dh [..., H]. One pass each.
+
+/* dh == NULL: swiglu */
+static int run_swiglu(AtenTensorHandle hx, AtenTensorHandle hdh, AtenTensorHandle* out) {
+  const char* op = hdh ? "fp8ops::swiglu_backward" : "fp8ops::swiglu";
+  tinfo x, dh;
+  fp8ops_hp_dtype xd = FP8OPS_F32;
+  char sh1[96], sh2[96];
+  FP8OPS_TRY(describe(op, "x", hx, &x));
+  FP8OPS_TRY(hp_code(op, "x", x.dtype, &xd));
+  FP8OPS_TRY(require_contiguous(op, "x", &x));
+  shape_str(&x, sh1, sizeof sh1);
+  FP8OPS_REQUIRE(x.ndim >= 1 && x.sizes[x.ndim - 1] % 2 == 0, "%s: x %s must have an even last "
+                 "dim (the gate and up halves of one projection's output)", op, sh1);
+  const int64_t H = x.sizes[x.ndim - 1] / 2;
+  int64_t rows = 1;
+  for (int64_t i = 0; i + 1 < x.ndim; ++i) rows *= x.sizes[i];
+  int64_t hsz[8];
+  for (int64_t i = 0; i < x.ndim; ++i) hsz[i] = x.sizes[i];
+  hsz[x.ndim - 1] = H;
+  if (hdh) {
+    FP8OPS_TRY(describe(op, "dh", hdh, &dh));
+    shape_str(&dh, sh2, sizeof sh2);
+    bool same = dh.ndim == x.ndim;
+    for (int64_t i = 0; same && i < x.ndim; ++i) same = dh.sizes[i] == hsz[i];
+    FP8OPS_REQUIRE(same, "%s: dh %s must have x's shape %s with the last dim halved", op, sh2,
+                   sh1);
+    FP8OPS_REQUIRE(dh.dtype == x.dtype, "%s: dh must have x's dtype %s, found %s; convert it "
+                   "with .to(x.dtype)", op, dtype_name(x.dtype), dtype_name(dh.dtype));
+    FP8OPS_TRY(require_contiguous(op, "dh", &dh));
+    FP8OPS_TRY(require_same_device(op, "dh", &dh, "x", &x));
+  }
+  FP8OPS_TRY(new_tensor(op, x.ndim, hdh ? x.sizes : hsz, x.dtype, &x, out));
+  void* o = data_of(*out);
+  if (!is_cuda(&x))
+    return hdh ? fp8ops_swiglu_grad_cpu(dh.data, x.data, xd, rows, H, o)
+               : fp8ops_swiglu_cpu(x.data, xd, rows, H, o);
+  cuda_ctx c;
+  FP8OPS_TRY(cuda_enter(op, &x, &c, 0));
+  const int rc = hdh ? fp8ops_swiglu_grad_cuda(dh.data, x.data, xd, rows, H, o, c.stream)
+                     : fp8ops_swiglu_cuda(x.data, xd, rows, H, o, c.stream);
+  cuda_exit(&c);
+  return rc;
+}
+
+static void boxed_swiglu(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  AtenTensorHandle x = sv_tensor(stack[0]), out = NULL;
+  int rc = run_swiglu(x, NULL, &out);
+  release(&x, 1);
+  finish_boxed(__func__, rc, &out, 1, stack);
+}
+
+static void boxed_swiglu_backward(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  AtenTensorHandle in[2] = {sv_tensor(stack[0]), sv_tensor(stack[1])}, out = NULL;
+  int rc = run_swiglu(in[1], in[0], &out);
+  release(in, 2);
+  finish_boxed(__func__, rc, &out, 1, stack);
+}
+
+// ----------------------------------------------------------------------------
 // amax_update of many histories, outside the dispatcher (module.c)
 
 int fp8ops_amax_update_many(int device, const fp8ops_amax_update_job* jobs, int64_t count) {
@@ -1093,8 +1185,10 @@ static const op_row k_ops[] = {
                    "Tensor x_scale_inv, Tensor w_scale, Tensor(b!) w_amax, Tensor w_scale_inv, "
                    "Tensor bias, ScalarType x_fp8_dtype, ScalarType w_fp8_dtype, "
                    "ScalarType out_dtype, bool use_fast_accum, bool save_xt, bool save_wt, "
-                   "bool gelu_input=False) -> "
+                   "bool gelu_input=False, bool swiglu_input=False) -> "
                    "(Tensor y, Tensor x8t, Tensor w8, Tensor w8t)", boxed_linear_fwd},
+    {"swiglu", "swiglu(Tensor x) -> Tensor", boxed_swiglu},
+    {"swiglu_backward", "swiglu_backward(Tensor dh, Tensor x) -> Tensor", boxed_swiglu_backward},
     {"ln_linear_fwd", "ln_linear_fwd(Tensor x, Tensor ln_weight, Tensor ln_bias, float eps, "
                       "Tensor w, Tensor x_scale, Tensor(a!) x_amax, Tensor x_scale_inv, "
                       "Tensor w_scale, Tensor(b!) w_amax, Tensor w_scale_inv, Tensor bias, "
@@ -1145,5 +1239,5 @@ int fp8ops_register(int with_cuda) {
 
 const char* fp8ops_op_names(void) {
   return "cast amax amax_update gemm cast_accumulate linear_fwd ln_linear_fwd linear_bwd "
-         "layernorm_bwd";
+         "layernorm_bwd swiglu swiglu_backward";
 }

@@ -95,6 +95,15 @@ class MLP(nn.Module):
         return self.drop(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+class SiluAndMul(nn.Module):
+    """silu(gate) * up of x's two halves. A module of its own so that fp8ops.convert can
+    fuse it into c_proj's input cast (it recognises exactly this forward; fp8ops/swiglu.py)."""
+
+    def forward(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class SwiGLU(nn.Module):
     """Llama's MLP: c_proj(silu(gate) * up), gate and up from one projection; the hidden
     width ~8/3 d rounded up to a multiple of 256, as Llama's."""
@@ -103,12 +112,12 @@ class SwiGLU(nn.Module):
         super().__init__()
         hidden = -(-8 * cfg.n_embd // 3 // 256) * 256
         self.c_fc = nn.Linear(cfg.n_embd, 2 * hidden, bias=False)
+        self.act = SiluAndMul()
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        gate, up = self.c_fc(x).chunk(2, dim=-1)
-        return self.drop(self.c_proj(F.silu(gate) * up))
+        return self.drop(self.c_proj(self.act(self.c_fc(x))))
 
 
 def _norm(cfg):

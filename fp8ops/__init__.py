@@ -22,6 +22,7 @@ from .fsdp import enable_fsdp_fp8_all_gather  # noqa: E402
 from .policy import tune_policy  # noqa: E402
 from .report import report  # noqa: E402
 from .scaling import load_scaling_state_dict, scaling_state_dict, step  # noqa: E402
+from .swiglu import SwiGLU  # noqa: E402
 from .training import add_fp8_args, config_from_args, prepare_model  # noqa: E402
 
 __version__ = "0.1.0"
@@ -37,6 +38,8 @@ __all__ = [
     "scaling_state_dict", "load_scaling_state_dict", "step",
     # training scripts
     "add_fp8_args", "config_from_args", "prepare_model",
+    # modules
+    "SwiGLU",
     # ops
     "ops",
 ]

@@ -48,6 +48,13 @@ class Fp8Config:
             c_fc) into that linear, which normalizes inside its input cast:
             the norm's output is never written. The norm module keeps its
             parameters (see layernorm_fusion.py). Default True.
+        fuse_swiglu: move each SwiGLU activation module (fp8ops.SwiGLU, or a
+            module whose forward is exactly chunk -> silu -> mul) whose output
+            only feeds one converted linear (Llama's MLP with gate and up in
+            one projection: c_proj(swiglu(c_fc(x)))) into that linear, which
+            computes silu(gate) * up inside its input cast and the SwiGLU's
+            gradient in one pass. The module becomes nn.Identity; state_dict
+            keys do not change (see swiglu_fusion.py). Default True.
     """
 
     recipe: str = "delayed"
@@ -60,6 +67,7 @@ class Fp8Config:
     fast_accum: bool = True
     fuse_gelu: bool = True
     fuse_layernorm: bool = True
+    fuse_swiglu: bool = True
 
     def __post_init__(self):
         def need(cond, what):

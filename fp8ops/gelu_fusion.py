@@ -39,10 +39,15 @@ class Fused(NamedTuple):
 
 
 class _Tracer(torch.fx.Tracer):
-    """Stops at linears and GELUs: only the data flow between them matters."""
+    """Stops at linears, GELUs and the given modules: only the data flow between them matters."""
+
+    def __init__(self, leaves=()):
+        super().__init__()
+        self._leaves = {id(m) for m in leaves}
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, (nn.Linear, nn.GELU)) or super().is_leaf_module(m, qualname)
+        return (id(m) in self._leaves or isinstance(m, (nn.Linear, nn.GELU))
+                or super().is_leaf_module(m, qualname))
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -50,15 +55,16 @@ def _hooked(m: nn.Module) -> bool:
                 or getattr(m, "_backward_pre_hooks", None))
 
 
-def _trace(parent: nn.Module):
+def _trace(parent: nn.Module, leaves=()):
     """{module target: its call nodes} of parent.forward in train and in eval mode (a
-    branch on self.training may route the GELU differently), or None if fx cannot read it."""
+    branch on self.training may route the GELU differently), read down to linears, GELUs,
+    torch.nn's modules and `leaves`; raises if fx cannot read it."""
     was_training = parent.training
     graphs = []
     try:
         for mode in (True, False):
             parent.train(mode)
-            graphs.append(_Tracer().trace(parent))
+            graphs.append(_Tracer(leaves).trace(parent))
     finally:
         parent.train(was_training)
     calls = []
@@ -77,7 +83,8 @@ def _single(calls: dict, target: str) -> torch.fx.Node | None:
 
 
 def _roles(calls: dict, parent: nn.Module, name: str, uses: dict) -> tuple[str, str | None] | None:
-    """(consumer, producer or None) of the GELU child `name` in one traced graph."""
+    """(consumer, producer or None) of the activation child `name` (a GELU, or a SwiGLU:
+    swiglu_fusion.py) in one traced graph."""
     g = _single(calls, name)
     if g is None or len(g.users) != 1:
         return None
@@ -112,7 +119,7 @@ def candidates(model: nn.Module, select, what: str):
             continue
         prefix = parent_name + "." if parent_name else ""
         try:
-            calls = _trace(parent)
+            calls = _trace(parent, [m for _, m in chosen])
         except Exception as e:  # noqa: BLE001 -- any forward fx cannot read keeps its modules
             log.debug("fp8ops: %s of %s not fused: torch.fx cannot read %s.forward (%s)",
                       what, prefix + chosen[0][0], type(parent).__name__, e)

@@ -91,7 +91,8 @@ def fuse_layernorm(model: nn.Module) -> list[Fused]:
             continue  # not eligible, or routed differently in train and eval mode
         target = targets.pop()
         lin, ln = parent.get_submodule(target), parent.get_submodule(name)
-        if lin.fp8_ln_input is not None or lin.fp8_gelu_input or lin.in_features != ln.normalized_shape[0]:
+        if (lin.fp8_ln_input is not None or lin.fp8_gelu_input or lin.fp8_swiglu_input
+                or lin.in_features != ln.normalized_shape[0]):
             continue
         lin.__dict__["fp8_ln_input"] = ln  # not a submodule: the LayerNorm stays where it is
         ln.__class__ = _FUSED_CLASS[type(ln)]

@@ -10,6 +10,8 @@ Data flow (hybrid format; DESIGN.md):
               dW = gemm(g8t, x8t) / (s_g s_x)            (weight's dtype: fp32 or bf16 master)
     fused GELU (gelu_fusion.py): a consumer with fp8_gelu_input casts gelu(x) from x;
               a producer with fp8_gelu_output casts dy * gelu'(y) from dy and its output y
+    fused SwiGLU (swiglu_fusion.py): a consumer with fp8_swiglu_input casts silu(gate) * up
+              from x = [gate | up]; its backward returns x's gradient (swiglu_backward)
 
 Scaling state lives in non-persistent buffers (never in state_dict):
     fp8_amax_history [H, 3]   columns: 0 input, 1 weight, 2 grad_output; row 0 = this step
@@ -29,10 +31,11 @@ import torch.nn.functional as F
 from . import ops
 from ._reference import FP8_MAX
 from .config import Fp8Config
+from .swiglu import swiglu
 
 X, W, G = 0, 1, 2
-# _Fp8LinearFn's gelu_in: where the fused GELU's gradient is applied (see there)
-GELU_GRAD_HERE, GELU_GRAD_PRODUCER = 1, 2
+# _Fp8LinearFn's act_in: the fused activation of the input (see there)
+GELU_GRAD_HERE, GELU_GRAD_PRODUCER, SWIGLU_IN = 1, 2, 3
 # the attribute of a layer output whose GELU a consumer may take over (Fp8Linear.forward)
 GELU_BOX = "_fp8ops_gelu_box"
 # Fp8Linear._fp8_views(): one flat tuple, indexed by these offsets (+ X / W / G)
@@ -116,7 +119,7 @@ def _scaled_grad_output(ctx, gy: torch.Tensor) -> torch.Tensor:
     """Backward's first step for both autograd functions: dy made contiguous and,
     under current scaling (or delayed scaling's first step), its scale set from
     its own amax before the cast."""
-    *_, current, margin, _need_wgrad, _need_dgrad, delayed, _gelu_in, _gelu_out = ctx.static
+    *_, current, margin, _need_wgrad, _need_dgrad, delayed, _act_in, _gelu_out = ctx.static
     g2 = gy.contiguous()
     if current:
         _current_scale(g2, ctx.views, G, margin, overflow=_overflow(ctx.views, delayed), keep_history=delayed)
@@ -129,12 +132,16 @@ class _Fp8LinearFn(torch.autograd.Function):
     w_in is the weight's FP8 cast from this step's cache (w8t its transpose),
     or, when w8t is None, the weight itself: linear_fwd then casts it in the
     same C call and store(w8, w8t) keeps the cast for the step's later calls.
-    The fused GELU (gelu_fusion.py), two static fields:
-    gelu_in: x2 is a GELU's input h and the layer computes linear(gelu_tanh(h)),
+    The fused activations (gelu_fusion.py, swiglu_fusion.py), two static fields:
+    act_in: x2 is a GELU's input h and the layer computes linear(gelu_tanh(h)),
       the GELU fused into x's cast. GELU_GRAD_HERE: backward applies the GELU's
       gradient to dx with torch's gelu_backward (h is kept for it, as torch's
       GELU would keep it); GELU_GRAD_PRODUCER: dx is the gradient of gelu(h),
       and h's producer (a layer with gelu_out) applies the GELU's gradient.
+      SWIGLU_IN: x2 is [M, 2K] = [gate | up] and the layer computes
+      linear(silu(gate) * up), the SwiGLU fused into x's cast; backward turns dx
+      into x2's gradient (swiglu_backward; x2 is kept for it, as torch's silu
+      and mul would keep gate, up and silu(gate)).
     gelu_out: None, or the box of this output's GELU (see Fp8Linear.forward):
       when the consumer marked it taken, gy is the gradient of gelu(y) and the
       cast of gy applies the GELU's gradient in its own pass (linear_bwd's
@@ -143,8 +150,8 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, w_in, w8t, b_lp, views, static, store):
         (x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed,
-         gelu_in, gelu_out) = static
-        assert not ((gelu_in or gelu_out) and current), "the fused GELU needs known scales (forward unfuses it)"
+         act_in, gelu_out) = static
+        assert not ((act_in or gelu_out) and current), "the fused activations need known scales (forward unfuses them)"
         if current:
             _current_scale(x2, views, X, margin, overflow=_overflow(views, delayed), keep_history=delayed)
         if b_lp is None:
@@ -152,7 +159,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         # one C call: [cast the weight,] cast x (amaxes folded into history row 0), GEMM
         y, x8t, w8_new, w8t_new = ops._linear_fwd_raw(
             x2, w_in, views[V_S + X], views[V_H + X], views[V_SI + X], views[V_S + W], views[V_H + W],
-            views[V_SI + W], b_lp, x_dtype, w_dtype, out_dtype, fast_accum, need_wgrad, need_dgrad, gelu_in != 0)
+            views[V_SI + W], b_lp, x_dtype, w_dtype, out_dtype, fast_accum, need_wgrad, need_dgrad,
+            act_in in (GELU_GRAD_HERE, GELU_GRAD_PRODUCER), act_in == SWIGLU_IN)
         if w8t is None:
             w8t = w8t_new
             if store is not None:
@@ -161,8 +169,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         if current:
             # another micro-batch's forward may rescale x before this backward runs
             sx_inv = sx_inv.clone()
-        ctx.save_for_backward(x8t, w8t, sx_inv, x2 if gelu_in == GELU_GRAD_HERE and need_dgrad else None,
-                              y if gelu_out is not None else None)
+        keep_x = act_in in (GELU_GRAD_HERE, SWIGLU_IN) and need_dgrad
+        ctx.save_for_backward(x8t, w8t, sx_inv, x2 if keep_x else None, y if gelu_out is not None else None)
         _keep_context(ctx, views, static, weight, bias, x2)
         return y
 
@@ -172,7 +180,9 @@ class _Fp8LinearFn(torch.autograd.Function):
         need_dx = ctx.static[8] and ctx.needs_input_grad[0]
         need_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
         dx, dw, db = _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_dx, ctx.needs_input_grad[1], need_db)
-        if h is not None and need_dx:
+        if h is not None and need_dx and ctx.static[10] == SWIGLU_IN:
+            dx = ops._swiglu_backward_raw(dx, h)  # the gradient of [gate | up], one pass
+        elif h is not None and need_dx:
             # no producer to pass the gradient to (cuBLASLt's FP8 DGELU epilogue runs as a
             # separate pass, measured on an H200: torch's own kernel does the same pass here)
             dx = torch.ops.aten.gelu_backward(dx, h, approximate="tanh")
@@ -214,8 +224,8 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, ln_w, ln_b, weight, bias, w_in, w8t, b_lp, views, static, store, eps, rms):
         (x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed,
-         gelu_in, gelu_out) = static
-        assert not current and not gelu_in, "the fused LayerNorm needs known scales and no fused GELU input"
+         act_in, gelu_out) = static
+        assert not current and not act_in, "the fused LayerNorm needs known scales and no fused activation input"
         # fp32 [K] copies of the norm's parameters (free for fp32 ones); none: an empty tensor
         lw = ops._empty_for(x2, torch.float32) if ln_w is None else ln_w.detach().float()
         lb = ops._empty_for(x2, torch.float32) if ln_b is None else ln_b.detach().float()
@@ -360,6 +370,9 @@ class Fp8Linear(nn.Linear):
         # the GELU's gradient to this layer's gradient cast (see forward).
         self.fp8_gelu_input = False
         self.fp8_gelu_output = False
+        # the fused SwiGLU (swiglu_fusion.py): the layer takes x = [gate | up] (2 * in_features
+        # wide) and computes linear(silu(gate) * up), fused into x's cast on the FP8 path
+        self.fp8_swiglu_input = False
         # the fused LayerNorm (layernorm_fusion.py): the nn.LayerNorm whose output this layer
         # takes, applied inside x's cast on the FP8 path (kept out of _modules: the
         # LayerNorm stays where it is in the model, with its parameters)
@@ -395,6 +408,7 @@ class Fp8Linear(nn.Linear):
     def extra_repr(self) -> str:
         gelu = ", input=gelu_tanh(x) (fused)" if self.fp8_gelu_input else ""
         gelu += ", output feeds a fused GELU" if self.fp8_gelu_output else ""
+        gelu += ", input=silu(gate)*up of x=[gate|up] (fused)" if self.fp8_swiglu_input else ""
         ln = self.fp8_ln_input
         gelu += f", input={'RMSNorm' if isinstance(ln, nn.RMSNorm) else 'LayerNorm'}(x) (fused)" if ln is not None \
             else ""
@@ -513,6 +527,8 @@ class Fp8Linear(nn.Linear):
         d = self.__dict__
         if d["fp8_gelu_input"]:
             x = _gelu_of_input(x, getattr(x, GELU_BOX, None))
+        elif d["fp8_swiglu_input"]:
+            x = swiglu(x)
         ln = d["fp8_ln_input"]
         if ln is not None:
             x = _normalize(ln, x)
@@ -600,7 +616,7 @@ class Fp8Linear(nn.Linear):
             cdtype = torch.get_autocast_dtype("cuda")
         else:
             cdtype = x.dtype if x.dtype in ops.HP_DTYPES else torch.float32
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.reshape(-1, 2 * self.in_features if d["fp8_swiglu_input"] else self.in_features)
         cfg = d["fp8_config"]
         if x2.shape[0] % 16 != 0 and x.is_cuda:
             # cuBLASLt FP8 needs M % 16 == 0; this call (e.g. an odd eval batch)
@@ -637,16 +653,21 @@ class Fp8Linear(nn.Linear):
         # GELU-gradient's, before the cast) and the real GEMMs (the emulated ones have no
         # fused GELU); otherwise the GELU runs on its own, as it did in the model
         fusable = not current and not cfg.gemm_emulated
-        gelu_in = 0
+        act_in = 0
         if d["fp8_gelu_input"]:
             box = None if compiling else getattr(x, GELU_BOX, None)
             if not fusable:
                 x2 = _gelu_of_input(x2, box)
             elif box is not None and torch.is_grad_enabled():
                 box[0] = True  # the producer applies the GELU's gradient
-                gelu_in = GELU_GRAD_PRODUCER
+                act_in = GELU_GRAD_PRODUCER
             else:
-                gelu_in = GELU_GRAD_HERE
+                act_in = GELU_GRAD_HERE
+        elif d["fp8_swiglu_input"]:
+            if fusable:
+                act_in = SWIGLU_IN
+            else:
+                x2 = swiglu(x2)
         # this output's GELU may be applied by its consumer: a box it marks when it also
         # leaves the GELU's gradient to this layer's backward (never under compile: no
         # tensor attributes there)
@@ -673,7 +694,7 @@ class Fp8Linear(nn.Linear):
         w_in, w8t, b_lp, store = self._weight_fp8(cdtype, need_dgrad, views, compiling, current)
         x_dt, w_dt, g_dt = d["fp8_dtypes"]
         static = (x_dt, w_dt, g_dt, cdtype, cfg.fast_accum, current, float(cfg.margin), need_wgrad, need_dgrad,
-                  delayed, gelu_in, gelu_out)
+                  delayed, act_in, gelu_out)
         if ln_fused:
             # RMSNorm's eps None: F.rms_norm's, the epsilon of its fp32 arithmetic for every input dtype
             # this path takes (not the bf16 epsilon the docs suggest: measured, torch 2.11)

@@ -276,20 +276,22 @@ def _cast_accumulate_fake(x, scale, amax, out_dtype, transpose):
 def linear_fwd(x, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
                x_fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, use_fast_accum=False,
                save_xt=True, w_scale=None, w_amax=None, w_fp8_dtype=torch.float8_e4m3fn, save_wt=False,
-               gelu_input=False):
+               gelu_input=False, swiglu_input=False):
     """Fp8Linear's forward: x8 = cast(x * x_scale) (x's amax folded into
     x_amax), y = (x8 @ w8.T) * x_scale_inv * w_scale_inv + bias. x [M, K] hp.
     w [N, K] is FP8 (used as is) or high precision: then w8 = cast(w * w_scale)
     in the same call (its amax folded into w_amax). gelu_input: x is a GELU's
     input h and the layer computes linear(gelu_tanh(h)); the cast reads h and
-    casts its GELU (rounded to x's dtype), whose amax and x8t come back. Returns
+    casts its GELU (rounded to x's dtype), whose amax and x8t come back.
+    swiglu_input: x is [M, 2K], a SwiGLU's input (gate | up), and the layer
+    computes linear(silu(gate) * up) (as swiglu(x) computes it). Returns
     (y [M, N], x8t [K, M] if save_xt, w8 [N, K] and w8t [K, N] if save_wt when
     w was cast here); what was not made comes back empty."""
     _require()
     bias, w_scale, w_amax = _fwd_defaults("linear_fwd", x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv)
     return torch.ops.fp8ops.linear_fwd.default(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv,
                                                bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_xt,
-                                               save_wt, gelu_input)
+                                               save_wt, gelu_input, swiglu_input)
 
 
 def _fwd_defaults(op, x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv):
@@ -307,7 +309,8 @@ def _fwd_defaults(op, x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv):
 
 
 def _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv, bias, x_fp8_dtype,
-                     w_fp8_dtype, out_dtype, use_fast_accum, save_xt, save_wt, gelu_input=False):
+                     w_fp8_dtype, out_dtype, use_fast_accum, save_xt, save_wt, gelu_input=False,
+                     swiglu_input=False):
     op = "fp8ops::linear_fwd"
     _chk(x.dtype in HP_DTYPES, f"{op}: x must be float32, bfloat16 or float16, found {_dname(x.dtype)}")
     cast_w = w.dtype not in FP8_DTYPES
@@ -324,8 +327,13 @@ def _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scal
          f"{op}: x and w would both be float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand")
     _chk(x.dim() == 2, f"{op}: x must be 2-D [M, K], found {x.dim()} dims; reshape it to (-1, in_features)")
     _chk(w.dim() == 2, f"{op}: w must be 2-D [N, K], found {w.dim()} dims")
-    _chk(x.shape[1] == w.shape[1], f"{op}: x {list(x.shape)} and w {list(w.shape)} must share the inner "
-                                   f"dim K (x is [M, K], w is [N, K]: y = x @ w.T)")
+    _chk(not (gelu_input and swiglu_input), f"{op}: gelu_input and swiglu_input are exclusive")
+    if swiglu_input:
+        _chk(x.shape[1] == 2 * w.shape[1], f"{op}: with swiglu_input, x {list(x.shape)} must be [M, 2K] (the "
+                                           f"SwiGLU's gate and up halves) for w [N, K] = {list(w.shape)}")
+    else:
+        _chk(x.shape[1] == w.shape[1], f"{op}: x {list(x.shape)} and w {list(w.shape)} must share the inner "
+                                       f"dim K (x is [M, K], w is [N, K]: y = x @ w.T)")
     _chk_contig(op, "x", x)
     _chk_contig(op, "w", w)
     _chk_device(op, "w", w, "x", x)
@@ -334,7 +342,7 @@ def _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scal
         scalars += [("w_scale", w_scale), ("w_amax", w_amax)]
     for name, t in scalars + [("w_scale_inv", w_scale_inv)]:
         _chk_scalar_f32(op, name, t, "x", x)
-    M, K, N = x.shape[0], x.shape[1], w.shape[0]
+    M, K, N = x.shape[0], w.shape[1], w.shape[0]
     _chk_bias(op, bias, N, out_dtype, x, "x")
     _chk_gemm_dims(op, x, M, N, K)
     x8t = x.new_empty((K, M) if save_xt else (0,), dtype=x_fp8_dtype)
@@ -523,6 +531,56 @@ def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_
 
 
 # ----------------------------------------------------------------------------
+# swiglu, swiglu_backward
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x = [gate | up] (the last dim's two halves), rounded to
+    x's dtype after the SiLU and after the product as torch's ops round, in one
+    pass; differentiable (its backward is one pass too: swiglu_backward)."""
+    _require()
+    return torch.ops.fp8ops.swiglu.default(x)
+
+
+def swiglu_backward(dh: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The gradient of x [..., 2H] from the gradient dh [..., H] of swiglu(x)."""
+    _require()
+    return torch.ops.fp8ops.swiglu_backward.default(dh, x)
+
+
+def _swiglu_chk(op, x):
+    _chk(x.dtype in HP_DTYPES, f"{op}: x must be float32, bfloat16 or float16, found {_dname(x.dtype)}")
+    _chk_contig(op, "x", x)
+    _chk(x.dim() >= 1 and x.shape[-1] % 2 == 0, f"{op}: x {list(x.shape)} must have an even last dim (the gate "
+                                                "and up halves of one projection's output)")
+
+
+def _swiglu_fake(x):
+    _swiglu_chk("fp8ops::swiglu", x)
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def _swiglu_backward_fake(dh, x):
+    op = "fp8ops::swiglu_backward"
+    _swiglu_chk(op, x)
+    _chk(tuple(dh.shape) == (*x.shape[:-1], x.shape[-1] // 2),
+         f"{op}: dh {list(dh.shape)} must have x's shape {list(x.shape)} with the last dim halved")
+    _chk(dh.dtype == x.dtype, f"{op}: dh must have x's dtype {_dname(x.dtype)}, found {_dname(dh.dtype)}; "
+                              "convert it with .to(x.dtype)")
+    _chk_contig(op, "dh", dh)
+    _chk_device(op, "dh", dh, "x", x)
+    return x.new_empty(x.shape)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_grad(ctx, g):
+    (x,) = ctx.saved_tensors
+    return torch.ops.fp8ops.swiglu_backward.default(g.contiguous().to(x.dtype), x)
+
+
+# ----------------------------------------------------------------------------
 # internal fast path for Fp8Linear: the ops without the Python autograd layer
 #
 # Fp8Linear does its own autograd (an autograd.Function), so inside it the ops'
@@ -559,7 +617,7 @@ def _empty_bias_for(x, out_dtype):
     return _empty_for(x, _bias_dtype(out_dtype))
 
 
-# Fp8Linear's two calls per layer (and the fused LayerNorm's two): the OpOverloads
+# Fp8Linear's two calls per layer (and the fused LayerNorm's and SwiGLU's two): the OpOverloads
 # themselves once the core is loaded (_register binds them), no Python frame in between.
 def _linear_fwd_raw(*args):
     _require()
@@ -574,6 +632,10 @@ def _ln_linear_fwd_raw(*args):
 
 
 def _layernorm_bwd_raw(*args):
+    _require()
+
+
+def _swiglu_backward_raw(*args):
     _require()
 
 
@@ -592,11 +654,16 @@ def _register() -> None:
     torch.library.register_fake("fp8ops::linear_bwd")(_linear_bwd_fake)
     torch.library.register_fake("fp8ops::ln_linear_fwd")(_ln_linear_fwd_fake)
     torch.library.register_fake("fp8ops::layernorm_bwd")(_layernorm_bwd_fake)
-    global _linear_fwd_raw, _linear_bwd_raw, _ln_linear_fwd_raw, _layernorm_bwd_raw
+    torch.library.register_fake("fp8ops::swiglu")(_swiglu_fake)
+    torch.library.register_fake("fp8ops::swiglu_backward")(_swiglu_backward_fake)
+    torch.library.register_autograd("fp8ops::swiglu", _swiglu_grad, setup_context=_swiglu_setup)
+    global _linear_fwd_raw, _linear_bwd_raw, _ln_linear_fwd_raw, _layernorm_bwd_raw, \
+        _swiglu_backward_raw
     _linear_fwd_raw = torch.ops.fp8ops.linear_fwd.default
     _linear_bwd_raw = torch.ops.fp8ops.linear_bwd.default
     _ln_linear_fwd_raw = torch.ops.fp8ops.ln_linear_fwd.default
     _layernorm_bwd_raw = torch.ops.fp8ops.layernorm_bwd.default
+    _swiglu_backward_raw = torch.ops.fp8ops.swiglu_backward.default
 
 
 if _loader.is_available():

@@ -81,10 +81,13 @@ def _save() -> None:
 _KEY_VERSION = 4
 
 
-def key(device: torch.device, M: int, K: int, N: int, dtype: torch.dtype, bias: bool, gelu: bool = False) -> str:
-    """gelu: the layer's input is a fused GELU's (Fp8Linear.fp8_gelu_input): timed with it on both sides."""
+def key(device: torch.device, M: int, K: int, N: int, dtype: torch.dtype, bias: bool, gelu: bool = False,
+        swiglu: bool = False) -> str:
+    """gelu, swiglu: the layer's input is a fused GELU's or SwiGLU's (Fp8Linear.fp8_gelu_input,
+    fp8_swiglu_input): timed with it on both sides."""
     return (f"v{_KEY_VERSION}|{torch.cuda.get_device_name(device)}|torch{torch.__version__}|"
-            f"{M}x{K}->{N}|{str(dtype).replace('torch.', '')}|bias{int(bias)}" + ("|gelu" if gelu else ""))
+            f"{M}x{K}->{N}|{str(dtype).replace('torch.', '')}|bias{int(bias)}" + ("|gelu" if gelu else "")
+            + ("|swiglu" if swiglu else ""))
 
 
 def cached(k: str) -> Timing | None:
@@ -179,10 +182,11 @@ def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
     """Timing of BF16 and FP8 fwd+bwd for this layer's shape at M rows."""
     from .linear import Fp8Linear  # noqa: PLC0415
     from . import ops  # noqa: PLC0415
+    from .swiglu import swiglu as swiglu_op  # noqa: PLC0415
 
     dev = layer.weight.device
-    gelu = layer.fp8_gelu_input
-    k = key(dev, M, layer.in_features, layer.out_features, cdtype, layer.bias is not None, gelu)
+    gelu, swiglu = layer.fp8_gelu_input, layer.fp8_swiglu_input
+    k = key(dev, M, layer.in_features, layer.out_features, cdtype, layer.bias is not None, gelu, swiglu)
     with _lock:
         hit = _load().get(k)
         if hit is not None:
@@ -193,11 +197,12 @@ def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
                         config=layer.fp8_config)
         fp8.fp8_policy_measuring = True
         fp8.fp8_gelu_input = gelu
+        fp8.fp8_swiglu_input = swiglu
         # time the steady state: delayed casts from the history's scales (not the
         # first step's current scaling, which costs an extra amax pass per cast)
         fp8._fp8_delayed_ready = True
         cfg = fp8.fp8_config
-        x = torch.randn(M, K, device=dev, dtype=cdtype, requires_grad=True)
+        x = torch.randn(M, 2 * K if swiglu else K, device=dev, dtype=cdtype, requires_grad=True)
         g = torch.randn(M, N, device=dev, dtype=cdtype)
 
         def run(mod):
@@ -205,8 +210,9 @@ def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
                 with torch.autocast("cuda", dtype=cdtype, enabled=cdtype != torch.float32):
                     if mod is fp8:
                         y = mod(x)
-                    else:  # what the model ran before conversion: its GELU, then the linear
-                        y = F.linear(F.gelu(x, approximate="tanh") if gelu else x, mod.weight, mod.bias)
+                    else:  # the plain path: the activation (as Fp8Linear._plain_forward runs it), the linear
+                        h = F.gelu(x, approximate="tanh") if gelu else swiglu_op(x) if swiglu else x
+                        y = F.linear(h, mod.weight, mod.bias)
                 y.backward(g)
                 if mod is fp8:
                     # what an optimizer step costs FP8: the scale update (one

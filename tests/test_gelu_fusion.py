@@ -52,7 +52,7 @@ def _gelu_calls(monkeypatch):
     """Records which linear_fwd calls fused a GELU and which linear_bwd calls its gradient."""
     seen = []
     fwd, bwd = ops._linear_fwd_raw, ops._linear_bwd_raw
-    monkeypatch.setattr(ops, "_linear_fwd_raw", lambda *a: (seen.append(("fwd", a[-1])), fwd(*a))[1])
+    monkeypatch.setattr(ops, "_linear_fwd_raw", lambda *a: (seen.append(("fwd", a[15])), fwd(*a))[1])
     monkeypatch.setattr(ops, "_linear_bwd_raw", lambda *a: (seen.append(("bwd", a[8].numel() > 0)), bwd(*a))[1])
     return seen
 
