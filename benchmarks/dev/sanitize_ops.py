@@ -125,6 +125,21 @@ if torch.cuda.get_device_capability() >= (8, 9):
         xl = torch.randn(M, K, device=dev).to(dt)
         rs = torch.rsqrt(xl.float().square().mean(1) + 1e-6)
         ops.layernorm_bwd(torch.randn_like(xl), xl, torch.zeros(M, device=dev), rs, g, rms=True)[1].sum().item()
+    # the SwiGLU: the fused cast (a partial tile: 400 rows, 48 columns of a 64-wide tile),
+    # the buffer path (no transpose wanted; x at a misaligned offset), and the activation's
+    # own kernels (16-byte vectors; one element at a time for 13 columns and a misaligned x)
+    print("--- SwiGLU", flush=True)
+    w48 = torch.randn(64, 48, device=dev).to(e4)
+    xs = torch.randn(400, 96, device=dev, dtype=torch.bfloat16)
+    ops.linear_fwd(xs, w48, one, slot, one, one, swiglu_input=True)[0].sum().item()
+    ops.linear_fwd(xs, w48, one, slot, one, one, save_xt=False, swiglu_input=True)[0].sum().item()
+    xso = torch.randn(1 + 400 * 96, device=dev, dtype=torch.bfloat16)[1:].view(400, 96)
+    ops.linear_fwd(xso, w48, one, slot, one, one, swiglu_input=True)[0].sum().item()
+    for xa in (torch.randn(37, 2 * 40, device=dev), torch.randn(37, 26, device=dev, dtype=torch.float16), xso,
+               torch.randn(3, 5, 2 * 64, device=dev, dtype=torch.bfloat16)):
+        ops.swiglu(xa).sum().item()
+        ops.swiglu_backward(torch.randn(*xa.shape[:-1], xa.shape[-1] // 2, device=dev).to(xa.dtype),
+                            xa).sum().item()
     print("--- Fp8Linear", flush=True)
     mlp = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 512), torch.nn.GELU("tanh"),
                               torch.nn.Linear(512, 256))
