@@ -19,21 +19,7 @@ import torch.nn.functional as F
 
 import fp8ops
 from fp8ops import ops
-
-
-def time_ms(fn, reps=20, rounds=5):
-    for _ in range(5):
-        fn()
-    out = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / reps)
-    return sorted(out)[len(out) // 2]
+from layernorm_bwd_bench import time_ms  # the same back-to-back timer (this folder is on sys.path)
 
 
 class SiluAndMul(nn.Module):
@@ -67,7 +53,7 @@ def activation_alone():
         def fp8ops_step():
             ops.swiglu(x).backward(dh)
 
-        t_ref, t_f = time_ms(torch_step), time_ms(fp8ops_step)
+        t_ref, t_f = time_ms(torch_step, reps=20), time_ms(fp8ops_step, reps=20)
         xd = x.detach()
         t_fwd = time_ms(lambda: ops.swiglu(xd))
         t_bwd = time_ms(lambda: ops.swiglu_backward(dh, xd))
@@ -96,7 +82,7 @@ def mlp_variants(M, d, hidden):
 
         for _ in range(3):  # past delayed scaling's first step (current scales, unfused)
             step()
-        t = time_ms(step)
+        t = time_ms(step, reps=20)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base_mem = torch.cuda.memory_allocated()
