@@ -723,7 +723,8 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
   uint8_t* pw8t = cast_w && save_wt ? (uint8_t*)data_of(outs[3]) : NULL;
   const gemm_operand a = {*x8, p8, xf}, b = {cast_w ? outs[2] : in[1], pw8, wf};
   /* the SwiGLU: in the cast's pass, or first into *act, which is then cast */
-  const bool swiglu_fused = swiglu && is_cuda(&x) && fp8ops_swiglu_cast_fusable(x.data, M, K, p8, p8t);
+  const bool swiglu_fused =
+      swiglu && is_cuda(&x) && fp8ops_swiglu_cast_fusable(x.data, M, K, p8, p8t);
   const void* xc = x.data; /* what the plain cast reads */
   if (swiglu && !swiglu_fused) {
     FP8OPS_TRY(new_tensor(op, 2, xsz, x.dtype, &x, act));

@@ -10,8 +10,9 @@
  * On the GPU, exp and the division are the MUFU approximations, as in gelu.h:
  * within a few fp32 ulps of the CPU's expf form; rounded to bf16 / fp16 (what
  * the kernels do first, as torch's kernels write their outputs in the input's
- * dtype) they nearly always give the same bits. For g < -87 exp(-g) overflows
- * to inf and both give -0 or 0 (the true values are below 1e-35 in magnitude).
+ * dtype) they nearly always give the same bits. For g below about -87.3 the
+ * GPU's division gives -0 where the CPU's gives the true value, below 1e-35 in
+ * magnitude (and both give -0 once exp(-g) overflows, below about -88.7).
  */
 #ifndef FP8OPS_SWIGLU_H
 #define FP8OPS_SWIGLU_H

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch.fx
 import torch.nn as nn
 
+from .fx_read import graphs_in_both_modes, hooked
 from .linear import Fp8Linear
 
 log = logging.getLogger("fp8ops")
@@ -50,23 +51,11 @@ class _Tracer(torch.fx.Tracer):
                 or super().is_leaf_module(m, qualname))
 
 
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                or getattr(m, "_backward_pre_hooks", None))
-
-
 def _trace(parent: nn.Module, leaves=()):
     """{module target: its call nodes} of parent.forward in train and in eval mode (a
     branch on self.training may route the GELU differently), read down to linears, GELUs,
     torch.nn's modules and `leaves`; raises if fx cannot read it."""
-    was_training = parent.training
-    graphs = []
-    try:
-        for mode in (True, False):
-            parent.train(mode)
-            graphs.append(_Tracer(leaves).trace(parent))
-    finally:
-        parent.train(was_training)
+    graphs = graphs_in_both_modes(parent, _Tracer, leaves=leaves)
     calls = []
     for graph in graphs:
         c: dict[str, list[torch.fx.Node]] = {}
@@ -86,14 +75,15 @@ def _roles(calls: dict, parent: nn.Module, name: str, uses: dict) -> tuple[str, 
     """(consumer, producer or None) of the activation child `name` (a GELU, or a SwiGLU:
     swiglu_fusion.py) in one traced graph."""
     g = _single(calls, name)
-    if g is None or len(g.users) != 1:
+    # (called with one positional argument: the nn.Identity that replaces it takes no other)
+    if g is None or len(g.users) != 1 or len(g.args) != 1 or g.kwargs:
         return None
     user = next(iter(g.users))
     if user.op != "call_module" or user.args != (g,) or user.kwargs or _single(calls, user.target) is None:
         return None
     consumer = parent.get_submodule(user.target)
     # (a hook on the consumer would see h instead of gelu(h))
-    if not isinstance(consumer, Fp8Linear) or uses[id(consumer)] != 1 or _hooked(consumer):
+    if not isinstance(consumer, Fp8Linear) or uses[id(consumer)] != 1 or hooked(consumer):
         return None
     producer = None
     src = g.args[0] if len(g.args) == 1 and not g.kwargs else None
@@ -101,7 +91,7 @@ def _roles(calls: dict, parent: nn.Module, name: str, uses: dict) -> tuple[str, 
             and _single(calls, src.target) is not None):
         p = parent.get_submodule(src.target)
         # (a hook on its output's gradient would see the gradient of gelu(h), not of h)
-        if isinstance(p, Fp8Linear) and uses[id(p)] == 1 and not _hooked(p):
+        if isinstance(p, Fp8Linear) and uses[id(p)] == 1 and not hooked(p):
             producer = src.target
     return user.target, producer
 
@@ -125,7 +115,7 @@ def candidates(model: nn.Module, select, what: str):
                       what, prefix + chosen[0][0], type(parent).__name__, e)
             continue
         for name, m in chosen:
-            if uses[id(m)] == 1 and not _hooked(m):
+            if uses[id(m)] == 1 and not hooked(m):
                 yield prefix, parent, name, calls, uses
 
 

@@ -29,7 +29,8 @@ from typing import NamedTuple
 
 import torch.nn as nn
 
-from .gelu_fusion import _hooked, _single, candidates
+from .fx_read import hooked
+from .gelu_fusion import _single, candidates
 from .linear import Fp8Linear
 
 class _AppliedByNextLinear:
@@ -76,7 +77,7 @@ def _consumer(calls: dict, parent: nn.Module, name: str, uses: dict) -> str | No
     if user.op != "call_module" or user.args != (node,) or user.kwargs or _single(calls, user.target) is None:
         return None
     lin = parent.get_submodule(user.target)
-    if not isinstance(lin, Fp8Linear) or uses[id(lin)] != 1 or _hooked(lin):
+    if not isinstance(lin, Fp8Linear) or uses[id(lin)] != 1 or hooked(lin):
         return None
     return user.target
 

@@ -579,6 +579,11 @@ class Fp8Linear(nn.Linear):
         self.fp8_policy_why[k] = why
         return wins
 
+    def __setstate__(self, state):
+        # a whole Fp8Linear pickled by an fp8ops from before the fused SwiGLU
+        state.setdefault("fp8_swiglu_input", False)
+        super().__setstate__(state)
+
     def _load_from_state_dict(self, *args, **kwargs):
         # The load writes the weight in place. Under FSDP2 it writes the sharded
         # parameter, which moves neither the version counter nor the storage of

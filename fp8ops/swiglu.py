@@ -17,14 +17,18 @@ fp8ops.convert fuses such an activation module into the FP8 linear it feeds
 output, and the product is never written. It recognises fp8ops.SwiGLU and any
 module without state whose forward is exactly `g, u = x.chunk(2, dim=-1);
 return F.silu(g) * u` (torch.fx reads it; `nn.SiLU()(g)`, `torch.chunk` and
-either order of the product count too). A SwiGLU written inline in a larger
-forward runs as written: fp8ops never rewrites a forward.
+either order of the product count too) and that does nothing else fx would not
+see (hooks, a grad-mode context, attributes written: is_swiglu). A SwiGLU
+written inline in a larger forward runs as written: fp8ops never rewrites a
+forward.
 
 swiglu(x) is the same computation in one pass forward and one backward
-(fp8ops::swiglu), bit for bit what torch's silu and mul give in bf16 / fp16.
+(fp8ops::swiglu): on the CPU bit for bit what torch's silu and mul give in bf16
+/ fp16, on CUDA the same to the rounding of the GPU's fast exp (swiglu.h).
 """
 from __future__ import annotations
 
+import inspect
 import operator
 
 import torch
@@ -33,14 +37,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _loader, ops
+from .fx_read import graphs_in_both_modes, hooked
+
+# the devices fp8ops' kernels run on: the CPU with the C core loaded, CUDA when it was built with nvcc
+_DEVICES = (("cpu", "cuda") if _loader.build_info().get("cuda_kernels_registered") else ("cpu",)) \
+    if _loader.is_available() else ()
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of x = [gate | up] along the last dim: fp8ops' one-pass
-    op where it runs (a cpu or cuda tensor of a float dtype with the C core
-    loaded), torch's ops otherwise."""
-    if (_loader.is_available() and x.dtype in ops.HP_DTYPES and x.device.type in ("cpu", "cuda")
-            and x.dim() >= 1 and x.shape[-1] % 2 == 0):
+    op where it runs (a float tensor on a device in _DEVICES), torch's ops otherwise."""
+    if x.device.type in _DEVICES and x.dtype in ops.HP_DTYPES and x.dim() >= 1 and x.shape[-1] % 2 == 0:
         return ops.swiglu(x.contiguous())
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -100,24 +107,42 @@ def _traced_is_swiglu(graph: torch.fx.Graph, m: nn.Module) -> bool:
     return outputs[0].args == (mul,)
 
 
+# what a recognised forward may name (globals and attributes): the ops of the pattern, the
+# modules they live in, and m's own children (an nn.SiLU); anything else (a grad-mode context,
+# an attribute written, another call) could do what fx does not record
+_NAMES = {"torch", "nn", "functional", "F", "chunk", "silu", "mul", "operator"}
+
+
+def _reads_plainly(m: nn.Module) -> bool:
+    """Does fx see all that m's call does? No hook anywhere in it, the stock __call__, a
+    forward of the class itself (not wrapped, not set on the instance) that names only
+    _NAMES and m's children and defines no inner function."""
+    if type(m).__call__ is not nn.Module.__call__ or "forward" in m.__dict__:
+        return False
+    if any(hooked(s) for s in m.modules()):
+        return False
+    fwd = type(m).forward
+    if inspect.unwrap(fwd) is not fwd or not hasattr(fwd, "__code__"):
+        return False
+    code = fwd.__code__
+    allowed = _NAMES | {name for name, _ in m.named_children()}
+    return set(code.co_names) <= allowed and not any(inspect.iscode(c) for c in code.co_consts)
+
+
 def is_swiglu(m: nn.Module) -> bool:
     """Is m an activation module computing exactly silu(gate) * up of its input's
     two halves, with no state (fp8ops.SwiGLU, or a module of the user's own whose
-    forward torch.fx reads as that, in train and eval mode)?"""
+    forward torch.fx reads as that in train and eval mode, and which does nothing fx
+    cannot see: _reads_plainly)? Its forward is read only once that is known, so
+    reading it runs no code of the user's beyond the pattern's."""
     if type(m) is SwiGLU:
         return True
     if type(m).__module__.startswith("torch."):
         return False  # (torch's own modules: none is a SwiGLU, and tracing each would cost time)
-    if any(True for _ in m.parameters()) or any(True for _ in m.buffers()):
+    if any(True for _ in m.parameters()) or any(True for _ in m.buffers()) or not _reads_plainly(m):
         return False
-    was_training = m.training
     try:
-        for mode in (True, False):
-            m.train(mode)
-            if not _traced_is_swiglu(torch.fx.Tracer().trace(m), m):
-                return False
+        graphs = graphs_in_both_modes(m)
     except Exception:  # noqa: BLE001 -- a forward fx cannot read is not recognised
         return False
-    finally:
-        m.train(was_training)
-    return True
+    return all(_traced_is_swiglu(g, m) for g in graphs)

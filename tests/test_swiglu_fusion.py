@@ -379,3 +379,100 @@ def test_swiglu_op_under_compile():
     fn(xc).float().sum().backward()
     assert_bitwise(xc.grad, xe.grad, "grad")
     assert sqnr(fn(x), ops.swiglu(x) * 2) > 200
+
+
+# ------------------------------------------------- what fx cannot see is not fused
+
+class HookedSilu(ChunkSiluModule):
+    def __init__(self):
+        super().__init__()
+        self.silu.register_forward_hook(lambda mod, inp, out: out * 0)
+
+
+class GateWithoutGradient(nn.Module):
+    def forward(self, x):
+        a, b = x.chunk(2, dim=-1)
+        with torch.no_grad():
+            s = F.silu(a)
+        return s * b
+
+
+class NoGradForward(nn.Module):
+    @torch.no_grad()
+    def forward(self, x):
+        a, b = x.chunk(2, dim=-1)
+        return F.silu(a) * b
+
+
+class CallOverride(SiluAndMul):
+    def __call__(self, x):
+        return super().__call__(x) * 2
+
+
+class KeepsUp(nn.Module):
+    def forward(self, x):
+        a, b = x.chunk(2, dim=-1)
+        self.last_up = b
+        return F.silu(a) * b
+
+
+@pytest.mark.parametrize("act", [HookedSilu(), GateWithoutGradient(), NoGradForward(), CallOverride(), KeepsUp()])
+def test_is_swiglu_refuses_what_fx_cannot_see(act):
+    assert not is_swiglu(act)
+    assert not hasattr(act, "last_up")  # (its forward was not run to find out)
+
+
+def test_instance_forward_or_hook_on_the_module_is_not_fused(monkeypatch):
+    m1 = MLP(SiluAndMul())
+    m1.act.forward = lambda x: x[..., :64] * 2
+    m2 = MLP(SiluAndMul())
+    m2.act.register_forward_hook(lambda mod, inp, out: out * 0)
+    for m in (m1, m2):
+        act = m.act
+        convert_as_on_fp8_gpu(m, monkeypatch)
+        assert m.act is act and not m.c_proj.fp8_swiglu_input
+
+
+class ActByKeyword(MLP):
+    def forward(self, x):
+        return self.c_proj(self.act(x=self.c_fc(x)))
+
+
+def test_activation_called_by_keyword_is_not_fused(monkeypatch):
+    """nn.Identity, which replaces a fused activation, takes its input as `input`: an
+    activation called another way keeps its module (and the model keeps working)."""
+    model = convert_as_on_fp8_gpu(ActByKeyword(SiluAndMul()), monkeypatch)
+    assert type(model.act) is SiluAndMul
+    model(torch.randn(2, 32))
+
+
+class FrozenParts(MLP):
+    """An MLP whose SwiGLU fuses, with a BatchNorm the user froze in eval mode, and a stateless
+    wrapper (in training) of a Dropout the user froze: reading the MLP's forward, and the
+    wrapper's (is it a SwiGLU?), in both modes must leave each as it was."""
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(x)
+
+    def __init__(self):
+        super().__init__(SiluAndMul())
+        self.bn = nn.BatchNorm1d(32)
+        self.wrap = self.Wrapper()
+
+    def forward(self, x):
+        return self.wrap(self.bn(self.c_proj(self.act(self.c_fc(x)))))
+
+
+def test_convert_keeps_each_submodule_train_or_eval(monkeypatch):
+    model = FrozenParts().train()
+    model.bn.eval()
+    model.wrap.drop.eval()
+    convert_as_on_fp8_gpu(model, monkeypatch)
+    assert model.c_proj.fp8_swiglu_input
+    assert model.training and model.wrap.training
+    assert not model.bn.training and not model.wrap.drop.training
