@@ -97,20 +97,6 @@ int fp8ops_swiglu_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, i
   (void)amax; (void)stream;
   return NO_CUDA("swiglu_cast");
 }
-int fp8ops_dswiglu_cast_fusable(const void* dh, const void* x, int64_t rows, int64_t cols,
-                                const uint8_t* out, const uint8_t* out_t) {
-  (void)dh; (void)x; (void)rows; (void)cols; (void)out; (void)out_t;
-  return 0;
-}
-int fp8ops_dswiglu_cast_accumulate_cuda(const void* dh, const void* x, fp8ops_hp_dtype dtype,
-                                        int64_t rows, int64_t cols, const float* scale,
-                                        fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
-                                        float* amax, float* dbias, float* partial,
-                                        int64_t partial_floats, void* stream) {
-  (void)dh; (void)x; (void)dtype; (void)rows; (void)cols; (void)scale; (void)fmt; (void)out;
-  (void)out_t; (void)amax; (void)dbias; (void)partial; (void)partial_floats; (void)stream;
-  return NO_CUDA("dswiglu_cast");
-}
 int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
                                 float eps, int rms, float* mean, float* rstd, void* stream) {
   (void)x; (void)dtype; (void)rows; (void)cols; (void)eps; (void)rms; (void)mean; (void)rstd;

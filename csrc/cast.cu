@@ -35,9 +35,7 @@
  * x * gelu_tanh'(h) (h read from a second input of the same shape), rounded
  * to x's dtype: what torch's GELU backward would have written. SWIGLU
  * instances (fp8ops_swiglu_cast_accumulate_cuda) read x [rows, 2 * cols] and
- * replace each element by silu(gate) * up of its two halves (swiglu.h);
- * DSWIGLU instances (fp8ops_dswiglu_cast_accumulate_cuda) make each element of
- * the SwiGLU's input gradient [dgate | dup] from its output gradient and input.
+ * replace each element by silu(gate) * up of its two halves (swiglu.h).
  * Nothing here allocates, synchronises or reads device memory from the host,
  * so every launcher can be captured in a CUDA graph.
  */
@@ -151,7 +149,6 @@ struct Prologue {
 #define ACT_DGELU 2  // cast x * gelu_tanh'(aux)
 #define ACT_LN 3     // cast LayerNorm(x): gamma * (rstd * (x - mean)) + beta, per row / column
 #define ACT_SWIGLU 4 // cast silu(x[:, :cols]) * x[:, cols:], x [rows, 2 * cols] (swiglu.h)
-#define ACT_DSWIGLU 5  // cast the SwiGLU's gradient from x [rows, cols / 2] and aux [rows, cols]
 
 // ----------------------------------------------------------------------------
 // CUDA helpers (amax, packing)
@@ -426,9 +423,8 @@ __device__ __forceinline__ void cast_batch(const uint4 (&v)[N], float scale, Abs
 // then adds the tiles in row order (the order fp8ops_dbias_cpu defines). A
 // row past the end of the last tile counts as +0 (the loads there are 0).
 template <int DT, int FMT, bool DB, int ACT>
-__global__ void __launch_bounds__(CT_THREADS, DB || ACT == ACT_DSWIGLU ||
-                                                  ((ACT == ACT_DGELU || ACT == ACT_SWIGLU) &&
-                                                   DT == FP8OPS_F16)
+__global__ void __launch_bounds__(CT_THREADS, DB || ((ACT == ACT_DGELU || ACT == ACT_SWIGLU) &&
+                                                     DT == FP8OPS_F16)
                                                   ? CT_MIN_BLOCKS_DB(DT)
                                                   : CT_MIN_BLOCKS(DT))
     cast_transpose_kernel(const void* __restrict__ x, const float* __restrict__ scale_p,
@@ -458,38 +454,7 @@ __global__ void __launch_bounds__(CT_THREADS, DB || ACT == ACT_DSWIGLU ||
   const int64_t off = (row0 + h * CT_RB) * cols + col0 + l * VEC;  // element offset of row 0
   // x's rows are 2 * cols long for the SwiGLU (gate, then up), cols otherwise
   constexpr int XW = ACT == ACT_SWIGLU ? 2 : 1;
-  if (valid && ACT == ACT_DSWIGLU) {
-    // output column c of [dgate | dup] (cols = 2H): the gradient x = dh and the SwiGLU's
-    // input aux = [gate | up] at column c mod H; a vector never straddles H (H % VEC == 0)
-    const int64_t H = cols / 2, c0 = col0 + l * VEC, r0 = row0 + h * CT_RB;
-    const bool gate_half = c0 < H;
-    const int64_t hc = gate_half ? c0 : c0 - H;
-    const uint4* src_d = (const uint4*)((const char*)x + (r0 * H + hc) * ESZ);
-    const uint4* src_g = (const uint4*)((const char*)pro.aux + (r0 * cols + hc) * ESZ);
-    const int64_t stride_d = H * ESZ / 16, stride_g = cols * ESZ / 16, up = H * ESZ / 16;
-    uint4 gv[CT_RB];
-#pragma unroll
-    for (int i = 0; i < CT_RB; ++i) v[i] = __ldcs(src_d + i * stride_d);
-#pragma unroll
-    for (int i = 0; i < CT_RB; ++i) gv[i] = __ldg(src_g + i * stride_g);  // read by both halves
-    if (gate_half) {  // dgate = round(round(dh * up) * silu'(gate))
-#pragma unroll
-      for (int i = 0; i < CT_RB; ++i) {
-        const uint4 g = gv[i], u = __ldcs(src_g + i * stride_g + up);
-        v[i] = map_vec<DT>(v[i], [&](int j, float d) {
-          return round_to<DT>(d * vec_elem<DT>(u, j)) * fp8ops_silu_grad(vec_elem<DT>(g, j));
-        });
-      }
-    } else {  // dup = round(dh * round(silu(gate)))
-#pragma unroll
-      for (int i = 0; i < CT_RB; ++i) {
-        const uint4 g = gv[i];
-        v[i] = map_vec<DT>(v[i], [&](int j, float d) {
-          return d * round_to<DT>(fp8ops_silu(vec_elem<DT>(g, j)));
-        });
-      }
-    }
-  } else if (valid) {
+  if (valid) {
     const int64_t xoff = XW == 1 ? off : (row0 + h * CT_RB) * XW * cols + col0 + l * VEC;
     const uint4* src = (const uint4*)((const char*)x + xoff * ESZ);
     const int64_t stride = XW * cols * ESZ / 16;  // one row of x in uint4
@@ -1169,70 +1134,6 @@ extern "C" int fp8ops_swiglu_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype
     default: FP8OPS_SWIGLU_LAUNCH(FP8OPS_F16);
   }
 #undef FP8OPS_SWIGLU_LAUNCH
-}
-
-// The SwiGLU-gradient cast (fast path only; fp8ops_dswiglu_cast_fusable says
-// when): [dgate | dup] from dh [rows, cols / 2] and [gate | up] [rows, cols],
-// cast and transposed, amax folded in, column sums into dbias when given.
-template <int DT, int FMT>
-static int launch_dswiglu_cast(const void* dh, const void* x, int64_t rows, int64_t cols,
-                               const float* scale, uint8_t* out, uint8_t* out_t, float* amax,
-                               float* dbias, float* partial, cudaStream_t stream) {
-  const int64_t tiles_m = FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM);
-  const dim3 grid((unsigned)FP8OPS_CEIL_DIV(cols, (int64_t)CT_TN(DT)), (unsigned)tiles_m);
-  const Prologue pro = {x, NULL, NULL, NULL, NULL};
-  if (dbias != NULL) {
-    cast_transpose_kernel<DT, FMT, true, ACT_DSWIGLU><<<grid, CT_THREADS, 0, stream>>>(
-        dh, scale, out, out_t, amax, rows, cols, partial, pro);
-    FP8OPS_CHECK_CUDA(cudaGetLastError());
-    dbias_reduce_kernel<<<(unsigned)FP8OPS_CEIL_DIV(cols, (int64_t)DBIAS_THREADS), DBIAS_THREADS, 0,
-                          stream>>>(partial, dbias, tiles_m, cols);
-  } else {
-    cast_transpose_kernel<DT, FMT, false, ACT_DSWIGLU><<<grid, CT_THREADS, 0, stream>>>(
-        dh, scale, out, out_t, amax, rows, cols, NULL, pro);
-  }
-  FP8OPS_CHECK_CUDA(cudaGetLastError());
-  return FP8OPS_OK;
-}
-
-extern "C" int fp8ops_dswiglu_cast_fusable(const void* dh, const void* x, int64_t rows,
-                                           int64_t cols, const uint8_t* out, const uint8_t* out_t) {
-  // (cols % 16 == 0, so dh's rows of cols / 2 elements start 16-byte aligned when dh does)
-  return rows > 0 && cols > 0 && aligned(dh, 16) && ct_fast(x, rows, cols, out, out_t);
-}
-
-extern "C" int fp8ops_dswiglu_cast_accumulate_cuda(const void* dh, const void* x,
-                                                   fp8ops_hp_dtype dtype, int64_t rows,
-                                                   int64_t cols, const float* scale,
-                                                   fp8ops_fp8_format fmt, uint8_t* out,
-                                                   uint8_t* out_t, float* amax, float* dbias,
-                                                   float* partial, int64_t partial_floats,
-                                                   void* stream) {
-  FP8OPS_REQUIRE(fp8ops_dswiglu_cast_fusable(dh, x, rows, cols, out, out_t),
-                 "cast: the fused SwiGLU-gradient cast needs out_t, rows and cols multiples of 16 "
-                 "and 16-byte aligned pointers (fp8ops_dswiglu_cast_fusable)");
-  FP8OPS_REQUIRE(dtype == FP8OPS_F32 || dtype == FP8OPS_BF16 || dtype == FP8OPS_F16,
-                 "cast: unknown input dtype code %d", (int)dtype);
-  FP8OPS_REQUIRE(fmt == FP8OPS_E4M3 || fmt == FP8OPS_E5M2, "cast: unknown fp8 format %d", (int)fmt);
-  FP8OPS_REQUIRE(scale && amax && aligned(amax, sizeof(float)), "cast: bad scale / amax pointer");
-  FP8OPS_REQUIRE(dbias == NULL || (partial != NULL &&
-                                   partial_floats >= fp8ops_dbias_workspace_floats(rows, cols)),
-                 "cast: the dbias workspace holds %lld floats, fp8ops_dbias_workspace_floats "
-                 "asks %lld", (long long)partial_floats,
-                 (long long)fp8ops_dbias_workspace_floats(rows, cols));
-  cudaStream_t s = (cudaStream_t)stream;
-#define FP8OPS_DSWIGLU_LAUNCH(DT)                                                              \
-  return fmt == FP8OPS_E4M3                                                                     \
-             ? launch_dswiglu_cast<DT, FP8OPS_E4M3>(dh, x, rows, cols, scale, out, out_t, amax, \
-                                                    dbias, partial, s)                         \
-             : launch_dswiglu_cast<DT, FP8OPS_E5M2>(dh, x, rows, cols, scale, out, out_t, amax, \
-                                                    dbias, partial, s)
-  switch (dtype) {
-    case FP8OPS_F32: FP8OPS_DSWIGLU_LAUNCH(FP8OPS_F32);
-    case FP8OPS_BF16: FP8OPS_DSWIGLU_LAUNCH(FP8OPS_BF16);
-    default: FP8OPS_DSWIGLU_LAUNCH(FP8OPS_F16);
-  }
-#undef FP8OPS_DSWIGLU_LAUNCH
 }
 
 // out[i] = x[i] * gelu_tanh'(aux[i]) rounded to DT: the GELU's gradient as a

@@ -151,20 +151,6 @@ int fp8ops_swiglu_cast_fusable(const void* x, int64_t rows, int64_t cols, const 
 int fp8ops_swiglu_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
                                        int64_t cols, const float* scale, fp8ops_fp8_format fmt,
                                        uint8_t* out, uint8_t* out_t, float* amax, void* stream);
-/* cast_accumulate of swiglu_grad(dh, x) (x [rows, cols] = [gate | up], dh
- * [rows, cols / 2]; out [rows, cols], out_t [cols, rows]), with its column sums
- * into dbias unless dbias is NULL (partial as for
- * fp8ops_cast_accumulate_dbias_cuda), in one pass over dh and x: the gradient
- * cast of the linear whose output feeds a fused SwiGLU. Fast path only:
- * fp8ops_dswiglu_cast_fusable says when; else fp8ops_swiglu_grad_cuda into a
- * buffer, then the plain cast. */
-int fp8ops_dswiglu_cast_fusable(const void* dh, const void* x, int64_t rows, int64_t cols,
-                                const uint8_t* out, const uint8_t* out_t);
-int fp8ops_dswiglu_cast_accumulate_cuda(const void* dh, const void* x, fp8ops_hp_dtype dtype,
-                                        int64_t rows, int64_t cols, const float* scale,
-                                        fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
-                                        float* amax, float* dbias, float* partial,
-                                        int64_t partial_floats, void* stream);
 
 /* The LayerNorm or RMSNorm fused into an FP8 linear's input cast
  * (layernorm_fusion.py). layernorm_stats: per row of x [rows, cols], mean[r]

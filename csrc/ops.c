@@ -827,8 +827,7 @@ static void boxed_ln_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nr
 // linear_bwd(Tensor gy, Tensor w8t, Tensor x8t, Tensor g_scale, Tensor(a!) g_amax,
 //            Tensor g_scale_inv, Tensor w_scale_inv, Tensor x_scale_inv, Tensor gelu_input,
 //            ScalarType g_fp8_dtype, ScalarType dx_dtype, ScalarType dw_dtype,
-//            bool need_dx, bool need_dw, bool need_db=False, bool swiglu=False)
-//     -> (Tensor dx, Tensor dw, Tensor db)
+//            bool need_dx, bool need_dw, bool need_db=False) -> (Tensor dx, Tensor dw, Tensor db)
 //
 // Fp8Linear's backward in one call: g8 (, g8t) = cast(gy * g_scale) with gy's
 // amax folded into g_amax; dx = gemm(g8, w8t) * g_scale_inv * w_scale_inv
@@ -840,15 +839,11 @@ static void boxed_ln_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nr
 // layer's output h [M, N] when a GELU of it was fused into the next layer:
 // gy is then the gradient of gelu_tanh(h), and everything above uses
 // dy = gy * gelu_tanh'(h) instead, computed in the cast's pass (CUDA fast
-// path) or in a pass of its own (fp8ops_gelu_grad_*). swiglu: gelu_input is
-// instead the layer's output y [M, N] when a SwiGLU of it was fused into the
-// next layer, gy [M, N / 2] the gradient of swiglu(y), and dy =
-// swiglu_grad(gy, y) (fp8ops_dswiglu_cast_accumulate_cuda, or
-// fp8ops_swiglu_grad_* first).
+// path) or in a pass of its own (fp8ops_gelu_grad_*).
 
 #define LBWD_NIN 9
 static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t dx_dtype,
-                          int32_t dw_dtype, bool need_dx, bool need_dw, bool need_db, bool swiglu,
+                          int32_t dw_dtype, bool need_dx, bool need_dw, bool need_db,
                           AtenTensorHandle outs[3], AtenTensorHandle tmp[4],
                           gemm_scratch* scratch) {
   const char* op = "fp8ops::linear_bwd";
@@ -873,11 +868,9 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
   FP8OPS_TRY(require_scalar_f32(op, "g_scale", &gs, &g, "gy"));
   FP8OPS_TRY(require_scalar_f32(op, "g_amax", &ga, &g, "gy"));
   FP8OPS_TRY(require_scalar_f32(op, "g_scale_inv", &gsi, &g, "gy"));
-  const int64_t M = g.sizes[0], N = swiglu ? 2 * g.sizes[1] : g.sizes[1];
+  const int64_t M = g.sizes[0], N = g.sizes[1];
   int64_t K = 0;
   shape_str(&g, sh1, sizeof sh1);
-  FP8OPS_REQUIRE(!swiglu || gi.numel > 0 || M * N == 0, "%s: swiglu needs gelu_input: the "
-                 "layer's output [M, 2 * gy.shape[1]] that fed the SwiGLU", op);
   if (need_dx) {
     FP8OPS_TRY(fp8_code(op, "w8t", wt.dtype, &wf));
     FP8OPS_TRY(hp_code(op, "dx_dtype", dx_dtype, &dxd));
@@ -906,8 +899,8 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
     K = xt.sizes[0];
   }
   if (is_cuda(&g) && (need_dx || need_dw)) FP8OPS_TRY(require_gemm_dims(op, M, N, K));
-  const int64_t zero[1] = {0}, tsz[2] = {N, M}, gsz[2] = {M, N};
-  FP8OPS_TRY(new_tensor(op, 2, gsz, g_fp8, &g, &tmp[0]));
+  const int64_t zero[1] = {0}, tsz[2] = {N, M};
+  FP8OPS_TRY(new_tensor(op, 2, g.sizes, g_fp8, &g, &tmp[0]));
   if (need_dw) FP8OPS_TRY(new_tensor(op, 2, tsz, g_fp8, &g, &tmp[1]));
   if (!need_dx) FP8OPS_TRY(new_tensor(op, 1, zero, dx_dtype, &g, &outs[0]));
   if (!need_dw) FP8OPS_TRY(new_tensor(op, 1, zero, dw_dtype, &g, &outs[1]));
@@ -924,25 +917,22 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
   float* partial = tmp[2] ? (float*)data_of(tmp[2]) : NULL;
   uint8_t* p8 = (uint8_t*)data_of(tmp[0]);
   uint8_t* p8t = need_dw ? (uint8_t*)data_of(tmp[1]) : NULL;
-  /* the fused activation's gradient (GELU or SwiGLU): in the cast's pass, or first
-   * into tmp[3] */
-  const bool act = gi.numel > 0, gelu = act && !swiglu;
-  bool act_fused = false;
-  const void* gx = g.data; /* what is cast: gy, or the activation's gradient in tmp[3] */
-  if (act) {
+  /* the fused GELU's gradient: in the cast's pass, or first into tmp[3] */
+  const bool gelu = gi.numel > 0;
+  bool gelu_fused = false;
+  const void* gx = g.data; /* what is cast: gy, or gy * gelu'(h) in tmp[3] */
+  if (gelu) {
     shape_str(&gi, sh2, sizeof sh2);
     FP8OPS_REQUIRE(gi.ndim == 2 && gi.sizes[0] == M && gi.sizes[1] == N, "%s: gelu_input must be "
-                   "[M, %s] for gy %s (the layer's output, the fused %s's input), found %s",
-                   op, swiglu ? "2 * N" : "N", sh1, swiglu ? "SwiGLU" : "GELU", sh2);
+                   "[M, N] = %s like gy (the layer's output, the fused GELU's input), found %s",
+                   op, sh1, sh2);
     FP8OPS_REQUIRE(gi.dtype == g.dtype, "%s: gelu_input must have gy's dtype %s, found %s", op,
                    dtype_name(g.dtype), dtype_name(gi.dtype));
     FP8OPS_TRY(require_contiguous(op, "gelu_input", &gi));
     FP8OPS_TRY(require_same_device(op, "gelu_input", &gi, "gy", &g));
-    act_fused = is_cuda(&g) &&
-                (swiglu ? fp8ops_dswiglu_cast_fusable(g.data, gi.data, M, N, p8, p8t)
-                        : fp8ops_dgelu_cast_fusable(g.data, gi.data, M, N, p8, p8t));
-    if (!act_fused) {
-      FP8OPS_TRY(new_tensor(op, 2, gsz, g.dtype, &g, &tmp[3]));
+    gelu_fused = is_cuda(&g) && fp8ops_dgelu_cast_fusable(g.data, gi.data, M, N, p8, p8t);
+    if (!gelu_fused) {
+      FP8OPS_TRY(new_tensor(op, 2, g.sizes, g.dtype, &g, &tmp[3]));
       gx = data_of(tmp[3]);
     }
   }
@@ -950,17 +940,11 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
   const gemm_operand a_dw = {tmp[1], p8t, gf}, b_dw = {in[2], xt.data, xf};
   int rc;
   CUDA_BODY(op, &g, need_dx || need_dw, rc, {
-    if (act_fused) {
-      rc = swiglu ? fp8ops_dswiglu_cast_accumulate_cuda(g.data, gi.data, gd, M, N, gs.data, gf, p8,
-                                                        p8t, ga.data, db, partial, partial_floats,
-                                                        stream)
-                  : fp8ops_dgelu_cast_accumulate_cuda(g.data, gi.data, gd, M, N, gs.data, gf, p8,
-                                                      p8t, ga.data, db, partial, partial_floats,
-                                                      stream);
+    if (gelu_fused) {
+      rc = fp8ops_dgelu_cast_accumulate_cuda(g.data, gi.data, gd, M, N, gs.data, gf, p8, p8t,
+                                             ga.data, db, partial, partial_floats, stream);
     } else if (is_cuda(&g)) {
       if (gelu) rc = fp8ops_gelu_grad_cuda(g.data, gi.data, gd, M * N, (void*)gx, stream);
-      if (act && swiglu)
-        rc = fp8ops_swiglu_grad_cuda(g.data, gi.data, gd, M, N / 2, (void*)gx, stream);
       if (rc == FP8OPS_OK)
         rc = need_db ? fp8ops_cast_accumulate_dbias_cuda(gx, gd, M, N, gs.data, gf, p8, p8t,
                                                          ga.data, db, partial, partial_floats,
@@ -969,7 +953,6 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
                                                    stream);
     } else {
       if (gelu) rc = fp8ops_gelu_grad_cpu(g.data, gi.data, gd, M * N, (void*)gx);
-      if (act && swiglu) rc = fp8ops_swiglu_grad_cpu(g.data, gi.data, gd, M, N / 2, (void*)gx);
       if (rc == FP8OPS_OK)
         rc = fp8ops_cast_accumulate_cpu(gx, gd, M, N, gs.data, gf, p8, p8t, ga.data);
       if (rc == FP8OPS_OK && need_db) rc = fp8ops_dbias_cpu(gx, gd, M, N, db);
@@ -991,8 +974,8 @@ static void boxed_linear_bwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
   AtenTensorHandle outs[3] = {NULL, NULL, NULL}, tmp[4] = {NULL, NULL, NULL, NULL};
   gemm_scratch scratch = {0};
   int rc = run_linear_bwd(in, sv_i32(stack[9]), sv_i32(stack[10]), sv_i32(stack[11]),
-                          sv_bool(stack[12]), sv_bool(stack[13]), sv_bool(stack[14]),
-                          sv_bool(stack[15]), outs, tmp, &scratch);
+                          sv_bool(stack[12]), sv_bool(stack[13]), sv_bool(stack[14]), outs, tmp,
+                          &scratch);
   release(in, LBWD_NIN);
   release(tmp, 4); /* stream-ordered, after the kernels that read them */
   scratch_release(&scratch);
@@ -1221,7 +1204,7 @@ static const op_row k_ops[] = {
                    "Tensor(a!) g_amax, Tensor g_scale_inv, Tensor w_scale_inv, "
                    "Tensor x_scale_inv, Tensor gelu_input, ScalarType g_fp8_dtype, "
                    "ScalarType dx_dtype, ScalarType dw_dtype, bool need_dx, bool need_dw, "
-                   "bool need_db=False, bool swiglu=False) -> "
+                   "bool need_db=False) -> "
                    "(Tensor dx, Tensor dw, Tensor db)",
      boxed_linear_bwd},
 };

@@ -117,11 +117,8 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
     if config.fuse_swiglu:
         from .swiglu_fusion import fuse_swiglu  # noqa: PLC0415 -- imports torch.fx
         for f in fuse_swiglu(model):
-            for lin, what in ((f.consumer, f"SwiGLU {f.swiglu} fused into its input cast"),
-                              (f.producer, f"SwiGLU {f.swiglu}'s gradient fused into its gradient cast")):
-                if lin is not None:
-                    backend, reason = decisions.get(lin, ("fp8ops", "converted"))
-                    decisions[lin] = (backend, f"{reason}; {what}")
+            backend, reason = decisions.get(f.consumer, ("fp8ops", "converted"))
+            decisions[f.consumer] = (backend, f"{reason}; SwiGLU {f.swiglu} fused into its input cast")
     if config.fuse_layernorm:
         from .layernorm_fusion import fuse_layernorm  # noqa: PLC0415 -- imports torch.fx
         for f in fuse_layernorm(model):

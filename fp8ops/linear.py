@@ -11,8 +11,7 @@ Data flow (hybrid format; DESIGN.md):
     fused GELU (gelu_fusion.py): a consumer with fp8_gelu_input casts gelu(x) from x;
               a producer with fp8_gelu_output casts dy * gelu'(y) from dy and its output y
     fused SwiGLU (swiglu_fusion.py): a consumer with fp8_swiglu_input casts silu(gate) * up
-              from x = [gate | up]; a producer with fp8_swiglu_output casts the gradient of
-              [gate | up] from the consumer's dgrad output and its own output y
+              from x = [gate | up]; its backward returns x's gradient (swiglu_backward)
 
 Scaling state lives in non-persistent buffers (never in state_dict):
     fp8_amax_history [H, 3]   columns: 0 input, 1 weight, 2 grad_output; row 0 = this step
@@ -36,10 +35,9 @@ from .swiglu import swiglu
 
 X, W, G = 0, 1, 2
 # _Fp8LinearFn's act_in: the fused activation of the input (see there)
-GELU_GRAD_HERE, GELU_GRAD_PRODUCER, SWIGLU_IN, SWIGLU_GRAD_PRODUCER = 1, 2, 3, 4
-# the attribute of a layer output whose activation (GELU or SwiGLU) a consumer may take over
-# (Fp8Linear.forward): a GELU's box is [taken], a SwiGLU's [taken, the gradient handed back]
-ACT_BOX = "_fp8ops_act_box"
+GELU_GRAD_HERE, GELU_GRAD_PRODUCER, SWIGLU_IN = 1, 2, 3
+# the attribute of a layer output whose GELU a consumer may take over (Fp8Linear.forward)
+GELU_BOX = "_fp8ops_gelu_box"
 # Fp8Linear._fp8_views(): one flat tuple, indexed by these offsets (+ X / W / G)
 V_S, V_SI, V_H = 0, 3, 6   # scale[i:i+1], scale_inv[i:i+1], history[0, i]: per-tensor views
 V_OVERFLOW = 9             # fp8_overflow_count
@@ -121,7 +119,7 @@ def _scaled_grad_output(ctx, gy: torch.Tensor) -> torch.Tensor:
     """Backward's first step for both autograd functions: dy made contiguous and,
     under current scaling (or delayed scaling's first step), its scale set from
     its own amax before the cast."""
-    *_, current, margin, _need_wgrad, _need_dgrad, delayed, _act_in, _out_box, _in_box = ctx.static
+    *_, current, margin, _need_wgrad, _need_dgrad, delayed, _act_in, _gelu_out = ctx.static
     g2 = gy.contiguous()
     if current:
         _current_scale(g2, ctx.views, G, margin, overflow=_overflow(ctx.views, delayed), keep_history=delayed)
@@ -139,26 +137,21 @@ class _Fp8LinearFn(torch.autograd.Function):
       the GELU fused into x's cast. GELU_GRAD_HERE: backward applies the GELU's
       gradient to dx with torch's gelu_backward (h is kept for it, as torch's
       GELU would keep it); GELU_GRAD_PRODUCER: dx is the gradient of gelu(h),
-      and h's producer (a layer with out_box) applies the GELU's gradient.
+      and h's producer (a layer with gelu_out) applies the GELU's gradient.
       SWIGLU_IN: x2 is [M, 2K] = [gate | up] and the layer computes
       linear(silu(gate) * up), the SwiGLU fused into x's cast; backward turns dx
       into x2's gradient (swiglu_backward; x2 is kept for it, as torch's silu
-      and mul would keep gate, up and silu(gate)). SWIGLU_GRAD_PRODUCER: the
-      same forward; backward hands dx to x2's producer through in_box (its
-      gradient cast forms x2's gradient from dx and its own output) and gives
-      autograd an expanded zero of x2's shape, which that producer ignores.
-    out_box: None, or the box of this output's activation (see Fp8Linear.forward):
-      when the consumer marked it taken, gy is the gradient of gelu(y) (or, for a
-      SwiGLU, the consumer left the gradient of swiglu(y) in the box) and the cast
-      of it applies the activation's gradient in its own pass (linear_bwd's
-      gelu_input: y is kept for it, as the consumer keeps it anyway).
-    in_box: the box of x2's producer a SWIGLU_GRAD_PRODUCER call hands dx to."""
+      and mul would keep gate, up and silu(gate)).
+    gelu_out: None, or the box of this output's GELU (see Fp8Linear.forward):
+      when the consumer marked it taken, gy is the gradient of gelu(y) and the
+      cast of gy applies the GELU's gradient in its own pass (linear_bwd's
+      gelu_input: y is kept for it, as the consumer keeps it anyway)."""
 
     @staticmethod
     def forward(ctx, x2, weight, bias, w_in, w8t, b_lp, views, static, store):
         (x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed,
-         act_in, out_box, _in_box) = static
-        assert not ((act_in or out_box) and current), "the fused activations need known scales (forward unfuses them)"
+         act_in, gelu_out) = static
+        assert not ((act_in or gelu_out) and current), "the fused activations need known scales (forward unfuses them)"
         if current:
             _current_scale(x2, views, X, margin, overflow=_overflow(views, delayed), keep_history=delayed)
         if b_lp is None:
@@ -167,7 +160,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         y, x8t, w8_new, w8t_new = ops._linear_fwd_raw(
             x2, w_in, views[V_S + X], views[V_H + X], views[V_SI + X], views[V_S + W], views[V_H + W],
             views[V_SI + W], b_lp, x_dtype, w_dtype, out_dtype, fast_accum, need_wgrad, need_dgrad,
-            act_in in (GELU_GRAD_HERE, GELU_GRAD_PRODUCER), act_in in (SWIGLU_IN, SWIGLU_GRAD_PRODUCER))
+            act_in in (GELU_GRAD_HERE, GELU_GRAD_PRODUCER), act_in == SWIGLU_IN)
         if w8t is None:
             w8t = w8t_new
             if store is not None:
@@ -177,7 +170,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             # another micro-batch's forward may rescale x before this backward runs
             sx_inv = sx_inv.clone()
         keep_x = act_in in (GELU_GRAD_HERE, SWIGLU_IN) and need_dgrad
-        ctx.save_for_backward(x8t, w8t, sx_inv, x2 if keep_x else None, y if out_box is not None else None)
+        ctx.save_for_backward(x8t, w8t, sx_inv, x2 if keep_x else None, y if gelu_out is not None else None)
         _keep_context(ctx, views, static, weight, bias, x2)
         return y
 
@@ -187,13 +180,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         need_dx = ctx.static[8] and ctx.needs_input_grad[0]
         need_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
         dx, dw, db = _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_dx, ctx.needs_input_grad[1], need_db)
-        act_in = ctx.static[10]
-        if need_dx and act_in == SWIGLU_GRAD_PRODUCER:
-            # x2's producer forms x2's gradient from dx in its gradient cast: autograd gets a
-            # stand-in of x2's shape that costs no memory
-            ctx.static[12][1] = dx
-            dx = dx.new_zeros(()).expand(dx.shape[0], 2 * dx.shape[1])
-        elif h is not None and need_dx and act_in == SWIGLU_IN:
+        if h is not None and need_dx and ctx.static[10] == SWIGLU_IN:
             dx = ops._swiglu_backward_raw(dx, h)  # the gradient of [gate | up], one pass
         elif h is not None and need_dx:
             # no producer to pass the gradient to (cuBLASLt's FP8 DGELU epilogue runs as a
@@ -212,14 +199,10 @@ def _keep_context(ctx, views, static, weight, bias, x2) -> None:
 
 def _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_dx: bool, wants_dw: bool, need_db: bool):
     """The FP8 backward of both autograd functions: (dx, dw, db), None where not
-    needed. y: the layer's output if it offered its activation to a consumer (out_box)."""
-    g_dtype, need_wgrad, out_box = ctx.static[2], ctx.static[7], ctx.static[11]
-    swiglu = False
-    if y is None or not out_box[0]:  # no consumer applied this output's activation, gradient passed on
-        y = ops._empty_bias_for(gy, gy.dtype)  # (any empty tensor: no activation gradient here)
-    elif len(out_box) == 2:  # a SwiGLU: gy is the consumer's stand-in, the box holds the gradient
-        gy, out_box[1], swiglu = out_box[1], None, True
-        assert gy is not None, "fp8ops: the fused SwiGLU's consumer left no gradient for its producer"
+    needed. y: the layer's output if it offered its GELU to a consumer (gelu_out)."""
+    g_dtype, need_wgrad, gelu_out = ctx.static[2], ctx.static[7], ctx.static[11]
+    if y is None or not gelu_out[0]:  # no consumer applied this output's GELU with the gradient passed on
+        y = ops._empty_bias_for(gy, gy.dtype)  # (any empty tensor: no GELU gradient here)
     views = ctx.views
     g2 = _scaled_grad_output(ctx, gy)
     need_dw = need_wgrad and wants_dw
@@ -228,7 +211,7 @@ def _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_dx: bool, wants_dw: bool, n
     # column sums, in the same pass), dgrad and wgrad GEMMs
     dx, dw, db = ops._linear_bwd_raw(g2, w8t, x8t, views[V_S + G], views[V_H + G], views[V_SI + G],
                                      views[V_SI + W], sx_inv, y, g_dtype, ctx.x2_dtype, w_out, need_dx,
-                                     need_dw, need_db, swiglu)
+                                     need_dw, need_db)
     return (dx if need_dx else None), (dw if need_dw else None), (db.to(ctx.b_dtype) if need_db else None)
 
 
@@ -241,7 +224,7 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, ln_w, ln_b, weight, bias, w_in, w8t, b_lp, views, static, store, eps, rms):
         (x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed,
-         act_in, out_box, _in_box) = static
+         act_in, gelu_out) = static
         assert not current and not act_in, "the fused LayerNorm needs known scales and no fused activation input"
         # fp32 [K] copies of the norm's parameters (free for fp32 ones); none: an empty tensor
         lw = ops._empty_for(x2, torch.float32) if ln_w is None else ln_w.detach().float()
@@ -257,7 +240,7 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
                 store(w8_new, w8t_new)
         # (not the shared empty "none": made under inference_mode it could not be saved)
         ctx.save_for_backward(x8t, w8t, views[V_SI + X], x2, mean, rstd, ln_w, ln_b,
-                              None if ln_w is None else lw, y if out_box is not None else None)
+                              None if ln_w is None else lw, y if gelu_out is not None else None)
         _keep_context(ctx, views, static, weight, bias, x2)
         ctx.rms = rms
         return y
@@ -390,9 +373,6 @@ class Fp8Linear(nn.Linear):
         # the fused SwiGLU (swiglu_fusion.py): the layer takes x = [gate | up] (2 * in_features
         # wide) and computes linear(silu(gate) * up), fused into x's cast on the FP8 path
         self.fp8_swiglu_input = False
-        # fp8_swiglu_output: this layer's output feeds only such a layer, which may leave the
-        # SwiGLU's gradient to this layer's gradient cast (see forward)
-        self.fp8_swiglu_output = False
         # the fused LayerNorm (layernorm_fusion.py): the nn.LayerNorm whose output this layer
         # takes, applied inside x's cast on the FP8 path (kept out of _modules: the
         # LayerNorm stays where it is in the model, with its parameters)
@@ -429,7 +409,6 @@ class Fp8Linear(nn.Linear):
         gelu = ", input=gelu_tanh(x) (fused)" if self.fp8_gelu_input else ""
         gelu += ", output feeds a fused GELU" if self.fp8_gelu_output else ""
         gelu += ", input=silu(gate)*up of x=[gate|up] (fused)" if self.fp8_swiglu_input else ""
-        gelu += ", output feeds a fused SwiGLU" if self.fp8_swiglu_output else ""
         ln = self.fp8_ln_input
         gelu += f", input={'RMSNorm' if isinstance(ln, nn.RMSNorm) else 'LayerNorm'}(x) (fused)" if ln is not None \
             else ""
@@ -547,7 +526,7 @@ class Fp8Linear(nn.Linear):
             w = _DequantGathered.apply(w, self._buffers["fp8_scale_inv"][W:W + 1])
         d = self.__dict__
         if d["fp8_gelu_input"]:
-            x = _gelu_of_input(x, getattr(x, ACT_BOX, None))
+            x = _gelu_of_input(x, getattr(x, GELU_BOX, None))
         elif d["fp8_swiglu_input"]:
             x = swiglu(x)
         ln = d["fp8_ln_input"]
@@ -681,7 +660,7 @@ class Fp8Linear(nn.Linear):
         fusable = not current and not cfg.gemm_emulated
         act_in = 0
         if d["fp8_gelu_input"]:
-            box = None if compiling else getattr(x, ACT_BOX, None)
+            box = None if compiling else getattr(x, GELU_BOX, None)
             if not fusable:
                 x2 = _gelu_of_input(x2, box)
             elif box is not None and torch.is_grad_enabled():
@@ -689,26 +668,16 @@ class Fp8Linear(nn.Linear):
                 act_in = GELU_GRAD_PRODUCER
             else:
                 act_in = GELU_GRAD_HERE
-        in_box = None
-        if d["fp8_swiglu_input"]:
-            if not fusable:
-                x2 = swiglu(x2)
+        elif d["fp8_swiglu_input"]:
+            if fusable:
+                act_in = SWIGLU_IN
             else:
-                box = None if compiling else getattr(x, ACT_BOX, None)
-                if box is not None and len(box) == 2 and torch.is_grad_enabled() and x2.requires_grad:
-                    box[0] = True  # the producer applies the SwiGLU's gradient
-                    act_in, in_box = SWIGLU_GRAD_PRODUCER, box
-                else:
-                    act_in = SWIGLU_IN
-        # this output's GELU or SwiGLU may be applied by its consumer: a box it marks when it
-        # also leaves the activation's gradient to this layer's backward (never under compile:
-        # no tensor attributes there)
-        out_box = None
-        if fusable and not compiling and torch.is_grad_enabled():
-            if d["fp8_gelu_output"]:
-                out_box = [False]
-            elif d["fp8_swiglu_output"]:
-                out_box = [False, None]
+                x2 = swiglu(x2)
+        # this output's GELU may be applied by its consumer: a box it marks when it also
+        # leaves the GELU's gradient to this layer's backward (never under compile: no
+        # tensor attributes there)
+        gelu_out = [False] if d["fp8_gelu_output"] and fusable and not compiling and torch.is_grad_enabled() \
+            else None
         ln = d["fp8_ln_input"]
         is_rms = isinstance(ln, nn.RMSNorm)
         # (the fused LayerNorm keeps x's dtype, torch's LayerNorm backward wants its weight's; an
@@ -730,7 +699,7 @@ class Fp8Linear(nn.Linear):
         w_in, w8t, b_lp, store = self._weight_fp8(cdtype, need_dgrad, views, compiling, current)
         x_dt, w_dt, g_dt = d["fp8_dtypes"]
         static = (x_dt, w_dt, g_dt, cdtype, cfg.fast_accum, current, float(cfg.margin), need_wgrad, need_dgrad,
-                  delayed, act_in, out_box, in_box)
+                  delayed, act_in, gelu_out)
         if ln_fused:
             # RMSNorm's eps None: F.rms_norm's, the epsilon of its fp32 arithmetic for every input dtype
             # this path takes (not the bf16 epsilon the docs suggest: measured, torch 2.11)
@@ -740,6 +709,6 @@ class Fp8Linear(nn.Linear):
         else:
             y = d["_fp8_fn"].apply(x2, weight, bias, w_in, w8t, b_lp, views, static, store)
         y = y.reshape(*x.shape[:-1], self.out_features)
-        if out_box is not None:
-            setattr(y, ACT_BOX, out_box)
+        if gelu_out is not None:
+            setattr(y, GELU_BOX, gelu_out)
         return y

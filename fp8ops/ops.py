@@ -457,7 +457,7 @@ def _layernorm_bwd_fake(dy, x, mean, rstd, weight, rms=False):
 
 def linear_bwd(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv,
                g_fp8_dtype=torch.float8_e5m2, dx_dtype=torch.bfloat16, dw_dtype=torch.float32,
-               need_dx=True, need_dw=True, need_db=False, gelu_input=None, swiglu=False):
+               need_dx=True, need_dw=True, need_db=False, gelu_input=None):
     """Fp8Linear's backward: g8, g8t = cast(gy * g_scale) (gy's amax folded
     into g_amax); dx = (g8 @ w8t.T) * g_scale_inv * w_scale_inv [M, K],
     dw = (g8t @ x8t.T) * g_scale_inv * x_scale_inv [N, K], db = gy.sum(0) in
@@ -466,16 +466,13 @@ def linear_bwd(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_
     [K, M]. gelu_input: the layer's output h [M, N] (gy's dtype) when its GELU
     was fused into the next layer (gy is then the gradient of gelu_tanh(h)):
     all of the above use dy = gy * gelu_tanh'(h), formed in the cast's pass.
-    swiglu: gelu_input is instead the layer's output y [M, N] that fed a fused
-    SwiGLU, gy [M, N / 2] the gradient of swiglu(y), and dy = the gradient of y
-    (swiglu_backward(gy, y)), formed in the cast's pass. Returns (dx, dw, db);
-    an output not asked for comes back empty."""
+    Returns (dx, dw, db); an output not asked for comes back empty."""
     _require()
     if gelu_input is None:
         gelu_input = gy.new_empty((0,))
     return torch.ops.fp8ops.linear_bwd.default(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv,
                                                x_scale_inv, gelu_input, g_fp8_dtype, dx_dtype, dw_dtype, need_dx,
-                                               need_dw, need_db, swiglu)
+                                               need_dw, need_db)
 
 
 def _chk_bwd_operand(op, name, t, g_fp8_dtype, out_name, out_dtype, gy):
@@ -489,7 +486,7 @@ def _chk_bwd_operand(op, name, t, g_fp8_dtype, out_name, out_dtype, gy):
 
 
 def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv, gelu_input,
-                     g_fp8_dtype, dx_dtype, dw_dtype, need_dx, need_dw, need_db=False, swiglu=False):
+                     g_fp8_dtype, dx_dtype, dw_dtype, need_dx, need_dw, need_db=False):
     op = "fp8ops::linear_bwd"
     _chk(gy.dtype in HP_DTYPES, f"{op}: gy must be float32, bfloat16 or float16, found {_dname(gy.dtype)}")
     _chk(g_fp8_dtype in FP8_DTYPES,
@@ -498,13 +495,10 @@ def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_
     _chk_contig(op, "gy", gy)
     for name, t in (("g_scale", g_scale), ("g_amax", g_amax), ("g_scale_inv", g_scale_inv)):
         _chk_scalar_f32(op, name, t, "gy", gy)
-    M, N = gy.shape[0], gy.shape[1] * (2 if swiglu else 1)
-    _chk(not swiglu or gelu_input.numel() > 0 or M * N == 0,
-         f"{op}: swiglu needs gelu_input: the layer's output [M, 2 * gy.shape[1]] that fed the SwiGLU")
+    M, N = gy.shape
     if gelu_input.numel() > 0:
-        _chk(tuple(gelu_input.shape) == (M, N),
-             f"{op}: gelu_input must be [M, {'2 * N' if swiglu else 'N'}] for gy {list(gy.shape)} (the layer's "
-             f"output, the fused {'SwiGLU' if swiglu else 'GELU'}'s input), found {list(gelu_input.shape)}")
+        _chk(tuple(gelu_input.shape) == (M, N), f"{op}: gelu_input must be [M, N] = {list(gy.shape)} like gy (the "
+                                                f"layer's output, the fused GELU's input), found {list(gelu_input.shape)}")
         _chk(gelu_input.dtype == gy.dtype,
              f"{op}: gelu_input must have gy's dtype {_dname(gy.dtype)}, found {_dname(gelu_input.dtype)}")
         _chk_contig(op, "gelu_input", gelu_input)

@@ -7,16 +7,11 @@ back; the backward makes four more passes over the hidden activation (mul's
 two products, silu_backward, the chunk's cat). After fuse_swiglu() c_proj
 (fp8_swiglu_input) takes c_fc's output itself: its input cast computes
 silu(gate) * up as it loads both halves (linear_fwd(swiglu_input=True)), and
-c_fc (fp8_swiglu_output) forms the gradient of its output [gate | up] from the
-gradient of the product inside its own gradient cast, reading its output beside
-it (linear_bwd(swiglu=True)): c_proj's backward hands that gradient over in a
-box on c_fc's output, as the fused GELU's does, and gives autograd a stand-in of
-no memory. Without such a producer (c_fc not an Fp8Linear, or on another path
-this call) c_proj's backward makes the gradient itself in one pass
-(fp8ops::swiglu_backward), as it does under torch.compile (no tensor
-attributes there). A call that does not run the fused FP8 path (BF16 by policy,
-delayed scaling's first step, all-E5M2 layers) applies the SwiGLU first with
-fp8ops::swiglu, one pass each way.
+its backward turns the gradient of the product into the gradient of c_fc's
+output in one pass (fp8ops::swiglu_backward). A call that does not run the
+fused FP8 path (BF16 by policy, delayed scaling's first step, all-E5M2 layers,
+torch.compile included) applies the SwiGLU first with fp8ops::swiglu, one pass
+each way.
 
 The move is made where the model's own forward shows it is safe, read with
 torch.fx in train and eval mode (gelu_fusion.py's tracer): an activation module
@@ -37,9 +32,8 @@ from .swiglu import is_swiglu
 
 
 class Fused(NamedTuple):
-    swiglu: str            # the activation module's fqn (now nn.Identity)
-    consumer: str          # the Fp8Linear that applies it (fp8_swiglu_input)
-    producer: str | None   # the Fp8Linear that applies its gradient (fp8_swiglu_output), if any
+    swiglu: str    # the activation module's fqn (now nn.Identity)
+    consumer: str  # the Fp8Linear that applies it (fp8_swiglu_input)
 
 
 def fuse_swiglu(model: nn.Module) -> list[Fused]:
@@ -49,13 +43,11 @@ def fuse_swiglu(model: nn.Module) -> list[Fused]:
         roles = {_roles(c, parent, name, uses) for c in calls}
         if len(roles) != 1 or None in roles:
             continue  # not eligible, or routed differently in train and eval mode
-        consumer, producer = roles.pop()
+        consumer, _ = roles.pop()  # (its producer needs nothing: the gradient is made here)
         lin = parent.get_submodule(consumer)
         if lin.fp8_swiglu_input or lin.fp8_gelu_input or lin.fp8_ln_input is not None:
             continue
         lin.fp8_swiglu_input = True
-        if producer is not None:
-            parent.get_submodule(producer).fp8_swiglu_output = True
         setattr(parent, name, nn.Identity())
-        fused.append(Fused(prefix + name, prefix + consumer, None if producer is None else prefix + producer))
+        fused.append(Fused(prefix + name, prefix + consumer))
     return fused

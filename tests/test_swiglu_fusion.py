@@ -158,64 +158,6 @@ def test_linear_fwd_swiglu_unaligned_input_takes_the_buffer_path():
         assert_bitwise(a, b, what)
 
 
-@pytest.mark.parametrize("device", FP8_DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("need_dw,need_db", [(True, False), (True, True), (False, False)])
-def test_linear_bwd_swiglu_is_swiglu_backward_then_linear_bwd(device, dtype, need_dw, need_db):
-    """linear_bwd(dh, swiglu=True, gelu_input=y) gives the bits of linear_bwd(swiglu_backward(dh, y)):
-    dx, dw, the bias gradient and the amax (CUDA: the fused cast with need_dw, a separate pass
-    without; fp8ops::swiglu_backward shares the device formula)."""
-    torch.manual_seed(10)
-    M, N, K = 256, 192, 64  # N = 2H: the SwiGLU's halves are 96 wide (a tile straddles them)
-    dh = torch.randn(M, N // 2, device=device).to(dtype)
-    y = (torch.randn(M, N, device=device) * 3).to(dtype)
-    w8t = (torch.randn(K, N, device=device) * 0.1).to(E4)
-    x8t = torch.randn(K, M, device=device).to(E4)
-    one = torch.ones(1, device=device)
-    amax, amax_ref = torch.zeros(1, device=device), torch.zeros(1, device=device)
-    scale = torch.tensor([64.0], device=device)
-    E5 = torch.float8_e5m2
-    out = ops.linear_bwd(dh, w8t, x8t, scale, amax, one, one, one, E5, torch.bfloat16, torch.float32,
-                         need_dw=need_dw, need_db=need_db, gelu_input=y, swiglu=True)
-    ref = ops.linear_bwd(ops.swiglu_backward(dh, y), w8t, x8t, scale, amax_ref, one, one, one, E5, torch.bfloat16,
-                         torch.float32, need_dw=need_dw, need_db=need_db)
-    for a, b, what in zip((*out, amax), (*ref, amax_ref), ("dx", "dw", "db", "amax")):
-        assert_bitwise(a, b, what)
-
-
-@pytest.mark.gpu
-@pytest.mark.fp8
-def test_linear_bwd_swiglu_unaligned_takes_the_buffer_path():
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
-        pytest.skip("needs an FP8 GPU")
-    torch.manual_seed(11)
-    M, N, K = 64, 128, 32
-    dh = torch.randn(M, N // 2, device="cuda").to(torch.bfloat16)
-    dho = torch.empty(dh.numel() + 1, device="cuda", dtype=dh.dtype)[1:].view_as(dh).copy_(dh)
-    y = torch.randn(M, N, device="cuda").to(torch.bfloat16)
-    w8t, x8t = torch.randn(K, N, device="cuda").to(E4), torch.randn(K, M, device="cuda").to(E4)
-    one = torch.ones(1, device="cuda")
-    outs = [ops.linear_bwd(g, w8t, x8t, one, torch.zeros(1, device="cuda"), one, one, one, torch.float8_e5m2,
-                           torch.bfloat16, torch.float32, need_db=True, gelu_input=y, swiglu=True)
-            for g in (dho, dh)]
-    for a, b, what in zip(*outs, ("dx", "dw", "db")):
-        assert_bitwise(a, b, what)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_linear_bwd_swiglu_is_checked(device):
-    one = torch.ones(1, device=device)
-    w8t = torch.zeros(16, 64, device=device).to(E4)
-    x8t = torch.zeros(16, 32, device=device).to(E4)
-    args = (w8t, x8t, one, torch.zeros(1, device=device), one, one, one, torch.float8_e5m2, torch.bfloat16,
-            torch.float32)
-    with pytest.raises(RuntimeError, match=r"swiglu needs gelu_input"):
-        ops.linear_bwd(torch.randn(32, 32, device=device), *args, swiglu=True)
-    with pytest.raises(RuntimeError, match=r"gelu_input must be \[M, 2 \* N\] for gy \[32, 32\] .* found \[32, 32\]"):
-        ops.linear_bwd(torch.randn(32, 32, device=device), *args, gelu_input=torch.randn(32, 32, device=device),
-                       swiglu=True)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_linear_fwd_swiglu_input_checks_the_width(device):
     x = torch.randn(16, 32, device=device)
@@ -302,13 +244,10 @@ def test_convert_fuses_the_swiglu(monkeypatch):
     for mlp in model:
         assert isinstance(mlp.act, nn.Identity)
         assert mlp.c_proj.fp8_swiglu_input and not mlp.c_fc.fp8_swiglu_input
-        assert mlp.c_fc.fp8_swiglu_output and not mlp.c_proj.fp8_swiglu_output
     assert list(model.state_dict()) == keys
     reasons = {r["name"]: r["reason"] for r in fp8ops.report(model, print_table=False)}
     assert reasons["0.c_proj"] == "converted; SwiGLU 0.act fused into its input cast"
-    assert reasons["0.c_fc"] == "converted; SwiGLU 0.act's gradient fused into its gradient cast"
     assert "input=silu(gate)*up of x=[gate|up] (fused)" in repr(model[0].c_proj)
-    assert "output feeds a fused SwiGLU" in repr(model[0].c_fc)
     copy.deepcopy(model)
 
 
@@ -356,14 +295,11 @@ def test_the_llama_example_fuses_every_swiglu(monkeypatch):
 
 # ------------------------------------------------------------------- training
 
-def _swiglu_flags(monkeypatch, bwd=None):
-    """The swiglu_input flag of every linear_fwd call (and, given a list, linear_bwd's swiglu
-    flag of every backward call into it)."""
+def _swiglu_flags(monkeypatch):
+    """The swiglu_input flag of every linear_fwd call."""
     seen = []
-    raw, raw_bwd = ops._linear_fwd_raw, ops._linear_bwd_raw
+    raw = ops._linear_fwd_raw
     monkeypatch.setattr(ops, "_linear_fwd_raw", lambda *a: (seen.append(a[16]), raw(*a))[1])
-    if bwd is not None:
-        monkeypatch.setattr(ops, "_linear_bwd_raw", lambda *a: (bwd.append(a[15]), raw_bwd(*a))[1])
     return seen
 
 
@@ -377,8 +313,7 @@ def test_fused_swiglu_trains_like_unfused(device, bias, monkeypatch):
     base = MLP(SiluAndMul(), d=64, hidden=128, bias=bias).to(device)
     fused = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, device)
     plain = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, device, fuse_swiglu=False)
-    bwd = []
-    seen = _swiglu_flags(monkeypatch, bwd)
+    seen = _swiglu_flags(monkeypatch)
 
     class Stepped(nn.Module):  # each step ends with the scale update, as a training loop's
         def __init__(self, m):
@@ -391,10 +326,8 @@ def test_fused_swiglu_trains_like_unfused(device, bias, monkeypatch):
 
     with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
         assert_trains_like(Stepped(fused), Stepped(plain), torch.randn(4, 32, 64, device=device))
-    # per step: fused c_fc, c_proj, then plain c_fc, c_proj; step 1 runs current scaling (unfused);
-    # backward: fused c_proj, c_fc (which forms the SwiGLU's gradient), plain c_proj, c_fc
+    # per step: fused c_fc, c_proj, then plain c_fc, c_proj; step 1 runs current scaling (unfused)
     assert seen[4:] == [False, True, False, False] * 2 and not any(seen[:4])
-    assert bwd[4:] == [False, True, False, False] * 2 and not any(bwd[:4])
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
@@ -409,69 +342,6 @@ def test_current_scaling_runs_the_swiglu_unfused(device, monkeypatch):
     with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
         assert_trains_like(fused, plain, torch.randn(4, 32, 64, device=device))
     assert seen and not any(seen)
-
-
-def test_consumer_without_producer_makes_the_gradient_itself(monkeypatch):
-    """c_fc left as nn.Linear (module_filter_fn): c_proj fuses the SwiGLU and its backward forms
-    the gradient of [gate | up] itself (swiglu_backward); the two models train alike."""
-    torch.manual_seed(12)
-    base = MLP(SiluAndMul(), d=64, hidden=128)
-    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
-    models = []
-    for fuse in (True, False):
-        m = copy.deepcopy(base)
-        fp8ops.convert(m, config=fp8ops.Fp8Config(policy="always", fuse_swiglu=fuse),
-                       module_filter_fn=lambda mod, fqn: fqn != "c_fc")
-        m.c_proj.fp8_on_cpu = True
-        models.append(m)
-    fused, plain = models
-    assert type(fused.c_fc) is nn.Linear and fused.c_proj.fp8_swiglu_input
-    back = []
-    raw = ops._swiglu_backward_raw
-    monkeypatch.setattr(ops, "_swiglu_backward_raw", lambda *a: (back.append(1), raw(*a))[1])
-    for step in range(3):
-        for m in (fused, plain):
-            m(torch.randn(32, 64, generator=torch.Generator().manual_seed(step))).square().mean().backward()
-        assert sqnr(plain.c_fc.weight.grad, fused.c_fc.weight.grad) >= 25
-        for m in (fused, plain):
-            fp8ops.step(m)
-            m.zero_grad()
-    assert len(back) == 2  # steps 2 and 3 (step 1: current scales, unfused)
-
-
-def test_producer_called_alone_gets_its_own_gradient(monkeypatch):
-    """c_fc called directly (no consumer takes its box) backpropagates as a plain layer does."""
-    torch.manual_seed(13)
-    base = MLP(SiluAndMul())
-    fused = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
-    plain = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, fuse_swiglu=False)
-    x = torch.randn(16, 32)
-    for m in (fused, plain):  # past the first (current-scaled) step
-        m(x).sum().backward()
-        fp8ops.step(m)
-        m.zero_grad()
-    for m in (fused, plain):
-        m.c_fc(x).pow(2).sum().backward()
-    assert_bitwise(fused.c_fc.weight.grad, plain.c_fc.weight.grad, "c_fc weight grad")
-
-
-def test_activation_checkpointing_through_the_fused_swiglu(monkeypatch):
-    """torch.utils.checkpoint (non-reentrant) around the MLP: the box protocol across the
-    recomputation gives the gradients of the model without checkpointing."""
-    from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
-    torch.manual_seed(14)
-    base = MLP(SiluAndMul(), d=64, hidden=128)
-    a = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
-    b = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
-    for step in range(3):
-        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
-        a(x).square().mean().backward()
-        checkpoint(b, x, use_reentrant=False).square().mean().backward()
-        for n, p in a.named_parameters():
-            assert_bitwise(p.grad, dict(b.named_parameters())[n].grad, f"step {step} {n}")
-        for m in (a, b):
-            fp8ops.step(m)
-            m.zero_grad()
 
 
 def test_bf16_path_applies_the_swiglu(monkeypatch):
