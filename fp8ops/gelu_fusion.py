@@ -86,7 +86,7 @@ def _roles(calls: dict, parent: nn.Module, name: str, uses: dict) -> tuple[str, 
     if not isinstance(consumer, Fp8Linear) or uses[id(consumer)] != 1 or hooked(consumer):
         return None
     producer = None
-    src = g.args[0] if len(g.args) == 1 and not g.kwargs else None
+    src = g.args[0]
     if (isinstance(src, torch.fx.Node) and src.op == "call_module" and len(src.users) == 1
             and _single(calls, src.target) is not None):
         p = parent.get_submodule(src.target)

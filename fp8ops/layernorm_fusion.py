@@ -68,7 +68,8 @@ def _shape_only(node) -> bool:
 
 def _consumer(calls: dict, parent: nn.Module, name: str, uses: dict) -> str | None:
     node = _single(calls, name)
-    if node is None:
+    # (called with one positional argument: the pass-through forward takes no other)
+    if node is None or len(node.args) != 1 or node.kwargs:
         return None
     users = [u for u in node.users if not _shape_only(u)]  # e.g. attention's B, T, C = x.shape
     if len(users) != 1:

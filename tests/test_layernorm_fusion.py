@@ -84,7 +84,12 @@ class LnThenRelu(LnAlsoResidual):
         return self.lin(torch.relu(self.ln(x)))
 
 
-@pytest.mark.parametrize("cls", [LnAlsoResidual, LnTwoDims, LnThenRelu])
+class LnByKeyword(LnAlsoResidual):
+    def forward(self, x):  # the pass-through a fused norm becomes takes its input positionally
+        return self.lin(self.ln(input=x))
+
+
+@pytest.mark.parametrize("cls", [LnAlsoResidual, LnTwoDims, LnThenRelu, LnByKeyword])
 def test_layernorm_not_fused_where_unsafe(cls, monkeypatch):
     torch.manual_seed(0)
     model = cls()
