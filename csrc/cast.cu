@@ -1145,14 +1145,7 @@ __global__ void __launch_bounds__(256)
                      void* __restrict__ out, int64_t n) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const float v = load_elem<DT>(x, i) * fp8ops_gelu_tanh_grad(load_elem<DT>(aux, i));
-    if constexpr (DT == FP8OPS_F32) {
-      ((float*)out)[i] = v;
-    } else if constexpr (DT == FP8OPS_BF16) {
-      ((uint16_t*)out)[i] = fp8ops_f32_to_bf16(v);
-    } else {
-      ((uint16_t*)out)[i] = fp8ops_f32_to_f16(v);
-    }
+    store_elem<DT>(out, i, load_elem<DT>(x, i) * fp8ops_gelu_tanh_grad(load_elem<DT>(aux, i)));
   }
 }
 

@@ -1,6 +1,7 @@
 /*
- * load_elem.cuh -- elements of bf16 / fp16 / fp32 tensors as floats, and
- * 16-byte vectors of them, for the CUDA kernels (cast.cu, layernorm.cu).
+ * load_elem.cuh -- elements of bf16 / fp16 / fp32 tensors as floats (and
+ * back), and 16-byte vectors of them, for the CUDA kernels (cast.cu, layernorm.cu,
+ * swiglu.cu).
  * CUDA only.
  */
 #ifndef FP8OPS_LOAD_ELEM_CUH
@@ -21,6 +22,18 @@ __device__ __forceinline__ float load_elem(const void* x, int64_t i) {
     return fp8ops_bf16_to_f32(((const uint16_t*)x)[i]);
   } else {
     return fp8ops_f16_to_f32(((const uint16_t*)x)[i]);
+  }
+}
+
+// Element i of p (dtype DT) set to v rounded to DT.
+template <int DT>
+__device__ __forceinline__ void store_elem(void* p, int64_t i, float v) {
+  if constexpr (DT == FP8OPS_F32) {
+    ((float*)p)[i] = v;
+  } else if constexpr (DT == FP8OPS_BF16) {
+    ((uint16_t*)p)[i] = fp8ops_f32_to_bf16(v);
+  } else {
+    ((uint16_t*)p)[i] = fp8ops_f32_to_f16(v);
   }
 }
 

@@ -11,22 +11,11 @@
 #include <stdint.h>
 
 #include "common.h"       // defines: FP8OPS_REQUIRE, FP8OPS_CHECK_CUDA, FP8OPS_CEIL_DIV
-#include "load_elem.cuh"  // defines: load_elem, vec_elem, map_vec, round_to
+#include "load_elem.cuh"  // defines: load_elem, store_elem, vec_elem, map_vec, round_to
 #include "swiglu.h"       // defines: fp8ops_silu, fp8ops_silu_grad
 
 #define SW_THREADS 256
 #define SW_MAX_BLOCKS 8192  // grid-stride beyond: enough blocks to fill any current GPU
-
-template <int DT>
-__device__ __forceinline__ void store_elem(void* p, int64_t i, float v) {
-  if constexpr (DT == FP8OPS_F32) {
-    ((float*)p)[i] = v;
-  } else if constexpr (DT == FP8OPS_BF16) {
-    ((uint16_t*)p)[i] = fp8ops_f32_to_bf16(v);
-  } else {
-    ((uint16_t*)p)[i] = fp8ops_f32_to_f16(v);
-  }
-}
 
 // One 16-byte vector (VEC elements of one row) per step: x [rows, 2 * cols]
 // (gate, up), dh / out [rows, cols], dx [rows, 2 * cols]. Needs cols % VEC ==
