@@ -4,7 +4,8 @@
  * history, compute the new scale and scale_inv, and roll the history.
  * The rules are written once here and once in amax_update_cpu.c (fp8ops.h):
  *   a = max_h |history[h, i]| (algo max) or |history[0, i]| (most_recent),
- *       NaN-propagating (max over |bits|: NaN sorts above +inf);
+ *       NaN-propagating in row 0 (max over |bits|: NaN sorts above +inf); a NaN/inf
+ *       in an older row is skipped;
  *   if a is finite and > 0: scale = (fp8_max / a) / 2^margin, inf -> FLT_MAX;
  *   else the scale keeps its value; scale_inv = 1 / scale;
  *   history[:, i] = roll(history[:, i], -1) (row h takes row h + 1, the old
@@ -69,7 +70,8 @@ __device__ __forceinline__ void amax_update_block(float* __restrict__ hist, floa
       v[k] = h0;                                     // row H - 1 gets the old row 0
       if (active && r + 1 < H) {
         v[k] = hc[(r + 1) * n];
-        m = max(m, fp8ops_f32_bits(v[k]) & 0x7FFFFFFFu);
+        const uint32_t b = fp8ops_f32_bits(v[k]) & 0x7FFFFFFFu;
+        if (b < FP8OPS_F32_INF_BITS) m = max(m, b);  // an older step's NaN/inf: skipped
       }
     }
     __syncthreads();  // every read of this chunk (and of row 0) before any write

@@ -23,6 +23,9 @@ int fp8ops_amax_update_cpu(float* amax_history, float* scale, float* scale_inv,
     } else {
       for (int64_t h = 0; h < H; ++h) {
         const uint32_t b = fp8ops_f32_bits(amax_history[h * n + i]) & 0x7FFFFFFFu;
+        /* an older step's NaN/inf (kept in the history as the record of that step) is
+         * skipped: it held the scale for its own step, not for the H steps after it */
+        if (h > 0 && b >= FP8OPS_F32_INF_BITS) continue;
         if (b > m) m = b;
       }
     }

@@ -21,6 +21,9 @@
 #define FP8OPS_HD static inline
 #endif
 
+/* |bits| of +inf: a magnitude's bits at or above it are inf or NaN */
+#define FP8OPS_F32_INF_BITS 0x7F800000u
+
 FP8OPS_HD uint32_t fp8ops_f32_bits(float f) {
 #ifdef __CUDA_ARCH__
   return __float_as_uint(f);

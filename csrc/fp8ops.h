@@ -273,7 +273,9 @@ int fp8ops_amax_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* a
  * \param[in,out] overflow_count [n] int64 or NULL: overflow_count[i] += 1 when
  *                             history[0, i] (this step's amax) is NaN or +-inf
  * For each tensor (column) i:
- *   a = max |history[:, i]| (algo max) or |history[0, i]| (most_recent)
+ *   a = max |history[:, i]| (algo max) or |history[0, i]| (most_recent); a NaN/inf in
+ *   row 0 makes a NaN/inf (this step keeps its scale), one in an older row is skipped
+ *   (it stays in the history as the record of its step, but holds no later scale)
  *   if a is finite and a > 0: scale[i] = (fp8_max[i] / a) / 2^margin, an infinite
  *   result clamped to FLT_MAX, one so small that 1/scale overflows ignored; otherwise
  *   scale[i] keeps its value. So a finite positive scale stays finite and positive.

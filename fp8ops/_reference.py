@@ -31,7 +31,10 @@ def amax_update_ref(amax_history, scale, scale_inv, fp8_max, margin: float = 0.0
     h = amax_history.reshape(amax_history.shape[0], -1).clone()
     # amaxes are magnitudes: the reduction is over |h| (NaN propagates)
     if algo == "max":
-        a = h.abs().amax(dim=0)
+        # row 0's NaN/inf propagates (that step keeps its scale); an older row's is skipped
+        older = h[1:].abs()
+        older = torch.where(torch.isfinite(older), older, torch.zeros_like(older))
+        a = torch.cat([h[:1].abs(), older]).amax(dim=0)
     else:
         a = h[0].abs()
     s_old = scale.reshape(-1).clone()

@@ -79,11 +79,17 @@ class Fp8Config:
         need(self.amax_compute_algo in AMAX_ALGOS,
              f"amax_compute_algo must be one of {AMAX_ALGOS}, found {self.amax_compute_algo!r}")
         need(self.policy in POLICIES, f"policy must be one of {POLICIES}, found {self.policy!r}")
-        need(isinstance(self.interval, int) and self.interval >= 1, f"interval must be an int >= 1, found {self.interval!r}")
-        need(isinstance(self.amax_history_len, int) and self.amax_history_len >= 1,
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        need(is_int(self.interval) and self.interval >= 1, f"interval must be an int >= 1, found {self.interval!r}")
+        need(is_int(self.amax_history_len) and self.amax_history_len >= 1,
              f"amax_history_len must be an int >= 1, found {self.amax_history_len!r}")
-        need(isinstance(self.margin, (int, float)) and abs(self.margin) < 64,
+        need(isinstance(self.margin, (int, float)) and not isinstance(self.margin, bool) and abs(self.margin) < 64,
              f"margin must be a number in (-64, 64), found {self.margin!r}")
+        for flag in ("fast_accum", "fuse_gelu", "fuse_layernorm", "fuse_swiglu"):
+            v = getattr(self, flag)
+            need(isinstance(v, bool), f"{flag} must be True or False, found {v!r}")
 
     def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         """(input, weight, grad_output) FP8 dtypes."""

@@ -1,5 +1,6 @@
-"""convert_to_fp8_training: swap eligible nn.Linear modules for Fp8Linear, in
-place, deciding per layer and recording why (DESIGN.md's fallback order):
+"""convert_to_fp8_training: turn eligible nn.Linear modules into Fp8Linear, in
+place (the same objects), deciding per layer and recording why (DESIGN.md's
+fallback order):
 
     extension not loaded -> no CUDA -> compute capability < 8.9      (whole model)
     -> in/out features not multiples of 16, or unsupported dtype     (per layer)
@@ -63,18 +64,30 @@ def _layer_reason(mod: nn.Linear) -> str | None:
 
 def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None,
                             module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
-    """Swap eligible nn.Linear layers of `model` for FP8 ones, in place; returns
-    the model. Never raises for environment reasons: where FP8 cannot run, the
-    model is left as it is and the reason is logged once and kept for
-    fp8ops.report(model). A root-level nn.Linear is converted and returned.
+    """Turn eligible nn.Linear layers of `model` into FP8 ones, in place (the
+    same module objects: hooks, attributes and shared modules stay as they
+    were); returns the model. Never raises for environment reasons: where FP8
+    cannot run, the model is left as it is and the reason is logged once and
+    kept for fp8ops.report(model). Raises TypeError for arguments of the wrong
+    kind. A root-level nn.Linear is converted and returned.
 
     Args:
         config: Fp8Config (recipe, format, margin, interval, history, policy).
         module_filter_fn: (module, fqn) -> bool; False keeps that layer as is.
     """
-    config = config or Fp8Config()
+    if config is None:
+        config = Fp8Config()
+    if not isinstance(config, Fp8Config):
+        raise TypeError(f"convert: config must be an fp8ops.Fp8Config, found {type(config).__name__}; "
+                        "pass config=fp8ops.Fp8Config(...)")
+    if module_filter_fn is not None and not callable(module_filter_fn):
+        raise TypeError(f"convert: module_filter_fn must be a callable (module, fqn) -> bool, found "
+                        f"{type(module_filter_fn).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert: model must be an nn.Module, found {type(model).__name__}")
     decisions: dict[str, tuple[str, str]] = {}
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    # every name of a module shared by several parents: each sees the one converted module
+    linears = [(n, m) for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear)]
     ok, env_reason = fp8_supported_here()
     if not ok:
         for name, m in linears:
@@ -85,27 +98,29 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
         _store(model, decisions)
         return model
 
+    decided: dict[int, tuple[str, str]] = {}  # id(module) -> its decision, for its other names
+
     def swap(name: str, mod: nn.Linear) -> nn.Module:
-        if isinstance(mod, Fp8Linear):
-            decisions[name] = ("fp8ops", "already converted")
+        if id(mod) in decided:
+            decisions[name] = decided[id(mod)]
             return mod
+        decisions[name] = decided[id(mod)] = _decide(name, mod)
+        # (in place: the same module object, under every name it has)
+        return Fp8Linear.from_linear(mod, config) if decisions[name] == ("fp8ops", "converted") else mod
+
+    def _decide(name: str, mod: nn.Linear) -> tuple[str, str]:
+        if isinstance(mod, Fp8Linear):
+            return "fp8ops", "already converted"
         reason = _layer_reason(mod)
         if reason is None and module_filter_fn is not None and not module_filter_fn(mod, name):
             reason = "excluded by module_filter_fn"
-        if reason is not None:
-            decisions[name] = ("bf16", reason)
-            return mod
-        decisions[name] = ("fp8ops", "converted")
-        return Fp8Linear.from_linear(mod, config)
+        return ("bf16", reason) if reason is not None else ("fp8ops", "converted")
 
-    if isinstance(model, nn.Linear):
-        new = swap("", model)
-        _store(new, decisions)
-        return new
     for name, mod in linears:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, swap(name, mod))
+        swap(name, mod)
+    if isinstance(model, nn.Linear):  # a root-level layer (converted in place): nothing to fuse
+        _store(model, decisions)
+        return model
     if config.fuse_gelu:
         from .gelu_fusion import fuse_gelu  # noqa: PLC0415 -- gelu_fusion imports torch.fx
         for f in fuse_gelu(model):
@@ -131,6 +146,17 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
         warnings.warn("fp8ops: no layer was converted to FP8; see fp8ops.report(model) for the reasons", stacklevel=2)
     _store(model, decisions)
     return model
+
+
+def decisions_of(model: nn.Module) -> dict[str, tuple[str, str]]:
+    """convert()'s {name: (backend, reason)} for every module that convert() was
+    called on, keyed by the names in `model`: the same whether `model` is the
+    converted module itself or wraps it (torch.compile, DDP, a parent module)."""
+    out = {}
+    for name, m in model.named_modules():
+        for k, v in m.__dict__.get(DECISIONS_ATTR, {}).items():
+            out[f"{name}.{k}" if name and k else name or k] = v
+    return out
 
 
 def _store(model: nn.Module, decisions: dict) -> None:

@@ -14,6 +14,7 @@ policy "auto" does not move it to BF16 (report() says so).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import ops
 from .linear import G, V_H, V_S, V_SI, W, X, _current_scale, _overflow, _scaled_grad_output
@@ -67,6 +68,7 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
         return y.to(out_dtype).view(y.shape)
 
     @staticmethod
+    @once_differentiable  # as linear._Fp8LinearFn's
     def backward(ctx, gy):
         x8, w8, sx_inv = ctx.saved_tensors
         x_dtype, w_dtype, g_dtype, out_dtype, _fast, current, margin, need_wgrad, need_dgrad, delayed, *_gelu = \

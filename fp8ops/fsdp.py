@@ -185,5 +185,21 @@ def enable_fsdp_fp8_all_gather(model: nn.Module) -> list[str]:
             continue
         m.weight = nn.Parameter(_Fp8MasterWeight(w.data), requires_grad=w.requires_grad)
         m.__dict__["_w_cache"] = None
+        m.register_state_dict_post_hook(_plain_weight_in_state_dict)
         done.append(name)
     return done
+
+
+def _plain_weight_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict() gives the master weight as the plain tensor it wraps (a DTensor of
+    plain shards under fully_shard): checkpoints stay the BF16 model's, loadable
+    with torch.load(weights_only=True) and into a model without fp8ops."""
+    key = prefix + "weight"
+    v = state_dict.get(key)
+    if isinstance(v, _Fp8MasterWeight):
+        state_dict[key] = v._tensor
+    elif isinstance(getattr(v, "_local_tensor", None), _Fp8MasterWeight):
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+        state_dict[key] = DTensor.from_local(v._local_tensor._tensor, v.device_mesh, v.placements,
+                                             run_check=False, shape=v.shape, stride=v.stride())

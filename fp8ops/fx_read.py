@@ -18,17 +18,44 @@ def hooked(m: nn.Module) -> bool:
                 or getattr(m, "_backward_pre_hooks", None))
 
 
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
+
+
 def graphs_in_both_modes(m: nn.Module, tracer: type[torch.fx.Tracer] = torch.fx.Tracer,
                          **tracer_args) -> list[torch.fx.Graph]:
     """m.forward as fx reads it in train mode and in eval mode (raises where fx
-    cannot read it); every submodule's mode is left as it was."""
-    modes = [(s, s.training) for s in m.modules()]
+    cannot read it); every submodule's mode is left as it was. A forward that
+    stores a value on a module (self.last_act = h, for a statistic or a loss
+    term) raises too: fx sees no use of what it stores, and a fusion there would
+    change what is stored. Its modules get their attributes back (tracing stored
+    fx Proxies in them)."""
+    saved = [(s, dict(s.__dict__), [(r, dict(s.__dict__[r])) for r in _REGISTRIES if r in s.__dict__])
+             for s in m.modules()]
     try:
         graphs = []
         for mode in (True, False):
             m.train(mode)
             graphs.append(tracer(**tracer_args).trace(m))
+            written = _written(saved)
+            if written:
+                raise RuntimeError(f"the forward stores {', '.join(written)}: a use fx does not see")
         return graphs
     finally:
-        for s, was in modes:
-            s.training = was
+        for s, attrs, registries in saved:
+            s.__dict__.clear()
+            s.__dict__.update(attrs)
+            for r, entries in registries:
+                attrs[r].clear()
+                attrs[r].update(entries)
+
+
+def _written(saved) -> list[str]:
+    """The attributes (and registered parameters, buffers, submodules) the forward set."""
+    out = []
+    for s, attrs, registries in saved:
+        now = s.__dict__
+        out += [f"{type(s).__name__}.{k}" for k, v in now.items()
+                if k != "training" and (k not in attrs or attrs[k] is not v)]
+        for r, entries in registries:
+            out += [f"{type(s).__name__}.{k}" for k, v in now[r].items() if entries.get(k) is not v]
+    return out

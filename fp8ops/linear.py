@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from . import ops
 from ._reference import FP8_MAX
@@ -175,6 +176,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # a second derivative through FP8 casts is not computed: raise, never 0
     def backward(ctx, gy):
         x8t, w8t, sx_inv, h, y = ctx.saved_tensors
         need_dx = ctx.static[8] and ctx.needs_input_grad[0]
@@ -246,6 +248,7 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # a second derivative through FP8 casts is not computed: raise, never 0
     def backward(ctx, gy):
         x8t, w8t, sx_inv, x2, mean, rstd, ln_w, ln_b, lw, y = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -392,18 +395,15 @@ class Fp8Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, config: Fp8Config) -> "Fp8Linear":
-        """Reuse mod's Parameters (no copy): optimizers and tied weights keep working."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = mod.in_features, mod.out_features
-        new.weight = mod.weight
-        new.bias = mod.bias
-        for k, hook in mod._forward_pre_hooks.items():
-            new._forward_pre_hooks[k] = hook
-        for k, hook in mod._forward_hooks.items():
-            new._forward_hooks[k] = hook
-        new._init_fp8_state(config)
-        return new
+        """Turn the nn.Linear `mod` itself into an Fp8Linear and return it: its
+        Parameters, hooks of every kind, attributes, train/eval mode and every
+        reference to it (a module shared by two parents) stay what they were."""
+        if type(mod) is not nn.Linear:
+            raise TypeError(f"Fp8Linear.from_linear: mod must be a plain nn.Linear, found {type(mod).__name__}; "
+                            "subclasses may compute something else in forward")
+        mod.__class__ = cls
+        mod._init_fp8_state(config)
+        return mod
 
     def extra_repr(self) -> str:
         gelu = ", input=gelu_tanh(x) (fused)" if self.fp8_gelu_input else ""
@@ -433,15 +433,20 @@ class Fp8Linear(nn.Linear):
         updates the shards, so there fp8_step alone invalidates the cache: the
         optimizer hook (scaling.py) bumps it, matching the layer through the
         sharded DTensor that is registered on the module again after backward.
-        A state_dict load drops the cache explicitly (_load_from_state_dict)."""
+        A state_dict load drops the cache explicitly (_load_from_state_dict).
+        The cache serves training calls only (grad enabled, a weight that
+        requires grad: what an optimizer or fp8ops.step governs). A frozen weight,
+        or any call under no_grad, casts afresh: an update through .data (an EMA
+        teacher's) moves nothing the key reads."""
         w, b = self._param("weight"), self._param("bias")
         w8 = getattr(w, "_fp8ops_gathered", None)
         if w8 is not None:
             # FSDP2 gathered this weight in FP8 (fsdp.py), cast with this layer's weight scale
             b_lp = None if b is None else b.detach().to(ops._bias_dtype(compute_dtype))
             return w8, (w8.t().contiguous() if need_t else None), b_lp, None
-        key = None if compiling else (w._version, w.data_ptr(), None if b is None else b._version,
-                                      self.fp8_step, compute_dtype, need_t)
+        cacheable = not compiling and w.requires_grad and torch.is_grad_enabled()
+        key = None if not cacheable else (w._version, w.data_ptr(), None if b is None else b._version,
+                                          self.fp8_step, compute_dtype, need_t)
         cache = self._w_cache
         if key is not None and cache is not None and cache[0] == key:
             return cache[1], cache[2], cache[3], None
@@ -486,18 +491,40 @@ class Fp8Linear(nn.Linear):
             self.__dict__["_fp8_views_flat"] = (c, ptrs)
         return c
 
+    def _reset_fp8_state(self) -> None:
+        """Fresh scaling state, as convert() made it: amax history 0, scales 1,
+        overflow counts 0, no steps seen (the buffers stay where they are)."""
+        bufs = self._buffers
+        with torch.no_grad():
+            bufs["fp8_amax_history"].zero_()
+            bufs["fp8_scale"].fill_(1.0)
+            bufs["fp8_scale_inv"].fill_(1.0)
+            bufs["fp8_max"].copy_(torch.tensor([FP8_MAX[dt] for dt in self.fp8_dtypes]))
+            bufs["fp8_overflow_count"].zero_()
+        d = self.__dict__
+        d["fp8_step"] = 0
+        d["_fp8_delayed_ready"] = False
+        d["_fp8_cast_since_update"] = False
+        d["_w_cache"] = None
+
     def _apply(self, fn, recurse=True):
         """.to() / .cuda() / .half() of the module: the scaling state keeps its
         fp32 values (a cast to fp16 would turn large scales into inf), and the
         cached weight cast, views and policy shortcut are dropped (they belong
-        to the old device and dtype)."""
+        to the old device and dtype). Leaving the meta device (to_empty() of a
+        model built there) gives the scaling state its initial values: the new
+        buffers hold uninitialized memory, and no state_dict load fills them
+        (they are not persistent)."""
         keep = {n: self._buffers[n] for n in ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_max")
                 if self._buffers.get(n) is not None}
+        was_meta = any(b.is_meta for b in keep.values())
         ret = super()._apply(fn, recurse)
         for n, old in keep.items():
             new = self._buffers[n]
             if new is not None and new.dtype != old.dtype:
                 self._buffers[n] = old.to(new.device)
+        if was_meta and not any(self._buffers[n].is_meta for n in keep):
+            self._reset_fp8_state()
         d = self.__dict__
         d["_w_cache"] = None
         d["_fp8_bf16_key"] = None
@@ -579,10 +606,22 @@ class Fp8Linear(nn.Linear):
         self.fp8_policy_why[k] = why
         return wins
 
+    def __getstate__(self):
+        # the cached weight cast and views derive from this layer's tensors (a copy makes its
+        # own), and FP8 tensors do not go through plain pickle (torch 2.11)
+        state = self.__dict__.copy()
+        state["_w_cache"] = None
+        state.pop("_fp8_views_flat", None)
+        return state
+
     def __setstate__(self, state):
         # a whole Fp8Linear pickled by an fp8ops from before the fused SwiGLU
         state.setdefault("fp8_swiglu_input", False)
         super().__setstate__(state)
+        # a copy (copy.deepcopy, pickle, torch.load of a whole model) updates its scales after
+        # optimizer steps as the original does
+        from .scaling import track  # noqa: PLC0415 -- scaling imports this module
+        track(self)
 
     def _load_from_state_dict(self, *args, **kwargs):
         # The load writes the weight in place. Under FSDP2 it writes the sharded
@@ -611,7 +650,18 @@ class Fp8Linear(nn.Linear):
             if not compiling:  # an int read in compiled code is a guard: one recompile per call
                 d["fp8_fallback_calls"] += 1
             return self._plain_forward(x)
+        width = 2 * self.in_features if d["fp8_swiglu_input"] else self.in_features
+        if x.dim() == 0 or x.shape[-1] != width:
+            raise ValueError(
+                f"Fp8Linear: the input's last dimension must be {width} "
+                f"({'2 * in_features: [gate | up] of the fused SwiGLU' if d['fp8_swiglu_input'] else 'in_features'}), "
+                f"found input shape {tuple(x.shape)}; pass [..., {width}]")
         weight, bias = self._param("weight"), self._param("bias")
+        if weight.dtype not in ops.HP_DTYPES:
+            # (model.to(torch.float64) after convert: the FP8 path computes in fp32 at most)
+            if not compiling:
+                d["fp8_fallback_calls"] += 1
+            return self._plain_forward(x)
         if not compiling and _is_dtensor(weight):
             raise RuntimeError(
                 "Fp8Linear: the weight is a DTensor (a sharded FSDP2 or tensor-parallel parameter). Under "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from . import loop_trial
-from .conversion import DECISIONS_ATTR
+from .conversion import decisions_of
 from .fsdp import fp8_all_gather_enabled
 from .linear import G, W, X, Fp8Linear
 
@@ -44,7 +44,7 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     BF16; compiled code does not count). Prints a table
     unless print_table=False.
     Reading the scales synchronises with the GPU once."""
-    decisions = getattr(model, DECISIONS_ATTR, {})
+    decisions = decisions_of(model)
     rows = []
     for name, m in model.named_modules():
         if isinstance(m, Fp8Linear):

@@ -115,11 +115,19 @@ def _fast_job(layer: Fp8Linear):
                        si.stride(0), float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo])
 
 
+def _world_size(group) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
 def update_scales(layers: list[Fp8Linear], group=None) -> None:
     """One optimizer step has happened for these layers."""
-    # a layer that cast nothing since the last update (policy "auto" chose BF16
-    # for its shape, or it was not called) has no amax to fold in: skip the work
-    delayed = [l for l in layers if l.fp8_config.recipe == "delayed" and l._fp8_cast_since_update]
+    # A layer that cast nothing since the last update (policy "auto" chose BF16
+    # for its shape, or it was not called) has no amax to fold in: skip the work.
+    # Not across ranks: the all-reduce needs the same layers on every rank, and
+    # a layer one rank skipped (no tokens for it, an M % 16 fallback) another may
+    # have cast; its row 0 holds 0 where it cast nothing.
+    ranks = _world_size(group) > 1
+    delayed = [l for l in layers if l.fp8_config.recipe == "delayed" and (ranks or l._fp8_cast_since_update)]
     due = [l for l in delayed if (l.fp8_step + 1) % l.fp8_config.interval == 0]
     if due:
         _reduce_amax(due, group)
@@ -134,8 +142,11 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     update = torch.ops.fp8ops.amax_update.default
     for layer in due:
         d = layer.__dict__
+        if d["_fp8_cast_since_update"]:
+            # from now on the casts use the history's scales (a layer that has cast nothing here
+            # keeps current scaling for its first cast: its history may hold no amax yet)
+            d["_fp8_delayed_ready"] = True
         d["_fp8_cast_since_update"] = False
-        d["_fp8_delayed_ready"] = True  # from now on the casts use the history's scales
         job = _fast_job(layer) if core is not None else None
         if job is not None:
             fast.setdefault(job[0], []).append(job[1])
@@ -154,10 +165,34 @@ def step(model: torch.nn.Module) -> None:
     update_scales([m for m in model.modules() if isinstance(m, Fp8Linear)])
 
 
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module torch.compile (OptimizedModule) or DDP wraps, unwrapped all the way:
+    scaling state is keyed by the names in the model itself, however it is wrapped."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel  # noqa: PLC0415
+
+    while True:
+        inner = model._modules.get("_orig_mod") if type(model).__name__ == "OptimizedModule" else None
+        if inner is None and isinstance(model, (DistributedDataParallel, DataParallel)):
+            inner = model.module
+        if inner is None:
+            return model
+        model = inner
+
+
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def _bare_name(key: str) -> str:
+    while key.startswith(_WRAPPER_PREFIXES):
+        key = key.split(".", 1)[1]
+    return key
+
+
 def scaling_state_dict(model: torch.nn.Module) -> dict:
-    """FP8 scaling state of every Fp8Linear, by module name (CPU tensors)."""
+    """FP8 scaling state of every Fp8Linear, by module name (CPU tensors); the
+    names of the model a torch.compile or DDP wrapper holds."""
     out = {}
-    for name, m in model.named_modules():
+    for name, m in _unwrapped(model).named_modules():
         if isinstance(m, Fp8Linear):
             out[name] = {
                 "config": m.fp8_config.short_str(),
@@ -170,16 +205,25 @@ def scaling_state_dict(model: torch.nn.Module) -> dict:
     return out
 
 
+def _recipe_and_format(config: str) -> list[str]:
+    return config.split("/")[:2]
+
+
 def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = False) -> list[str]:
-    """Restore what scaling_state_dict saved. Layers whose history length
-    differs keep their fresh state; returns the names that were not restored
-    (raises instead when strict)."""
+    """Restore what scaling_state_dict saved (also from a state saved by an
+    fp8ops that keyed a compiled or DDP-wrapped model by its wrapper's names).
+    Layers without a state, or whose saved history length, recipe or FP8 format
+    differ from theirs (the scales of one format mean nothing in another), keep
+    their fresh state; returns the names that were not restored (raises instead
+    when strict)."""
     skipped = []
-    for name, m in model.named_modules():
+    bare = {_bare_name(k): v for k, v in state.items()}
+    for name, m in _unwrapped(model).named_modules():
         if not isinstance(m, Fp8Linear):
             continue
-        s = state.get(name)
-        if s is None or s["amax_history"].shape != m.fp8_amax_history.shape:
+        s = state.get(name, bare.get(name))
+        if (s is None or s["amax_history"].shape != m.fp8_amax_history.shape
+                or ("config" in s and _recipe_and_format(s["config"]) != _recipe_and_format(m.fp8_config.short_str()))):
             skipped.append(name)
             continue
         with torch.no_grad():
@@ -190,5 +234,7 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
         m._fp8_delayed_ready = bool(s.get("primed", True))
         m._w_cache = None  # the cached weight cast was made with the old weight scale
     if strict and skipped:
-        raise KeyError(f"load_scaling_state_dict: no compatible state for {skipped}")
+        raise KeyError(f"load_scaling_state_dict: no compatible state for {skipped} (missing, or saved with "
+                       "another amax history length, recipe or FP8 format); pass strict=False to start those "
+                       "layers' scaling afresh")
     return skipped

@@ -24,11 +24,11 @@ def test_amax_update_matches_reference(H, n, margin, algo, device):
     gen = torch.Generator().manual_seed(H * 131 + n)
     hist, scale, sinv, fmax = _state(H, n, device, gen)
     hist[0, :: 3] = 0.0                      # zero amax: keeps scale if the history is zero too
-    if H == 1:
-        hist[0, 1::4] = float("nan")
+    hist[0, 1::4] = float("nan")             # this step: keeps the scale
+    hist[-1, 2::5] = float("inf")            # an older step's: skipped by algo max
     ref_h, ref_s, ref_si = amax_update_ref(hist, scale, sinv, fmax, margin, algo)
     ops.amax_update(hist, scale, sinv, fmax, margin, algo)
-    assert torch.equal(hist.cpu(), ref_h.cpu())           # exact: the roll is a copy
+    assert torch.equal(hist.cpu().view(torch.int32), ref_h.cpu().view(torch.int32))  # bits: the roll is a copy
     torch.testing.assert_close(scale.cpu(), ref_s.cpu(), rtol=1e-6, atol=0)
     torch.testing.assert_close(sinv.cpu(), ref_si.cpu(), rtol=1e-6, atol=0)
 
@@ -52,6 +52,23 @@ def test_bad_amax_keeps_previous_scale(bad, device):
     ops.amax_update(hist, scale, sinv, fmax, 0.0, "most_recent")
     assert scale.item() == 3.0 and sinv.item() == pytest.approx(1 / 3.0)
     assert torch.isfinite(scale).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_bad_amax_holds_the_scale_for_its_step_only(bad, device):
+    """A NaN/inf amax (an overflowed step) keeps the scale that step and is counted. It stays
+    in the history (the record of that step) but holds no later scale: under algo max it would
+    otherwise keep the scale for the next H steps whatever the amaxes do."""
+    hist = torch.tensor([[bad], [1.0], [2.0], [3.0]], device=device)
+    scale, sinv, fmax = torch.tensor([7.0], device=device), torch.ones(1, device=device), torch.tensor([448.0], device=device)
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    torch.ops.fp8ops.amax_update.default(hist, scale, sinv, fmax, 0.0, ops.AMAX_ALGOS["max"], count)
+    assert scale.item() == 7.0 and count.item() == 1
+    assert hist[:3].flatten().tolist() == [0.0, 2.0, 3.0] and not torch.isfinite(hist[3]).any()
+    hist[0, 0] = 0.5                                 # the next step: finite again
+    torch.ops.fp8ops.amax_update.default(hist, scale, sinv, fmax, 0.0, ops.AMAX_ALGOS["max"], count)
+    assert scale.item() == pytest.approx(448.0 / 3.0) and count.item() == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -733,3 +733,47 @@ def test_fsdp2_fp8_all_gather_uneven_shards(tmp_path):
         assert r[True]["loss"] == r[False]["loss"]
         for got, ref in zip(r[True]["grads"], r[False]["grads"]):
             assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+# ------------------------------- a layer some ranks do not run in a step (2 ranks)
+
+def _skipped_layer_worker(rank, world, tmp):
+    """Two 'experts' under data parallelism; rank 1 routes no token to expert 1 at step 0
+    (does not call it) and gives it an empty batch at step 1. The step-end amax all-reduce
+    must still pair up (before the fix: gloo's size mismatch, then an abort)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world)
+    rec = []
+    try:
+        torch.manual_seed(0)
+        experts = nn.ModuleList([nn.Linear(32, 32), nn.Linear(32, 32)])
+        for i in range(2):
+            experts[i] = Fp8Linear.from_linear(experts[i], Fp8Config(amax_history_len=4, policy="always"))
+            experts[i].fp8_on_cpu = True
+        opt = torch.optim.SGD(experts.parameters(), lr=0.0)
+        for step in range(3):
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank * 10 + step)) * (1 + rank)
+            y = experts[0](x).sum()
+            if rank == 0 or step == 2:
+                y = y + experts[1](x * 10).sum()
+            elif step == 1:
+                y = y + experts[1](x[:0]).sum()
+            y.backward()
+            opt.step()
+            rec.append([(e.fp8_scale.clone(), e.fp8_amax_history.clone(), e._fp8_delayed_ready) for e in experts])
+    finally:
+        torch.save(rec, f"{tmp}/skipped{rank}.pt")
+        _teardown()
+
+
+def test_layer_skipped_on_one_rank_keeps_the_amax_all_reduce_aligned(tmp_path):
+    import torch.multiprocessing as mp
+    mp.spawn(_skipped_layer_worker, args=(WORLD, str(tmp_path)), nprocs=WORLD, join=True)
+    r0, r1 = (torch.load(tmp_path / f"skipped{r}.pt", weights_only=False) for r in range(WORLD))
+    assert len(r0) == len(r1) == 3
+    for step, (a, b) in enumerate(zip(r0, r1)):
+        for e, ((sa, ha, _), (sb, hb, _)) in enumerate(zip(a, b)):
+            assert torch.equal(sa, sb) and torch.equal(ha, hb), (step, e)   # the same scales on both ranks
+    # expert 1's first update holds rank 0's amaxes alone (rank 1 cast nothing); rank 1 still
+    # casts its first call with current scales (it had no amax of its own in that update)
+    assert r0[0][1][1][-1].gt(0).all() and r0[0][1][2] and not r1[0][1][2]

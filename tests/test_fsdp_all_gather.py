@@ -41,6 +41,21 @@ def test_enable_wraps_fp8_layers_and_skips_tied_and_emulated():
     assert type(model.a.weight.data) is _Fp8MasterWeight
 
 
+def test_state_dict_holds_plain_tensors(tmp_path):
+    """A checkpoint of an enabled model is the plain model's: torch.load(weights_only=True)
+    reads it, and an nn.Linear model loads it."""
+    model = nn.Sequential(_layer(), nn.ReLU(), _layer(bias=False))
+    model[2] = Fp8Linear.from_linear(nn.Linear(16, 16, bias=False), Fp8Config())
+    assert fp8ops.enable_fsdp_fp8_all_gather(model) == ["0", "2"]
+    sd = model.state_dict()
+    assert all(type(v) is torch.Tensor for v in sd.values())
+    torch.save(sd, tmp_path / "ckpt.pt")
+    loaded = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    plain = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 16, bias=False))
+    plain.load_state_dict(loaded)
+    assert torch.equal(plain[0].weight, model[0].weight.detach() * 1)
+
+
 def _gathered(layer):
     """What fsdp_post_all_gather hands the forward, for an unsharded layer (world size 1)."""
     w = layer.weight.detach()

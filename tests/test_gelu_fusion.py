@@ -121,8 +121,15 @@ class TrainOnlyDropout(GeluTwice):
         return self.b(g)
 
 
+class GeluStored(GeluTwice):
+    def forward(self, x):
+        g = self.gelu(self.a(x))
+        self.last_act = g  # (an activation statistic, a loss term): a use fx does not see
+        return self.b(g)
+
+
 @pytest.mark.parametrize("cls", [GeluTwice, GeluAlsoResidual, GeluFunctional, GeluBranching, LinearTwice,
-                                 TrainOnlyDropout])
+                                 TrainOnlyDropout, GeluStored])
 def test_gelu_not_fused_where_unsafe(cls, monkeypatch):
     torch.manual_seed(0)
     model = cls()
@@ -133,6 +140,8 @@ def test_gelu_not_fused_where_unsafe(cls, monkeypatch):
     x = torch.randn(16, 32)
     x = -x.abs() if cls is GeluBranching else x
     torch.testing.assert_close(model(x), ref(x), rtol=0.1, atol=0.1)  # FP8, but the same function
+    if cls is GeluStored:  # what it stores is the GELU's output (not a tracing Proxy, not its input)
+        assert type(model.last_act) is torch.Tensor and model.last_act.min() >= -0.1701
 
 
 def test_gelu_not_fused_erf_shared_or_hooked(monkeypatch):

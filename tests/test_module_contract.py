@@ -1,0 +1,204 @@
+"""A converted model keeps behaving as the nn.Linear model it was: what convert keeps (hooks,
+attributes, modes, a module shared by two parents), copies, a model built on the meta device,
+dtype changes, wrong inputs, double backward, arguments, wrapped models (torch.compile, a
+parent) in report and the scaling state, and a frozen weight updated through .data. All on the
+CPU reference kernels (conftest.convert_as_on_fp8_gpu)."""
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fp8ops
+from fp8ops import Fp8Config
+from fp8ops._reference import FP8_MAX, sqnr
+from fp8ops.linear import X, Fp8Linear
+
+from conftest import convert_as_on_fp8_gpu
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+
+
+def _train(model, steps=3, seed=1, opt=None):
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(16, 32, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def test_convert_keeps_hooks_attributes_and_mode(monkeypatch):
+    model = _mlp()
+    lin = model[0]
+    called = []
+    lin.register_forward_pre_hook(lambda m, args, kwargs: called.append("pre") or None, with_kwargs=True)
+    lin.register_forward_hook(lambda m, args, kwargs, out: called.append("fwd") or None, with_kwargs=True)
+    lin.register_full_backward_hook(lambda m, gin, gout: called.append("bwd") or None)
+    lin.NANOGPT_SCALE_INIT = 1
+    model[2].eval()
+    convert_as_on_fp8_gpu(model, monkeypatch)
+    assert model[0] is lin and isinstance(lin, Fp8Linear)      # the same object, converted in place
+    model(torch.randn(16, 32)).sum().backward()
+    assert called == ["pre", "fwd", "bwd"]
+    assert lin.NANOGPT_SCALE_INIT == 1 and not model[2].training and model[0].training
+
+
+def test_shared_linear_stays_one_converted_module(monkeypatch):
+    model = nn.Module()
+    model.a = nn.Linear(32, 32)
+    model.b = model.a
+    convert_as_on_fp8_gpu(model, monkeypatch)
+    assert model.a is model.b and isinstance(model.a, Fp8Linear)
+    rows = {r["name"]: r for r in fp8ops.report(model, print_table=False)}
+    assert rows["a"]["backend"] == "fp8ops"
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_updates_its_scales_after_its_optimizer_steps(monkeypatch, how):
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    _train(model)
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    elif how == "pickle":
+        twin = pickle.loads(pickle.dumps(model))
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    assert twin[0].fp8_step == 3 and twin[0]._fp8_delayed_ready
+    before = twin[0].fp8_scale.clone()
+    g = torch.Generator().manual_seed(5)
+    opt = torch.optim.SGD(twin.parameters(), lr=0.0)
+    for _ in range(3):   # inputs 100x larger: the input scale must follow them down
+        twin(torch.randn(16, 32, generator=g) * 100).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert twin[0].fp8_step == 6
+    assert twin[0].fp8_scale[X] < before[X] / 10
+    assert model[0].fp8_step == 3                                  # the original is its own
+
+
+def test_meta_device_model_gets_fresh_scaling_state(monkeypatch):
+    with torch.device("meta"):
+        model = _mlp()
+    convert_as_on_fp8_gpu(model, monkeypatch)
+    model.to_empty(device="cpu")
+    ref = _mlp()
+    model.load_state_dict(ref.state_dict())
+    for m in (model[0], model[2]):
+        assert m.fp8_max.tolist() == [FP8_MAX[dt] for dt in m.fp8_dtypes]
+        assert m.fp8_scale.tolist() == [1.0, 1.0, 1.0] and m.fp8_scale_inv.tolist() == [1.0, 1.0, 1.0]
+        assert not m.fp8_amax_history.any() and not m.fp8_overflow_count.any()
+        assert m.fp8_step == 0 and not m._fp8_delayed_ready
+    x = torch.randn(16, 32)
+    for _ in range(3):
+        assert sqnr(model(x), ref(x)) >= 25
+        fp8ops.step(model)
+
+
+def test_wrong_input_width_names_in_features(monkeypatch):
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    with pytest.raises(ValueError, match=r"last dimension must be 32 \(in_features\), found input shape \(16, 64\)"):
+        model(torch.randn(16, 64))
+    assert not model[0].fp8_amax_history.any()                     # nothing recorded from it
+
+
+def test_float64_model_runs_as_nn_linear(monkeypatch):
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch).to(torch.float64)
+    ref = _mlp().to(torch.float64)
+    x = torch.randn(16, 32, dtype=torch.float64)
+    y = model(x)
+    assert y.dtype == torch.float64 and torch.equal(y, ref(x))
+
+
+def test_double_backward_raises_instead_of_a_zero_gradient(monkeypatch):
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    x = torch.randn(16, 32, requires_grad=True)
+    (g,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.square().sum().backward()
+
+
+def test_frozen_weight_updated_through_data_is_cast_afresh(monkeypatch):
+    """An EMA teacher: frozen weights written through .data, which no version counter sees."""
+    teacher = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    plain = _mlp()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(16, 32)
+    for it in range(3):
+        with torch.no_grad():
+            assert sqnr(teacher(x), plain(x)) >= 20, it   # a stale cached cast: about -7 dB
+            for pt, pp in zip(teacher.parameters(), plain.parameters()):
+                new = torch.randn_like(pt) * 0.2
+                pt.data.copy_(new)
+                pp.data.copy_(new)
+
+
+def test_bad_arguments_raise_naming_them(monkeypatch):
+    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
+    with pytest.raises(TypeError, match="config must be an fp8ops.Fp8Config, found dict"):
+        fp8ops.convert(_mlp(), config={"recipe": "current"})
+    with pytest.raises(TypeError, match="module_filter_fn must be a callable"):
+        fp8ops.convert(_mlp(), module_filter_fn=["0"])
+    with pytest.raises(ValueError, match="fuse_gelu must be True or False, found 'false'"):
+        Fp8Config(fuse_gelu="false")
+    with pytest.raises(ValueError, match="interval must be an int >= 1, found True"):
+        Fp8Config(interval=True)
+    with pytest.raises(TypeError, match="must be a plain nn.Linear"):
+        Fp8Linear.from_linear(nn.Bilinear(4, 4, 4), Fp8Config())
+
+
+def _filtered(monkeypatch):
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 8))
+    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
+    return fp8ops.convert(model, config=Fp8Config(policy="always"), module_filter_fn=lambda m, n: n != "2")
+
+
+@pytest.mark.parametrize("wrap", ["compile", "parent"])
+def test_report_of_a_wrapped_model_keeps_the_reasons(monkeypatch, wrap):
+    model = _filtered(monkeypatch)
+    if wrap == "compile":
+        outer, prefix = torch.compile(model), "_orig_mod."
+    else:
+        outer, prefix = nn.ModuleDict({"body": model}), "body."
+    reasons = {r["name"]: r["reason"] for r in fp8ops.report(outer, print_table=False)}
+    assert reasons[prefix + "2"] == "excluded by module_filter_fn"
+    assert "multiples of 16" in reasons[prefix + "3"]
+
+
+def test_scaling_state_is_keyed_by_the_model_not_its_wrapper(monkeypatch):
+    model = _filtered(monkeypatch)
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.fp8_on_cpu = True
+    _train(model)
+    state = fp8ops.scaling_state_dict(torch.compile(model))
+    assert list(state) == ["0"]
+    fresh = _filtered(monkeypatch)
+    assert fp8ops.load_scaling_state_dict(fresh, state, strict=True) == []
+    assert torch.equal(fresh[0].fp8_scale, model[0].fp8_scale)
+    # a state an older fp8ops saved under the wrapper's names still loads
+    fresh = _filtered(monkeypatch)
+    assert fp8ops.load_scaling_state_dict(fresh, {"_orig_mod.0": state["0"]}) == []
+    assert torch.equal(fresh[0].fp8_scale, model[0].fp8_scale)
+
+
+def test_scaling_state_of_another_format_is_not_loaded(monkeypatch):
+    src = convert_as_on_fp8_gpu(_mlp(), monkeypatch, amax_history_len=4)
+    _train(src)
+    state = fp8ops.scaling_state_dict(src)
+    dst = convert_as_on_fp8_gpu(_mlp(), monkeypatch, amax_history_len=4, fp8_format="e4m3")
+    assert fp8ops.load_scaling_state_dict(dst, state) == ["0", "2"]
+    assert dst[0].fp8_scale.tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(KeyError, match="another amax history length, recipe or FP8 format"):
+        fp8ops.load_scaling_state_dict(dst, state, strict=True)
