@@ -68,7 +68,7 @@ static int cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_
   const float s = *scale;
   const float fmax = fmt == FP8OPS_E4M3 ? FP8OPS_E4M3_MAX : FP8OPS_E5M2_MAX;
   uint32_t amax_bits = 0;
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; cols > 0 && r < rows; ++r) { /* (cols == 0: no pass over empty rows) */
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t i = r * cols + c;
       float v = load_hp(x, x_dtype, i);
@@ -194,7 +194,7 @@ static int swiglu_args(const char* op, const void* a, const void* b, fp8ops_hp_d
 int fp8ops_swiglu_cpu(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
                       void* out) {
   FP8OPS_TRY(swiglu_args("swiglu", x, x, dtype, rows, cols, out));
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = 0; cols > 0 && r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) {
       const float s = round_hp(fp8ops_silu(load_hp(x, dtype, 2 * r * cols + c)), dtype);
       store_hp(out, dtype, r * cols + c, s * load_hp(x, dtype, (2 * r + 1) * cols + c));
@@ -205,7 +205,7 @@ int fp8ops_swiglu_cpu(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_
 int fp8ops_swiglu_grad_cpu(const void* dh, const void* x, fp8ops_hp_dtype dtype, int64_t rows,
                            int64_t cols, void* dx) {
   FP8OPS_TRY(swiglu_args("swiglu_grad", dh, x, dtype, rows, cols, dx));
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = 0; cols > 0 && r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t gi = 2 * r * cols + c, ui = gi + cols;
       const float d = load_hp(dh, dtype, r * cols + c), g = load_hp(x, dtype, gi);

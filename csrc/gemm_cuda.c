@@ -305,12 +305,24 @@ static int32_t ptr_alignment(const void* p) {
   return al;
 }
 
-static void entry_release_layouts(gemm_entry* e) {
-  if (e->lay_a) g_lt.MatrixLayoutDestroy(e->lay_a);
-  if (e->lay_b) g_lt.MatrixLayoutDestroy(e->lay_b);
-  if (e->lay_out) g_lt.MatrixLayoutDestroy(e->lay_out);
+/* rc, or (rc being FP8OPS_OK) the error of a failed cuBLASLt destroy: the first error wins */
+static int lt_destroyed(int rc, cublasStatus_t st, const char* what) {
+  if (st == CUBLAS_STATUS_SUCCESS || rc != FP8OPS_OK) return rc;
+  return fp8ops_set_error(FP8OPS_ERR_CUBLAS, "fp8ops gemm: %s failed: %s", what,
+                          g_lt.GetStatusString(st));
+}
+
+/* Destroys e's layouts (all of them, whatever fails); the first failure's status. */
+static cublasStatus_t entry_release_layouts(gemm_entry* e) {
+  cublasLtMatrixLayout_t lay[3] = {e->lay_a, e->lay_b, e->lay_out};
+  cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+  for (int i = 0; i < 3; ++i) {
+    const cublasStatus_t s = lay[i] ? g_lt.MatrixLayoutDestroy(lay[i]) : CUBLAS_STATUS_SUCCESS;
+    if (st == CUBLAS_STATUS_SUCCESS) st = s;
+  }
   e->lay_a = e->lay_b = e->lay_out = NULL;
   e->valid = 0;
+  return st;
 }
 
 static cudaDataType_t fp8_type(int fmt) {
@@ -392,8 +404,8 @@ static int entry_build(gemm_entry* e, cublasLtHandle_t handle, cublasLtMatmulDes
   }
   e->valid = 1;
 done:
-  if (pref) g_lt.MatmulPreferenceDestroy(pref);
-  if (rc != FP8OPS_OK) entry_release_layouts(e);
+  if (pref) rc = lt_destroyed(rc, g_lt.MatmulPreferenceDestroy(pref), "cublasLtMatmulPreferenceDestroy");
+  if (rc != FP8OPS_OK) rc = lt_destroyed(rc, entry_release_layouts(e), "cublasLtMatrixLayoutDestroy");
   return rc;
 }
 
@@ -417,7 +429,8 @@ static int cache_acquire_locked(const gemm_key* key, cublasLtHandle_t handle,
       victim = e;
   }
   gemm_entry* e = victim ? victim : tmp;
-  if (e->valid) entry_release_layouts(e);
+  if (e->valid)
+    FP8OPS_TRY(lt_destroyed(FP8OPS_OK, entry_release_layouts(e), "cublasLtMatrixLayoutDestroy"));
   memset(e, 0, sizeof *e);
   e->key = *key;
   e->hash = h;
@@ -601,13 +614,13 @@ int fp8ops_gemm_cuda(const uint8_t* a, fp8ops_fp8_format a_fmt, const uint8_t* b
 done:
   if (e != NULL) {
     if (e == &tmp) {
-      entry_release_layouts(&tmp);
+      rc = lt_destroyed(rc, entry_release_layouts(&tmp), "cublasLtMatrixLayoutDestroy");
     } else {
       pthread_mutex_lock(&g_lock);
       e->in_use--;
       pthread_mutex_unlock(&g_lock);
     }
   }
-  if (desc) g_lt.MatmulDescDestroy(desc);
+  if (desc) rc = lt_destroyed(rc, g_lt.MatmulDescDestroy(desc), "cublasLtMatmulDescDestroy");
   return rc;
 }

@@ -73,7 +73,13 @@ static const char* dtype_name(int32_t d) {
   if (d == aoti_torch_dtype_int32()) return "int32";
   if (d == aoti_torch_dtype_int64()) return "int64";
   if (d == aoti_torch_dtype_bool()) return "bool";
-  return "another dtype";
+  if (d == aoti_torch_dtype_float8_e4m3fnuz()) return "float8_e4m3fnuz";
+  if (d == aoti_torch_dtype_float8_e5m2fnuz()) return "float8_e5m2fnuz";
+  if (d == aoti_torch_dtype_int8()) return "int8";
+  if (d == aoti_torch_dtype_int16()) return "int16";
+  if (d == aoti_torch_dtype_complex64()) return "complex64";
+  if (d == aoti_torch_dtype_complex128()) return "complex128";
+  return "another dtype (not a float type fp8ops takes)";
 }
 
 static const char* device_name(int32_t t) {
@@ -173,7 +179,29 @@ static int new_tensor(const char* op, int64_t ndim, const int64_t* sizes, int32_
     strides[i] = s;
     s *= sizes[i] > 0 ? sizes[i] : 1;
   }
-  SHIM(aoti_torch_empty_strided(ndim, sizes, strides, dtype, like->dev_type, like->dev_index, out));
+  if (aoti_torch_empty_strided(ndim, sizes, strides, dtype, like->dev_type, like->dev_index, out) ==
+      AOTI_TORCH_SUCCESS)
+    return FP8OPS_OK;
+  /* torch's own message (out of memory, most likely) goes to stderr; this names the output */
+  tinfo shape;
+  memset(&shape, 0, sizeof shape);
+  shape.ndim = ndim;
+  for (int64_t i = 0; i < ndim; ++i) shape.sizes[i] = sizes[i];
+  char sh[96];
+  shape_str(&shape, sh, sizeof sh);
+  return fp8ops_set_error(FP8OPS_ERR_NOMEM, "%s: could not allocate a %s %s output on %s:%d "
+                          "(torch's message is on stderr: out of memory?)", op, sh, dtype_name(dtype),
+                          device_name(like->dev_type), (int)like->dev_index);
+}
+
+/* *rows = the product of t's leading dims (all but the last), which a zero last dim lets be
+ * anything torch allows: checked for int64 overflow */
+static int leading_rows(const char* op, const char* name, const tinfo* t, int64_t* rows) {
+  int64_t r = 1;
+  for (int64_t i = 0; i + 1 < t->ndim; ++i)
+    FP8OPS_REQUIRE(!__builtin_mul_overflow(r, t->sizes[i], &r), "%s: %s has more rows (the product "
+                   "of its leading dims) than int64 holds; reshape it to [-1, last dim]", op, name);
+  *rows = r;
   return FP8OPS_OK;
 }
 
@@ -274,8 +302,8 @@ static int run_cast(AtenTensorHandle hx, AtenTensorHandle hs, AtenTensorHandle h
     FP8OPS_TRY(require_scalar_f32(op, "amax", &a, &x, "x"));
   }
   const int64_t cols = x.sizes[x.ndim - 1];
-  int64_t rows = 1; /* product of the leading dims (also when cols == 0) */
-  for (int64_t i = 0; i + 1 < x.ndim; ++i) rows *= x.sizes[i];
+  int64_t rows = 0; /* product of the leading dims (also when cols == 0) */
+  FP8OPS_TRY(leading_rows(op, "x", &x, &rows));
   const int64_t tsz[2] = {cols, rows}, zero[1] = {0};
   FP8OPS_TRY(new_tensor(op, x.ndim, x.sizes, out_dtype, &x, &outs[0]));
   FP8OPS_TRY(transpose ? new_tensor(op, 2, tsz, out_dtype, &x, &outs[1])
@@ -701,6 +729,8 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
       FP8OPS_TRY(require_same_device(op, names[i], pp[i], "x", &x));
     }
     FP8OPS_REQUIRE(ln->eps >= 0.0, "%s: eps must be >= 0, found %g", op, ln->eps);
+    FP8OPS_REQUIRE(K > 0, "%s: x %s has no features to normalize (K = 0); a LayerNorm needs K > 0",
+                   op, sh1);
     const int64_t msz[1] = {M};
     FP8OPS_TRY(new_tensor(op, 1, msz, aoti_torch_dtype_float32(), &x, &ln->mean));
     FP8OPS_TRY(new_tensor(op, 1, msz, aoti_torch_dtype_float32(), &x, &ln->rstd));
@@ -737,12 +767,14 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
                                                       wa.data, stream)
                        : fp8ops_cast_accumulate_cpu(w.data, wd, N, K, ws.data, wf, pw8, pw8t,
                                                      wa.data);
-    if (rc == FP8OPS_OK && ln)
+    /* (M == 0: no rows to normalize, and the empty mean and rstd have no data pointer; the
+     * plain cast below casts the nothing there is) */
+    if (rc == FP8OPS_OK && ln && M > 0)
       rc = is_cuda(&x) ? fp8ops_layernorm_stats_cuda(x.data, xd, M, K, (float)ln->eps, ln->rms,
                                                      (float*)lnp.mean, (float*)lnp.rstd, stream)
                        : fp8ops_layernorm_stats_cpu(x.data, xd, M, K, (float)ln->eps, ln->rms,
                                                     (float*)lnp.mean, (float*)lnp.rstd);
-    if (rc == FP8OPS_OK && ln)
+    if (rc == FP8OPS_OK && ln && M > 0)
       rc = is_cuda(&x) ? fp8ops_ln_cast_accumulate_cuda(x.data, xd, M, K, &lnp, xs.data, xf, p8,
                                                          p8t, xa.data, stream)
                        : fp8ops_ln_cast_accumulate_cpu(x.data, xd, M, K, &lnp, xs.data, xf, p8,
@@ -908,12 +940,13 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
   const int64_t nsz[1] = {N};
   FP8OPS_TRY(new_tensor(op, 1, need_db ? nsz : zero, f32, &g, &outs[2]));
   int64_t partial_floats = 0;
-  if (need_db && is_cuda(&g)) {
+  if (need_db && N > 0 && is_cuda(&g)) {
     partial_floats = fp8ops_dbias_workspace_floats(M, N);
     const int64_t psz[1] = {partial_floats};
     FP8OPS_TRY(new_tensor(op, 1, psz, f32, &g, &tmp[2]));
   }
-  float* db = need_db ? (float*)data_of(outs[2]) : NULL;
+  /* (N == 0: nothing to sum, and the empty output has no data pointer) */
+  float* db = need_db && N > 0 ? (float*)data_of(outs[2]) : NULL;
   float* partial = tmp[2] ? (float*)data_of(tmp[2]) : NULL;
   uint8_t* p8 = (uint8_t*)data_of(tmp[0]);
   uint8_t* p8t = need_dw ? (uint8_t*)data_of(tmp[1]) : NULL;
@@ -946,16 +979,16 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
     } else if (is_cuda(&g)) {
       if (gelu) rc = fp8ops_gelu_grad_cuda(g.data, gi.data, gd, M * N, (void*)gx, stream);
       if (rc == FP8OPS_OK)
-        rc = need_db ? fp8ops_cast_accumulate_dbias_cuda(gx, gd, M, N, gs.data, gf, p8, p8t,
-                                                         ga.data, db, partial, partial_floats,
-                                                         stream)
-                     : fp8ops_cast_accumulate_cuda(gx, gd, M, N, gs.data, gf, p8, p8t, ga.data,
-                                                   stream);
+        rc = db ? fp8ops_cast_accumulate_dbias_cuda(gx, gd, M, N, gs.data, gf, p8, p8t,
+                                                    ga.data, db, partial, partial_floats,
+                                                    stream)
+                : fp8ops_cast_accumulate_cuda(gx, gd, M, N, gs.data, gf, p8, p8t, ga.data,
+                                              stream);
     } else {
       if (gelu) rc = fp8ops_gelu_grad_cpu(g.data, gi.data, gd, M * N, (void*)gx);
       if (rc == FP8OPS_OK)
         rc = fp8ops_cast_accumulate_cpu(gx, gd, M, N, gs.data, gf, p8, p8t, ga.data);
-      if (rc == FP8OPS_OK && need_db) rc = fp8ops_dbias_cpu(gx, gd, M, N, db);
+      if (rc == FP8OPS_OK && db) rc = fp8ops_dbias_cpu(gx, gd, M, N, db);
     }
     if (rc == FP8OPS_OK && need_dx)
       rc = gemm_into(op, a_dx, b_dx, M, K, N, gsi.data, wsi.data, NULL, NULL, dx_dtype, dxd, false,
@@ -1098,8 +1131,8 @@ static int run_swiglu(AtenTensorHandle hx, AtenTensorHandle hdh, AtenTensorHandl
   FP8OPS_REQUIRE(x.ndim >= 1 && x.sizes[x.ndim - 1] % 2 == 0, "%s: x %s must have an even last "
                  "dim (the gate and up halves of one projection's output)", op, sh1);
   const int64_t H = x.sizes[x.ndim - 1] / 2;
-  int64_t rows = 1;
-  for (int64_t i = 0; i + 1 < x.ndim; ++i) rows *= x.sizes[i];
+  int64_t rows = 0;
+  FP8OPS_TRY(leading_rows(op, "x", &x, &rows));
   int64_t hsz[8];
   for (int64_t i = 0; i < x.ndim; ++i) hsz[i] = x.sizes[i];
   hsz[x.ndim - 1] = H;

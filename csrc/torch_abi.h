@@ -51,6 +51,13 @@ int32_t aoti_torch_dtype_uint8(void);
 int32_t aoti_torch_dtype_int32(void);
 int32_t aoti_torch_dtype_int64(void);
 int32_t aoti_torch_dtype_bool(void);
+/* (only to name them in error messages) */
+int32_t aoti_torch_dtype_float8_e5m2fnuz(void);
+int32_t aoti_torch_dtype_float8_e4m3fnuz(void);
+int32_t aoti_torch_dtype_int8(void);
+int32_t aoti_torch_dtype_int16(void);
+int32_t aoti_torch_dtype_complex64(void);
+int32_t aoti_torch_dtype_complex128(void);
 int32_t aoti_torch_device_type_cpu(void);
 int32_t aoti_torch_device_type_cuda(void);
 

@@ -384,6 +384,7 @@ def _ln_linear_fwd_fake(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_
         _chk_contig(op, name, t)
         _chk_device(op, name, t, "x", x)
     _chk(eps >= 0, f"{op}: eps must be >= 0, found {eps}")
+    _chk(K > 0, f"{op}: x {list(x.shape)} has no features to normalize (K = 0); a LayerNorm needs K > 0")
     M = x.shape[0]
     return y, x8t, w8, w8t, x.new_empty((M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32)
 

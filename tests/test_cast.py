@@ -94,6 +94,20 @@ def test_cast_empty():
     assert out.shape == (0, 32) and out_t.shape == (32, 0) and amax.item() == 0.0
 
 
+def test_zero_width_rows_of_any_count():
+    """A zero last dim lets the leading dims be anything torch allows: the ops return at once,
+    and a row count past int64 is refused by name (not an internal error)."""
+    x = torch.empty(2**20, 3, 0)
+    out, out_t, amax = ops.cast(x, torch.ones(1), torch.float8_e4m3fn, False)
+    assert out.shape == (2**20, 3, 0) and amax.item() == 0.0
+    assert torch.ops.fp8ops.swiglu.default(x).shape == (2**20, 3, 0)
+    huge = torch.empty(2**62, 3, 0)
+    for call in (lambda: ops.cast(huge, torch.ones(1), torch.float8_e4m3fn, True),
+                 lambda: torch.ops.fp8ops.swiglu.default(huge)):
+        with pytest.raises(RuntimeError, match=r"x has more rows \(the product of its leading dims\) than int64"):
+            call()
+
+
 # --------------------------------------------------------------------- errors
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -219,6 +219,36 @@ def test_ln_linear_fwd_checks_its_layernorm_arguments(device):
         ops.ln_linear_fwd(x, good, good.to(torch.bfloat16), 1e-5, w8, one, torch.zeros(1, device=device), one, one)
 
 
+def _ln_linear_fwd_raw_args(M, K, N=16):
+    """ln_linear_fwd's schema arguments, the weight cast in the op (w_amax starts at 0)."""
+    one, e4 = torch.ones(1), torch.float8_e4m3fn
+    return [torch.randn(M, K), torch.empty(0), torch.empty(0), 1e-5, torch.randn(N, K) * 100, one,
+            torch.zeros(1), one, one, torch.zeros(1), one, torch.empty(0), e4, e4, torch.bfloat16,
+            False, True, False]
+
+
+def test_ln_linear_fwd_empty_batch_and_zero_width():
+    """M = 0 (an empty batch) returns empty outputs; K = 0 is refused by name before the
+    weight's amax (an in-place input) is touched."""
+    args = _ln_linear_fwd_raw_args(0, 64)
+    y, x8t, w8, w8t, mean, rstd = torch.ops.fp8ops.ln_linear_fwd.default(*args)
+    assert y.shape == (0, 16) and x8t.shape == (64, 0) and mean.shape == rstd.shape == (0,)
+    assert args[9].item() > 0                                   # the weight was still cast
+    args = _ln_linear_fwd_raw_args(4, 0)
+    with pytest.raises(RuntimeError, match=r"x \[4, 0\] has no features to normalize \(K = 0\)"):
+        torch.ops.fp8ops.ln_linear_fwd.default(*args)
+    assert args[9].item() == 0.0
+
+
+def test_linear_bwd_bias_gradient_of_zero_outputs():
+    """N = 0 with the bias gradient asked for: an empty bias gradient, not an internal error."""
+    one, e4, e5 = torch.ones(1), torch.float8_e4m3fn, torch.float8_e5m2
+    dx, dw, db = torch.ops.fp8ops.linear_bwd.default(
+        torch.randn(4, 0), torch.randn(8, 0).to(e4), torch.randn(8, 4).to(e4), one, torch.zeros(1), one, one,
+        one, torch.empty(0), e5, torch.bfloat16, torch.float32, False, False, True)
+    assert db.shape == (0,) and dx.numel() == 0 and dw.numel() == 0
+
+
 class LnLinear(nn.Module):
     def __init__(self):
         super().__init__()
