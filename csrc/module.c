@@ -29,19 +29,6 @@ static PyObject* py_build_info(PyObject* self, PyObject* noargs) {
                        FP8OPS_TORCH_MIN_VERSION);
 }
 
-/* _C.device_capability(index) -> int (e.g. 90); RuntimeError if unknown */
-static PyObject* py_device_capability(PyObject* self, PyObject* arg) {
-  (void)self;
-  long dev = PyLong_AsLong(arg);
-  if (dev == -1 && PyErr_Occurred()) return NULL;
-  int cc = 0;
-  if (fp8ops_device_capability((int)dev, &cc) != FP8OPS_OK) {
-    PyErr_SetString(PyExc_RuntimeError, fp8ops_last_error());
-    return NULL;
-  }
-  return PyLong_FromLong(cc);
-}
-
 /* _C.cublaslt_status() -> None if cuBLASLt is usable, else the reason */
 static PyObject* py_cublaslt_status(PyObject* self, PyObject* noargs) {
   (void)self; (void)noargs;
@@ -114,7 +101,6 @@ static PyMethodDef k_methods[] = {
     {"amax_update_many", py_amax_update_many, METH_VARARGS,
      "Delayed-scaling update of many histories on one CUDA device, in few launches."},
     {"build_info", py_build_info, METH_NOARGS, "Build and registration facts."},
-    {"device_capability", py_device_capability, METH_O, "Compute capability as major*10+minor."},
     {"cublaslt_status", py_cublaslt_status, METH_NOARGS, "None, or why cuBLASLt is unusable."},
     {NULL, NULL, 0, NULL}};
 

@@ -37,7 +37,9 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     """One row per linear layer: name, backend ("fp8ops" | "bf16": converted
     or not), runs (what it runs now: "FP8", "BF16 (policy)", "trial", "not yet"
     or, unconverted, "BF16"; see runs_now), reason,
-    recipe, scale_x/w/g, amax_x/w/g (the latest completed step's amaxes),
+    recipe, scale_x/w/g, amax_x/w/g (the latest completed step's amaxes; None
+    under delayed scaling with amax_history_len=1 once a step has completed,
+    since a one-row history keeps none),
     overflows (amaxes that were NaN/inf, the scale kept each time: per
     optimizer step and tensor under delayed scaling, per cast under current)
     and overflow_x/w/g (the same by tensor), fallback_calls (eager calls that ran
@@ -52,6 +54,7 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
             # the newest completed step sits in the last row after a roll; before
             # any update the running maxima are in row 0
             last = h[-1] if m.fp8_step > 0 and h.shape[0] > 1 else h[0]
+            kept = h.shape[0] > 1 or m.fp8_step == 0 or m.fp8_config.recipe != "delayed"
             s = m.fp8_scale.detach().float().cpu()
             ovf = m.fp8_overflow_count.detach().cpu().reshape(-1)
             rows.append({
@@ -60,7 +63,8 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                 "recipe": m.fp8_config.short_str(),
                 "shape": f"{m.in_features}->{m.out_features}",
                 "scale_x": float(s[X]), "scale_w": float(s[W]), "scale_g": float(s[G]),
-                "amax_x": float(last[X]), "amax_w": float(last[W]), "amax_g": float(last[G]),
+                "amax_x": float(last[X]) if kept else None, "amax_w": float(last[W]) if kept else None,
+                "amax_g": float(last[G]) if kept else None,
                 "overflows": int(ovf.sum()), "overflow_x": int(ovf[X]), "overflow_w": int(ovf[W]),
                 "overflow_g": int(ovf[G]), "fallback_calls": m.fp8_fallback_calls,
             })

@@ -202,3 +202,14 @@ def test_scaling_state_of_another_format_is_not_loaded(monkeypatch):
     assert dst[0].fp8_scale.tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(KeyError, match="another amax history length, recipe or FP8 format"):
         fp8ops.load_scaling_state_dict(dst, state, strict=True)
+
+
+def test_report_shows_no_amax_where_a_one_row_history_kept_none(monkeypatch, capsys):
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, amax_history_len=1)
+    _train(model, steps=1)
+    rows = fp8ops.report(model)
+    assert rows[0]["amax_x"] is None and rows[0]["scale_x"] != 1.0
+    assert "-/-/-" in capsys.readouterr().out
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, amax_history_len=2)
+    _train(model, steps=1)
+    assert fp8ops.report(model, print_table=False)[0]["amax_x"] > 0
