@@ -1,6 +1,6 @@
-"""convert_to_fp8_training: turn eligible nn.Linear modules into Fp8Linear, in
-place (the same objects), deciding per layer and recording why (DESIGN.md's
-fallback order):
+"""convert_to_fp8_training: turn eligible nn.Linear modules into Fp8Linear (and
+transformers' Conv1D into Fp8Conv1D), in place (the same objects), deciding per
+layer and recording why (DESIGN.md's fallback order):
 
     extension not loaded -> no CUDA -> compute capability < 8.9      (whole model)
     -> in/out features not multiples of 16, or unsupported dtype     (per layer)
@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from . import _loader
 from .config import Fp8Config
+from .conv1d import Fp8Conv1D, conv1d_reason, is_hf_conv1d
 from .linear import Fp8Linear
 
 log = logging.getLogger("fp8ops")
@@ -86,8 +87,10 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be an nn.Module, found {type(model).__name__}")
     decisions: dict[str, tuple[str, str]] = {}
-    # every name of a module shared by several parents: each sees the one converted module
-    linears = [(n, m) for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear)]
+    # every name of a module shared by several parents: each sees the one converted module;
+    # HF transformers' Conv1D (GPT-2's projections) is a linear layer too
+    linears = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
+               if isinstance(m, nn.Linear) or is_hf_conv1d(m)]
     ok, env_reason = fp8_supported_here()
     if not ok:
         for name, m in linears:
@@ -105,13 +108,15 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
             decisions[name] = decided[id(mod)]
             return mod
         decisions[name] = decided[id(mod)] = _decide(name, mod)
+        if decisions[name] != ("fp8ops", "converted"):
+            return mod
         # (in place: the same module object, under every name it has)
-        return Fp8Linear.from_linear(mod, config) if decisions[name] == ("fp8ops", "converted") else mod
+        return Fp8Conv1D.from_conv1d(mod, config) if is_hf_conv1d(mod) else Fp8Linear.from_linear(mod, config)
 
-    def _decide(name: str, mod: nn.Linear) -> tuple[str, str]:
+    def _decide(name: str, mod: nn.Module) -> tuple[str, str]:
         if isinstance(mod, Fp8Linear):
             return "fp8ops", "already converted"
-        reason = _layer_reason(mod)
+        reason = conv1d_reason(mod) if is_hf_conv1d(mod) else _layer_reason(mod)
         if reason is None and module_filter_fn is not None and not module_filter_fn(mod, name):
             reason = "excluded by module_filter_fn"
         return ("bf16", reason) if reason is not None else ("fp8ops", "converted")

@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from . import ops
+from .conv1d import Fp8Conv1D
 from .linear import V_H, V_S, W, Fp8Linear, _current_scale, _overflow
 
 # ops FSDP2 runs on a parameter while sharding, padding and moving it: their results
@@ -170,15 +171,16 @@ def enable_fsdp_fp8_all_gather(model: nn.Module) -> list[str]:
     """Make FSDP2 all-gather the FP8-run Fp8Linear weights of `model` in FP8. Call
     after fp8ops.convert(model) and before fully_shard and creating the optimizer
     (the weights become new Parameters). Returns the names of the layers enabled.
-    Skipped: layers whose GEMMs are emulated (all-E5M2) and weights shared with
-    another module (tied weights), which must stay plain tensors."""
+    Skipped: layers whose GEMMs are emulated (all-E5M2), HF Conv1D layers (their
+    weight is stored transposed) and weights shared with another module (tied
+    weights), which must stay plain tensors."""
     owners: dict[int, int] = {}
     for m in model.modules():
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
     done = []
     for name, m in model.named_modules():
-        if not isinstance(m, Fp8Linear) or m.fp8_config.gemm_emulated:
+        if not isinstance(m, Fp8Linear) or isinstance(m, Fp8Conv1D) or m.fp8_config.gemm_emulated:
             continue
         w = m._parameters.get("weight")
         if w is None or owners.get(id(w), 0) > 1 or fp8_all_gather_enabled(m):

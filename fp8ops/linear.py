@@ -454,6 +454,7 @@ class Fp8Linear(nn.Linear):
         w_hp = w.detach()
         if w_hp.dtype not in ops.HP_DTYPES:
             w_hp = w_hp.float()
+        w_hp = w_hp.contiguous()  # (a strided weight: Fp8Conv1D's transpose view, cast once per step)
         if current:
             delayed = cfg.recipe == "delayed"
             _current_scale(w_hp, views, W, cfg.margin, overflow=_overflow(views, delayed), keep_history=delayed)

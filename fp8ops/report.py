@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from . import loop_trial
 from .conversion import decisions_of
+from .conv1d import is_hf_conv1d
 from .fsdp import fp8_all_gather_enabled
 from .linear import G, W, X, Fp8Linear
 
@@ -80,11 +81,12 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                 rows[-1]["reason"] += f"; M={k[0]}: {'FP8' if m.fp8_policy[k][0] else 'BF16'} ({why})"
             for k in m._fp8_pending:  # not decided yet: its first steps run BF16 and FP8 in turns
                 rows[-1]["reason"] += f"; M={k[0]}: {loop_trial.progress(m, k)}"
-        elif isinstance(m, nn.Linear):
+        elif isinstance(m, nn.Linear) or is_hf_conv1d(m):
             backend, reason = decisions.get(name, ("bf16", "not converted (convert() was not called on it)"))
+            shape = f"{m.nx}->{m.nf}" if is_hf_conv1d(m) else f"{m.in_features}->{m.out_features}"
             rows.append({"name": name or "<root>", "backend": "bf16", "runs": RUNS_BF16, "reason": reason,
                          "recipe": None,
-                         "shape": f"{m.in_features}->{m.out_features}",
+                         "shape": shape,
                          "scale_x": None, "scale_w": None, "scale_g": None,
                          "amax_x": None, "amax_w": None, "amax_g": None,
                          "overflows": 0, "overflow_x": 0, "overflow_w": 0, "overflow_g": 0,

@@ -1,0 +1,65 @@
+"""Hugging Face transformers' Conv1D (GPT-2, OpenAI GPT, ImageGPT, ...) in FP8.
+
+Conv1D is a linear layer whose weight is stored transposed: [in, out] (nx, nf),
+forward addmm(bias, x, weight). GPT-2's attention and MLP projections are all
+Conv1D, so converting nn.Linear alone would leave HF GPT-2 with FP8 in lm_head
+only. Fp8Conv1D is Fp8Linear computing with the weight's transpose, a view: the
+Parameters stay the Conv1D's own (same object, key, shape [in, out] and dtype),
+so checkpoints, save_pretrained and optimizers see no change. The FP8 weight
+cast reads the transpose once per optimizer step (the cast is cached for the
+step's other micro-batches); the weight gradient comes back as [out, in] and
+autograd's transpose hands the Parameter its [in, out] gradient.
+
+Only transformers' own class is converted (matched by module and name, so
+transformers is never imported here): its forward is known to be exactly the
+linear layer above.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .config import Fp8Config
+from .linear import Fp8Linear
+
+
+def is_hf_conv1d(m: nn.Module) -> bool:
+    """Is m transformers.pytorch_utils.Conv1D itself (not a subclass)?"""
+    cls = type(m)
+    return cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils"
+
+
+class Fp8Conv1D(Fp8Linear):
+    """transformers' Conv1D with FP8 forward and backward; weight [in, out] as there."""
+
+    @classmethod
+    def from_conv1d(cls, mod: nn.Module, config: Fp8Config) -> "Fp8Conv1D":
+        """Turn the Conv1D `mod` itself into an Fp8Conv1D (as Fp8Linear.from_linear
+        does: Parameters, hooks, attributes, nf/nx and every reference kept)."""
+        if not is_hf_conv1d(mod):
+            raise TypeError(f"Fp8Conv1D.from_conv1d: mod must be transformers' Conv1D, found {type(mod).__name__}")
+        w = mod.weight
+        if w.dim() != 2 or tuple(w.shape) != (mod.nx, mod.nf):
+            raise ValueError(f"Fp8Conv1D.from_conv1d: weight must be [nx, nf] = [{mod.nx}, {mod.nf}], "
+                             f"found {list(w.shape)}")
+        mod.__class__ = cls
+        mod.in_features, mod.out_features = mod.nx, mod.nf
+        mod._init_fp8_state(config)
+        return mod
+
+    def _param(self, name: str):
+        p = super()._param(name)
+        # the [out, in] weight every Fp8Linear path computes with: a view of the [in, out] Parameter
+        return p.t() if name == "weight" and p is not None else p
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx} (HF Conv1D, weight [nx, nf]), " + super().extra_repr()
+
+
+def conv1d_reason(mod: nn.Module) -> str | None:
+    """Why an HF Conv1D stays as it is, or None (Fp8Linear's rules, on nx -> nf)."""
+    if mod.nx % 16 or mod.nf % 16:
+        return f"nx={mod.nx}, nf={mod.nf}: FP8 GEMMs need multiples of 16"
+    if mod.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"weight dtype {mod.weight.dtype} is not float32/bfloat16/float16"
+    return None
