@@ -52,6 +52,11 @@ def fp8_supported_here(device: int | None = None) -> tuple[bool, str]:
     return True, "ok"
 
 
+# a forward set on the module object (accelerate's hooks wrap it so): it calls nn.Linear's own
+# forward, which would keep running BF16 in a layer reported as FP8
+_INSTANCE_FORWARD = "forward replaced on the module object (e.g. accelerate's hooks): it would keep running BF16"
+
+
 def _layer_reason(mod: nn.Linear) -> str | None:
     if mod.in_features % 16 or mod.out_features % 16:
         return (f"in_features={mod.in_features}, out_features={mod.out_features}: FP8 GEMMs need "
@@ -116,7 +121,10 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
     def _decide(name: str, mod: nn.Module) -> tuple[str, str]:
         if isinstance(mod, Fp8Linear):
             return "fp8ops", "already converted"
-        reason = conv1d_reason(mod) if is_hf_conv1d(mod) else _layer_reason(mod)
+        if "forward" in mod.__dict__:
+            reason = _INSTANCE_FORWARD
+        else:
+            reason = conv1d_reason(mod) if is_hf_conv1d(mod) else _layer_reason(mod)
         if reason is None and module_filter_fn is not None and not module_filter_fn(mod, name):
             reason = "excluded by module_filter_fn"
         return ("bf16", reason) if reason is not None else ("fp8ops", "converted")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch.fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 
 def hooked(m: nn.Module) -> bool:
@@ -24,38 +25,45 @@ _REGISTRIES = ("_parameters", "_buffers", "_modules")
 def graphs_in_both_modes(m: nn.Module, tracer: type[torch.fx.Tracer] = torch.fx.Tracer,
                          **tracer_args) -> list[torch.fx.Graph]:
     """m.forward as fx reads it in train mode and in eval mode (raises where fx
-    cannot read it); every submodule's mode is left as it was. A forward that
-    stores a value on a module (self.last_act = h, for a statistic or a loss
-    term) raises too: fx sees no use of what it stores, and a fusion there would
-    change what is stored. Its modules get their attributes back (tracing stored
-    fx Proxies in them)."""
+    cannot read it); every submodule's mode is left as it was.
+
+    Each graph's `escaped_nodes`: the nodes whose values the forward stored on a
+    module (self.last_act = h, for a statistic or a loss term). fx records no
+    use for such a store, so a fusion must check that it changes none of them.
+    Every module gets its attributes back after each read (tracing stored fx
+    Proxies there, and fx its own tensor constants on m)."""
     saved = [(s, dict(s.__dict__), [(r, dict(s.__dict__[r])) for r in _REGISTRIES if r in s.__dict__])
              for s in m.modules()]
     try:
         graphs = []
         for mode in (True, False):
             m.train(mode)
-            graphs.append(tracer(**tracer_args).trace(m))
-            written = _written(saved)
-            if written:
-                raise RuntimeError(f"the forward stores {', '.join(written)}: a use fx does not see")
+            graph = tracer(**tracer_args).trace(m)
+            graph.escaped_nodes = frozenset(_stored_nodes(saved))
+            _restore(saved)
+            graphs.append(graph)
         return graphs
     finally:
-        for s, attrs, registries in saved:
-            s.__dict__.clear()
-            s.__dict__.update(attrs)
-            for r, entries in registries:
-                attrs[r].clear()
-                attrs[r].update(entries)
+        _restore(saved)
 
 
-def _written(saved) -> list[str]:
-    """The attributes (and registered parameters, buffers, submodules) the forward set."""
-    out = []
+def _restore(saved) -> None:
+    for s, attrs, registries in saved:
+        s.__dict__.clear()
+        s.__dict__.update(attrs)
+        for r, entries in registries:
+            attrs[r].clear()
+            attrs[r].update(entries)
+
+
+def _stored_nodes(saved):
+    """The fx nodes of the Proxies the forward stored in attributes (or registered as
+    parameters, buffers, submodules), also inside lists, tuples and dicts."""
     for s, attrs, registries in saved:
         now = s.__dict__
-        out += [f"{type(s).__name__}.{k}" for k, v in now.items()
-                if k != "training" and (k not in attrs or attrs[k] is not v)]
+        values = [v for k, v in now.items() if k != "training" and (k not in attrs or attrs[k] is not v)]
         for r, entries in registries:
-            out += [f"{type(s).__name__}.{k}" for k, v in now[r].items() if entries.get(k) is not v]
-    return out
+            values += [v for k, v in now[r].items() if entries.get(k) is not v]
+        for leaf in pytree.tree_leaves(values):
+            if isinstance(leaf, torch.fx.Proxy):
+                yield leaf.node

@@ -51,6 +51,11 @@ class _Tracer(torch.fx.Tracer):
                 or super().is_leaf_module(m, qualname))
 
 
+# the key of a calls dict (_trace) holding the nodes whose values the forward stored on a module
+# (fx_read: escaped_nodes); not a module name
+ESCAPED = "<stored>"
+
+
 def _trace(parent: nn.Module, leaves=()):
     """{module target: its call nodes} of parent.forward in train and in eval mode (a
     branch on self.training may route the GELU differently), read down to linears, GELUs,
@@ -58,7 +63,7 @@ def _trace(parent: nn.Module, leaves=()):
     graphs = graphs_in_both_modes(parent, _Tracer, leaves=leaves)
     calls = []
     for graph in graphs:
-        c: dict[str, list[torch.fx.Node]] = {}
+        c: dict = {ESCAPED: graph.escaped_nodes}
         for node in graph.nodes:
             if node.op == "call_module":
                 c.setdefault(node.target, []).append(node)
@@ -75,8 +80,9 @@ def _roles(calls: dict, parent: nn.Module, name: str, uses: dict) -> tuple[str, 
     """(consumer, producer or None) of the activation child `name` (a GELU, or a SwiGLU:
     swiglu_fusion.py) in one traced graph."""
     g = _single(calls, name)
-    # (called with one positional argument: the nn.Identity that replaces it takes no other)
-    if g is None or len(g.users) != 1 or len(g.args) != 1 or g.kwargs:
+    # (called with one positional argument: the nn.Identity that replaces it takes no other;
+    # an output stored on a module would be the activation's input once fused)
+    if g is None or len(g.users) != 1 or len(g.args) != 1 or g.kwargs or g in calls[ESCAPED]:
         return None
     user = next(iter(g.users))
     if user.op != "call_module" or user.args != (g,) or user.kwargs or _single(calls, user.target) is None:
@@ -87,8 +93,9 @@ def _roles(calls: dict, parent: nn.Module, name: str, uses: dict) -> tuple[str, 
         return None
     producer = None
     src = g.args[0]
+    # (the producer's output must have no other use: a stored one could take a gradient of its own)
     if (isinstance(src, torch.fx.Node) and src.op == "call_module" and len(src.users) == 1
-            and _single(calls, src.target) is not None):
+            and src not in calls[ESCAPED] and _single(calls, src.target) is not None):
         p = parent.get_submodule(src.target)
         # (a hook on its output's gradient would see the gradient of gelu(h), not of h)
         if isinstance(p, Fp8Linear) and uses[id(p)] == 1 and not hooked(p):

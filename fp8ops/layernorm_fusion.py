@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch.nn as nn
 
 from .fx_read import hooked
-from .gelu_fusion import _single, candidates
+from .gelu_fusion import ESCAPED, _single, candidates
 from .linear import Fp8Linear
 
 class _AppliedByNextLinear:
@@ -68,8 +68,9 @@ def _shape_only(node) -> bool:
 
 def _consumer(calls: dict, parent: nn.Module, name: str, uses: dict) -> str | None:
     node = _single(calls, name)
-    # (called with one positional argument: the pass-through forward takes no other)
-    if node is None or len(node.args) != 1 or node.kwargs:
+    # (called with one positional argument: the pass-through forward takes no other; an output
+    # stored on a module would be the norm's input once fused)
+    if node is None or len(node.args) != 1 or node.kwargs or node in calls[ESCAPED]:
         return None
     users = [u for u in node.users if not _shape_only(u)]  # e.g. attention's B, T, C = x.shape
     if len(users) != 1:

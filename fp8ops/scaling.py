@@ -115,19 +115,15 @@ def _fast_job(layer: Fp8Linear):
                        si.stride(0), float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo])
 
 
-def _world_size(group) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
-
 def update_scales(layers: list[Fp8Linear], group=None) -> None:
     """One optimizer step has happened for these layers."""
-    # A layer that cast nothing since the last update (policy "auto" chose BF16
-    # for its shape, or it was not called) has no amax to fold in: skip the work.
-    # Not across ranks: the all-reduce needs the same layers on every rank, and
-    # a layer one rank skipped (no tokens for it, an M % 16 fallback) another may
-    # have cast; its row 0 holds 0 where it cast nothing.
-    ranks = _world_size(group) > 1
-    delayed = [l for l in layers if l.fp8_config.recipe == "delayed" and (ranks or l._fp8_cast_since_update)]
+    # Every delayed layer whose interval is due is updated, also one that cast
+    # nothing since the last update (policy "auto" chose BF16 for its shape, or
+    # nothing called it): its row 0 holds 0, and its history window counts
+    # optimizer steps, not calls. So the all-reduce gets the same layers on every
+    # rank (a layer one rank skipped, e.g. an expert it routed no token to,
+    # another may have cast), and N ranks keep the histories of one process.
+    delayed = [l for l in layers if l.fp8_config.recipe == "delayed"]
     due = [l for l in delayed if (l.fp8_step + 1) % l.fp8_config.interval == 0]
     if due:
         _reduce_amax(due, group)
@@ -144,7 +140,8 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
         d = layer.__dict__
         if d["_fp8_cast_since_update"]:
             # from now on the casts use the history's scales (a layer that has cast nothing here
-            # keeps current scaling for its first cast: its history may hold no amax yet)
+            # keeps current scaling for its first cast: its history may hold no amax yet; under
+            # DDP a rank that skipped the layer another rank cast does so for one cast)
             d["_fp8_delayed_ready"] = True
         d["_fp8_cast_since_update"] = False
         job = _fast_job(layer) if core is not None else None

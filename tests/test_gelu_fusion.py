@@ -128,6 +128,31 @@ class GeluStored(GeluTwice):
         return self.b(g)
 
 
+class GeluWithConstantAndAux(GeluTwice):
+    def forward(self, x):
+        self.aux_loss = x.pow(2).mean()  # stored, but not the GELU's output or its producer's
+        return self.b(self.gelu(self.a(x))) * torch.tensor(0.5)  # (fx stores the constant itself)
+
+
+class ProducerStored(GeluTwice):
+    def forward(self, x):
+        h = self.a(x)
+        self.h = h  # a later loss on it would add a gradient c_fc's fused backward does not expect
+        return self.b(self.gelu(h))
+
+
+def test_stores_block_only_the_fusions_they_touch(monkeypatch):
+    torch.manual_seed(0)
+    model = convert_as_on_fp8_gpu(GeluWithConstantAndAux(), monkeypatch)
+    assert model.b.fp8_gelu_input and model.a.fp8_gelu_output
+    assert "_tensor_constant0" not in model.__dict__ and "aux_loss" not in model.__dict__   # reads leave none
+    model = convert_as_on_fp8_gpu(ProducerStored(), monkeypatch)
+    assert model.b.fp8_gelu_input and not model.a.fp8_gelu_output
+    x = torch.randn(16, 32)
+    model(x)
+    assert type(model.h) is torch.Tensor
+
+
 @pytest.mark.parametrize("cls", [GeluTwice, GeluAlsoResidual, GeluFunctional, GeluBranching, LinearTwice,
                                  TrainOnlyDropout, GeluStored])
 def test_gelu_not_fused_where_unsafe(cls, monkeypatch):

@@ -89,7 +89,24 @@ class LnByKeyword(LnAlsoResidual):
         return self.lin(self.ln(input=x))
 
 
-@pytest.mark.parametrize("cls", [LnAlsoResidual, LnTwoDims, LnThenRelu, LnByKeyword])
+class LnStored(LnAlsoResidual):
+    def forward(self, x):
+        h = self.ln(x)
+        self.normed = h  # fused, it would be x
+        return self.lin(h)
+
+
+class LnWithConstant(LnAlsoResidual):
+    def forward(self, x):  # fx stores the constant on the module while it reads the forward
+        return self.lin(self.ln(x)) * torch.tensor(2.0)
+
+
+def test_layernorm_fused_beside_a_tensor_constant(monkeypatch):
+    model = convert_as_on_fp8_gpu(LnWithConstant(), monkeypatch)
+    assert model.lin.fp8_ln_input is model.ln and "_tensor_constant0" not in model.__dict__
+
+
+@pytest.mark.parametrize("cls", [LnAlsoResidual, LnTwoDims, LnThenRelu, LnByKeyword, LnStored])
 def test_layernorm_not_fused_where_unsafe(cls, monkeypatch):
     torch.manual_seed(0)
     model = cls()

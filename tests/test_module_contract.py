@@ -4,6 +4,7 @@ dtype changes, wrong inputs, double backward, arguments, wrapped models (torch.c
 parent) in report and the scaling state, and a frozen weight updated through .data. All on the
 CPU reference kernels (conftest.convert_as_on_fp8_gpu)."""
 import copy
+import functools
 import io
 import pickle
 
@@ -49,6 +50,23 @@ def test_convert_keeps_hooks_attributes_and_mode(monkeypatch):
     model(torch.randn(16, 32)).sum().backward()
     assert called == ["pre", "fwd", "bwd"]
     assert lin.NANOGPT_SCALE_INIT == 1 and not model[2].training and model[0].training
+
+
+def test_forward_replaced_on_the_instance_stays_with_the_reason(monkeypatch):
+    """accelerate's hooks set a forward on the module object that calls the class's original
+    one: converted, the layer would keep running BF16 while reported FP8."""
+    model = _mlp()
+    lin = model[0]
+
+    def wrapped(module, *args, **kwargs):
+        return module._old_forward(*args, **kwargs)
+
+    lin._old_forward = lin.forward
+    lin.forward = functools.partial(wrapped, lin)
+    convert_as_on_fp8_gpu(model, monkeypatch)
+    assert type(model[0]) is nn.Linear and isinstance(model[2], Fp8Linear)
+    rows = {r["name"]: r for r in fp8ops.report(model, print_table=False)}
+    assert rows["0"]["backend"] == "bf16" and "forward replaced on the module object" in rows["0"]["reason"]
 
 
 def test_shared_linear_stays_one_converted_module(monkeypatch):
