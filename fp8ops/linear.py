@@ -434,22 +434,25 @@ class Fp8Linear(nn.Linear):
         optimizer hook (scaling.py) bumps it, matching the layer through the
         sharded DTensor that is registered on the module again after backward.
         A state_dict load drops the cache explicitly (_load_from_state_dict).
-        The cache serves training calls only (grad enabled, a weight that
-        requires grad: what an optimizer or fp8ops.step governs). A frozen weight,
-        or any call under no_grad, casts afresh: an update through .data (an EMA
-        teacher's) moves nothing the key reads."""
+        Only a weight that requires grad (what an optimizer or fp8ops.step
+        governs) is cached, and only a call with grad enabled stores the cast
+        (calls under no_grad, e.g. reentrant checkpointing's first forward, reuse
+        it). A frozen weight, or one only ever read under no_grad, is cast afresh
+        each call: an update through .data (an EMA teacher's) moves nothing the
+        key reads."""
         w, b = self._param("weight"), self._param("bias")
         w8 = getattr(w, "_fp8ops_gathered", None)
         if w8 is not None:
             # FSDP2 gathered this weight in FP8 (fsdp.py), cast with this layer's weight scale
             b_lp = None if b is None else b.detach().to(ops._bias_dtype(compute_dtype))
             return w8, (w8.t().contiguous() if need_t else None), b_lp, None
-        cacheable = not compiling and w.requires_grad and torch.is_grad_enabled()
+        cacheable = not compiling and w.requires_grad
         key = None if not cacheable else (w._version, w.data_ptr(), None if b is None else b._version,
-                                          self.fp8_step, compute_dtype, need_t)
+                                          self.fp8_step, compute_dtype)
         cache = self._w_cache
-        if key is not None and cache is not None and cache[0] == key:
-            return cache[1], cache[2], cache[3], None
+        # (a cast made with the transpose also serves a call that needs none)
+        if key is not None and cache is not None and cache[0] == key and (cache[2] is not None or not need_t):
+            return cache[1], (cache[2] if need_t else None), cache[3], None
         cfg = self.fp8_config
         w_hp = w.detach()
         if w_hp.dtype not in ops.HP_DTYPES:
@@ -460,11 +463,12 @@ class Fp8Linear(nn.Linear):
             _current_scale(w_hp, views, W, cfg.margin, overflow=_overflow(views, delayed), keep_history=delayed)
         b_lp = None if b is None else b.detach().to(ops._bias_dtype(compute_dtype))
         store = None
-        if key is not None:
+        if key is not None and torch.is_grad_enabled():
             d = self.__dict__
 
             def store(w8, w8t):
-                d["_w_cache"] = (key, w8, w8t, b_lp)  # not Module.__setattr__: hot path
+                # (without need_t the op returns an empty w8t: kept as None, "not made")
+                d["_w_cache"] = (key, w8, w8t if need_t else None, b_lp)  # not Module.__setattr__: hot path
         return w_hp, None, b_lp, store
 
     def _fp8_views(self, compiling: bool) -> tuple:

@@ -231,3 +231,37 @@ def test_report_shows_no_amax_where_a_one_row_history_kept_none(monkeypatch, cap
     model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, amax_history_len=2)
     _train(model, steps=1)
     assert fp8ops.report(model, print_table=False)[0]["amax_x"] > 0
+
+
+def test_no_grad_calls_reuse_a_training_cast_but_never_store_one(monkeypatch):
+    """The weight-cast cache: a call under no_grad reuses the cast a training call of the same
+    step stored (reentrant checkpointing's first forward), and stores none itself."""
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    seen = []
+    raw = fp8ops.ops._linear_fwd_raw
+    monkeypatch.setattr(fp8ops.ops, "_linear_fwd_raw", lambda *a: seen.append(a[1].dtype) or raw(*a))
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        model(x)
+    assert model[0]._w_cache is None and seen == [torch.float32, torch.float32]   # cast in the call
+    model(x).sum().backward()
+    assert model[0]._w_cache is not None
+    seen.clear()
+    with torch.no_grad():
+        model(x)
+    assert seen == [torch.float8_e4m3fn, torch.float8_e4m3fn]                      # the stored casts
+
+
+def test_a_cast_without_the_transpose_is_not_reused_where_one_is_needed(monkeypatch):
+    """A call that needed no input gradient cached the weight cast without its transpose; a
+    later call of the step that needs the input gradient must make it, not read an empty one."""
+    model = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32)), monkeypatch)
+    ref = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    model(x).sum().backward()                       # x needs no gradient: no transpose made
+    assert model[0]._w_cache[2] is None
+    xg = x.clone().requires_grad_()
+    model(xg).sum().backward()
+    xr = x.clone().requires_grad_()
+    ref(xr).sum().backward()
+    assert torch.equal(xg.grad, xr.grad)
