@@ -64,7 +64,7 @@ def _layer_reason(mod: nn.Linear) -> str | None:
     if mod.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"weight dtype {mod.weight.dtype} is not float32/bfloat16/float16"
     if type(mod) is not nn.Linear:
-        return f"{type(mod).__name__} is a subclass of nn.Linear; only plain nn.Linear is swapped"
+        return f"{type(mod).__name__} is a subclass of nn.Linear; only plain nn.Linear is converted"
     return None
 
 
@@ -108,15 +108,17 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
 
     decided: dict[int, tuple[str, str]] = {}  # id(module) -> its decision, for its other names
 
-    def swap(name: str, mod: nn.Linear) -> nn.Module:
-        if id(mod) in decided:
+    def convert_one(name: str, mod: nn.Module) -> None:
+        if id(mod) in decided:  # another name of a module already decided
             decisions[name] = decided[id(mod)]
-            return mod
+            return
         decisions[name] = decided[id(mod)] = _decide(name, mod)
-        if decisions[name] != ("fp8ops", "converted"):
-            return mod
-        # (in place: the same module object, under every name it has)
-        return Fp8Conv1D.from_conv1d(mod, config) if is_hf_conv1d(mod) else Fp8Linear.from_linear(mod, config)
+        if decisions[name] == ("fp8ops", "converted"):
+            # in place: the same module object, under every name it has
+            if is_hf_conv1d(mod):
+                Fp8Conv1D.from_conv1d(mod, config)
+            else:
+                Fp8Linear.from_linear(mod, config)
 
     def _decide(name: str, mod: nn.Module) -> tuple[str, str]:
         if isinstance(mod, Fp8Linear):
@@ -130,7 +132,7 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
         return ("bf16", reason) if reason is not None else ("fp8ops", "converted")
 
     for name, mod in linears:
-        swap(name, mod)
+        convert_one(name, mod)
     if isinstance(model, nn.Linear):  # a root-level layer (converted in place): nothing to fuse
         _store(model, decisions)
         return model
