@@ -16,7 +16,6 @@ linear layer above.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
 from .config import Fp8Config
@@ -54,12 +53,3 @@ class Fp8Conv1D(Fp8Linear):
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx} (HF Conv1D, weight [nx, nf]), " + super().extra_repr()
-
-
-def conv1d_reason(mod: nn.Module) -> str | None:
-    """Why an HF Conv1D stays as it is, or None (Fp8Linear's rules, on nx -> nf)."""
-    if mod.nx % 16 or mod.nf % 16:
-        return f"nx={mod.nx}, nf={mod.nf}: FP8 GEMMs need multiples of 16"
-    if mod.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"weight dtype {mod.weight.dtype} is not float32/bfloat16/float16"
-    return None

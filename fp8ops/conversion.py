@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from . import _loader
 from .config import Fp8Config
-from .conv1d import Fp8Conv1D, conv1d_reason, is_hf_conv1d
+from .conv1d import Fp8Conv1D, is_hf_conv1d
 from .linear import Fp8Linear
 
 log = logging.getLogger("fp8ops")
@@ -57,13 +57,18 @@ def fp8_supported_here(device: int | None = None) -> tuple[bool, str]:
 _INSTANCE_FORWARD = "forward replaced on the module object (e.g. accelerate's hooks): it would keep running BF16"
 
 
-def _layer_reason(mod: nn.Linear) -> str | None:
-    if mod.in_features % 16 or mod.out_features % 16:
-        return (f"in_features={mod.in_features}, out_features={mod.out_features}: FP8 GEMMs need "
-                f"multiples of 16")
+def _layer_reason(mod: nn.Module) -> str | None:
+    """Why a linear layer (an nn.Linear or HF's Conv1D: nx -> nf) stays as it is, or None."""
+    if "forward" in mod.__dict__:
+        return _INSTANCE_FORWARD
+    conv = is_hf_conv1d(mod)
+    (a, k), (b, n) = (("nx", mod.nx), ("nf", mod.nf)) if conv else \
+        (("in_features", mod.in_features), ("out_features", mod.out_features))
+    if k % 16 or n % 16:
+        return f"{a}={k}, {b}={n}: FP8 GEMMs need multiples of 16"
     if mod.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"weight dtype {mod.weight.dtype} is not float32/bfloat16/float16"
-    if type(mod) is not nn.Linear:
+    if not conv and type(mod) is not nn.Linear:
         return f"{type(mod).__name__} is a subclass of nn.Linear; only plain nn.Linear is converted"
     return None
 
@@ -123,10 +128,7 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
     def _decide(name: str, mod: nn.Module) -> tuple[str, str]:
         if isinstance(mod, Fp8Linear):
             return "fp8ops", "already converted"
-        if "forward" in mod.__dict__:
-            reason = _INSTANCE_FORWARD
-        else:
-            reason = conv1d_reason(mod) if is_hf_conv1d(mod) else _layer_reason(mod)
+        reason = _layer_reason(mod)
         if reason is None and module_filter_fn is not None and not module_filter_fn(mod, name):
             reason = "excluded by module_filter_fn"
         return ("bf16", reason) if reason is not None else ("fp8ops", "converted")
