@@ -128,6 +128,17 @@ class GeluStored(GeluTwice):
         return self.b(g)
 
 
+class GeluAppended(GeluTwice):
+    def __init__(self):
+        super().__init__()
+        self.acts = []  # filled in place: the attribute stays the same list object
+
+    def forward(self, x):
+        g = self.gelu(self.a(x))
+        self.acts.append(g)
+        return self.b(g)
+
+
 class GeluWithConstantAndAux(GeluTwice):
     def forward(self, x):
         self.aux_loss = x.pow(2).mean()  # stored, but not the GELU's output or its producer's
@@ -154,7 +165,7 @@ def test_stores_block_only_the_fusions_they_touch(monkeypatch):
 
 
 @pytest.mark.parametrize("cls", [GeluTwice, GeluAlsoResidual, GeluFunctional, GeluBranching, LinearTwice,
-                                 TrainOnlyDropout, GeluStored])
+                                 TrainOnlyDropout, GeluStored, GeluAppended])
 def test_gelu_not_fused_where_unsafe(cls, monkeypatch):
     torch.manual_seed(0)
     model = cls()
@@ -167,6 +178,8 @@ def test_gelu_not_fused_where_unsafe(cls, monkeypatch):
     torch.testing.assert_close(model(x), ref(x), rtol=0.1, atol=0.1)  # FP8, but the same function
     if cls is GeluStored:  # what it stores is the GELU's output (not a tracing Proxy, not its input)
         assert type(model.last_act) is torch.Tensor and model.last_act.min() >= -0.1701
+    if cls is GeluAppended:  # the reads left no Proxy in the list; the forward appended the GELU's output
+        assert len(model.acts) == 1 and type(model.acts[0]) is torch.Tensor and model.acts[0].min() >= -0.1701
 
 
 def test_gelu_not_fused_erf_shared_or_hooked(monkeypatch):
