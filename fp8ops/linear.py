@@ -24,7 +24,6 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -60,21 +59,6 @@ def _padded(scale_inv: torch.Tensor) -> torch.Tensor:
 
 def _is_padded(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _all_ranks_(t: torch.Tensor, op) -> torch.Tensor:
-    """All-reduce t in place over the default process group when running
-    data-parallel (DDP / FSDP2 ranks); a no-op in a single process. Used where
-    a rank-local decision must be the same on every rank: the policy="auto"
-    verdict. Every rank reaches it in the same order (the first forward of each
-    layer), as DDP and FSDP2 already require."""
-    if _distributed():
-        dist.all_reduce(t, op=op)
-    return t
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -385,6 +369,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_policy_why = {}        # (M, dtype) -> how the trial in the loop decided it (loop_trial.py)
         self._fp8_pending = {}          # (M, dtype) -> Timing: waiting for that trial
         self._fp8_bf16_key = None       # (shape, dtype, device, autocast) of the last call policy sent to BF16
+        self._fp8_unagreed = set()      # keys settled here, not yet exchanged with the other ranks (policy_ranks.py)
         if config.gemm_emulated:
             from .emulated import Fp8LinearEmulatedFn  # noqa: PLC0415 -- emulated imports this module
             self._fp8_fn = Fp8LinearEmulatedFn  # all-E5M2: GEMMs on the FP8 values widened to BF16
@@ -578,21 +563,15 @@ class Fp8Linear(nn.Linear):
             return hit[0]
         if compiling or torch.cuda.is_current_stream_capturing():
             return True
-        from . import loop_trial, policy  # noqa: PLC0415
+        from . import loop_trial, policy, policy_ranks  # noqa: PLC0415
+        # (no collective here: under DDP / FSDP2 the ranks exchange what they settled at the
+        # next optimizer step, policy_ranks.py; ranks may meet different shapes)
         t = self._fp8_pending.get(k)
         if t is None:
             t = policy.measure(self, M, cdtype)
             wins, speedup = policy.verdict(t)
-            if _distributed():
-                # Ranks time on their own GPUs (and may read different disk
-                # caches): FP8 only where every rank measured it faster, so all
-                # ranks run the layer alike; a rank running it in FP8 alone
-                # would make the step's amax all-reduce disagree in size.
-                code = torch.tensor([1.0 if wins is None else 2.0 * wins], device=self.weight.device)
-                code = _all_ranks_(code, dist.ReduceOp.MIN).item()
-                wins = None if code == 1.0 else code == 2.0
             if wins is not None:
-                self.fp8_policy[k] = (wins, speedup)
+                policy_ranks.settled(self, k, wins, speedup)
                 return wins
             self._fp8_pending[k] = t
         if _POLICY_ONLY:
@@ -603,12 +582,8 @@ class Fp8Linear(nn.Linear):
             wins, why = loop_trial.decision(self, k, t)
             if why is None:
                 return wins  # a step of the trial: BF16 or FP8, for every layer waiting on it alike
-            if _distributed():
-                wins = bool(_all_ranks_(torch.tensor([float(wins)], device=self.weight.device),
-                                        dist.ReduceOp.MIN).item())
         del self._fp8_pending[k]
-        self.fp8_policy[k] = (wins, t.gpu_speedup if wins else t.alone_speedup)
-        self.fp8_policy_why[k] = why
+        policy_ranks.settled(self, k, wins, t.gpu_speedup if wins else t.alone_speedup, why)
         return wins
 
     def __getstate__(self):
@@ -622,6 +597,7 @@ class Fp8Linear(nn.Linear):
     def __setstate__(self, state):
         # a whole Fp8Linear pickled by an fp8ops from before the fused SwiGLU
         state.setdefault("fp8_swiglu_input", False)
+        state.setdefault("_fp8_unagreed", set())  # (and from before the exchange at the step)
         super().__setstate__(state)
         # a copy (copy.deepcopy, pickle, torch.load of a whole model) updates its scales after
         # optimizer steps as the original does

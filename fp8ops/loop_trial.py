@@ -36,8 +36,9 @@ A forward that runs inside a backward (activation checkpointing's recomputation)
 takes the path of its step and marks nothing. An anchor not seen for
 STALE_CALLS calls of the other waiting layers (its model is no longer called, or
 was freed) restarts the trial with the next caller. Every step of this depends
-on the call sequence only, which is the same on every data-parallel rank: ranks
-stay in step, and the caller all-reduces each decision.
+on this rank's call sequence only and issues no collective: data-parallel ranks
+run their trials on their own and agree on the verdicts at the next optimizer
+step (policy_ranks.py).
 """
 from __future__ import annotations
 
@@ -174,10 +175,11 @@ def decision(layer, key, timing: policy.Timing) -> tuple[bool, str | None]:
         if len(t.marks) > DECIDE_AT:
             t.marks[-1][1].synchronize()  # every mark's event has completed
             fp8, why = choose(step_ms(t.marks, counted(False)), step_ms(t.marks, counted(True)))
-            from .linear import _distributed  # noqa: PLC0415 -- linear imports this module lazily
+            from .policy_ranks import world  # noqa: PLC0415
             _log.info("fp8ops policy auto: the trial in your loop chose %s for %d layers (%s)%s",
                       "FP8" if fp8 else "BF16", len(t.pending), why,
-                      "; across ranks FP8 only where every rank chose it" if _distributed() else "")
+                      "; the ranks agree at the next optimizer step: FP8 only where every rank chose it"
+                      if world() > 1 else "")
             for other, tm in t.pending.items():
                 t.decided[other] = (fp8, f"{why} ({len(t.pending)} layers waited on it; GPU "
                                          f"{tm.gpu_speedup:.2f}x, alone {tm.alone_speedup:.2f}x)")

@@ -253,8 +253,9 @@ def tune_policy(model: nn.Module, *args, **kwargs) -> dict:
     layers then follow the verdicts. A layer whose verdict depends on the host
     (FP8 faster on the GPU, slower alone) is settled as GPU-bound: compiled
     code spends far less host time per layer than eager code. Under DDP / FSDP2
-    every rank calls it. Returns {layer name: {(M, dtype): (fp8 wins, speedup)}}."""
-    from . import linear  # noqa: PLC0415 -- linear imports this module lazily
+    every rank calls it, and the ranks agree on the verdicts before it returns
+    (FP8 only where every rank chose it). Returns {layer name: {(M, dtype): (fp8 wins, speedup)}}."""
+    from . import linear, policy_ranks  # noqa: PLC0415 -- linear imports this module lazily
     from .linear import Fp8Linear  # noqa: PLC0415
 
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
@@ -267,4 +268,6 @@ def tune_policy(model: nn.Module, *args, **kwargs) -> dict:
         linear._POLICY_ONLY = False
         for m, n in calls.items():
             m.fp8_fallback_calls = n
+    # the ranks agree now rather than at the first step: the compiled code reads the verdicts
+    policy_ranks.agree_now([m for _, m in layers])
     return {name: dict(m.fp8_policy) for name, m in layers}

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import _loader, ops
+from . import _loader, ops, policy_ranks
 from .linear import Fp8Linear
 
 # Every live Fp8Linear (weak: dead models are not kept alive). The optimizer
@@ -53,17 +53,26 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
         update_scales(layers)
 
 
-def _reduce_amax(layers: list[Fp8Linear], group=None) -> None:
+def _reduce_amax(layers: list[Fp8Linear], group=None, flag: float | None = None) -> float:
     """Max-all-reduce row 0 (this step's amaxes) of every layer in one collective.
     Every rank passes the same layers in the same order (the optimizer's
     parameter order), so the concatenations line up and every rank then runs
-    amax_update on identical histories: identical scales on every rank."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return
+    amax_update on identical histories: identical scales on every rank.
+    flag: policy_ranks' "settled a verdict" flag, carried in the same
+    collective; returns it max-reduced (0.0 without one)."""
+    if policy_ranks.world(group) == 1:
+        return 0.0
     rows = [layer.fp8_amax_history[0] for layer in layers]
+    if flag is not None:
+        rows.append(torch.full((1,), flag, device=rows[0].device))
     flat = torch.cat(rows)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-    torch._foreach_copy_(rows, list(flat.split([r.numel() for r in rows])))
+    parts = list(flat.split([r.numel() for r in rows]))
+    if flag is not None:
+        rows.pop()
+        flag = float(parts.pop().item())
+    torch._foreach_copy_(rows, parts)
+    return flag or 0.0
 
 
 # Fp8Linear's scaling buffers: rank-local state that DDP must not overwrite.
@@ -125,8 +134,16 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     # another may have cast), and N ranks keep the histories of one process.
     delayed = [l for l in layers if l.fp8_config.recipe == "delayed"]
     due = [l for l in delayed if (l.fp8_step + 1) % l.fp8_config.interval == 0]
+    # policy "auto" under DDP / FSDP2: the verdicts the ranks settled since the last step are
+    # exchanged here (policy_ranks.py), flagged in the amax all-reduce where there is one
+    exchange = policy_ranks.world(group) > 1 and policy_ranks.takes_part(layers)
+    flag = policy_ranks.flag(layers) if exchange else None
     if due:
-        _reduce_amax(due, group)
+        flag = _reduce_amax(due, group, flag)
+    elif exchange:
+        flag = policy_ranks.exchange_flag(layers, group)
+    if exchange and flag:
+        policy_ranks.agree(layers, group)
     for layer in layers:
         layer.__dict__["fp8_step"] = layer.fp8_step + 1  # not Module.__setattr__: per layer per step
     # each layer: the scales of its 3 tensors, the history roll, and the count of

@@ -18,7 +18,8 @@ CPU box); the single-process references run in the pytest process. What is check
   runs still match the single process (also under torch.compile, aot_eager) and checkpoints
   hold the plain FSDP2 run's tensors;
 * a state_dict load under FSDP2 is seen by the next forward (no stale weight cast);
-* policy="auto" verdicts agree across ranks.
+* policy="auto" verdicts agree across ranks at the optimizer step, also where ranks meet
+  different shapes (no collective in forward).
 
 Then examples/train_fp8.py under torchrun: --ddp for 3 steps, then --fsdp resumed from its
 checkpoint, follow the single-process run's losses, and the checkpoints load into a plain GPT.
@@ -320,17 +321,39 @@ def _dtensor_guard():
 
 
 def _policy_agreement(rank):
-    """policy="auto": rank 0 measures FP8 faster, rank 1 slower -> both run BF16."""
+    """policy="auto" with ranks that meet different shapes (uneven batches): rank 0 settles
+    M=16 and 32, rank 1 M=16, 48 and 64, with no collective in forward (one per new shape, as
+    before, would hang here: 2 on one rank, 3 on the other). The optimizer step's exchange
+    then gives both the same verdicts, FP8 only where every rank that met the shape chose it:
+    rank 0 measures FP8 faster at M=16, rank 1 slower, so both run it BF16. A layer of the
+    current recipe (no amax all-reduce at the step) exchanges through its own flag."""
     import fp8ops.policy as policy
-    layer = Fp8Linear(D, HID, config=Fp8Config(policy="auto"))
-    saved = policy.measure, torch.cuda.is_current_stream_capturing
+    from fp8ops.scaling import update_scales
+    saved = policy.measure, torch.cuda.is_current_stream_capturing, dist.all_gather_object
     faster, slower = policy.Timing(1.5, 1.0, 1.5, 1.0, 0.1, 0.1), policy.Timing(0.8, 1.0, 0.8, 1.0, 0.1, 0.1)
-    policy.measure = lambda lyr, M, cdtype: faster if rank == 0 else slower
+    policy.measure = lambda lyr, M, cdtype: slower if (rank, M) == (1, 16) else faster
     torch.cuda.is_current_stream_capturing = lambda: False      # CPU-only machines
+    gathers = []
+
+    def counting_gather(*args, **kwargs):
+        gathers.append(1)
+        return saved[2](*args, **kwargs)
+
+    dist.all_gather_object = counting_gather
+    out = {}
     try:
-        return layer._fp8_pays(16, torch.bfloat16)
+        for recipe in ("delayed", "current"):
+            layer = Fp8Linear(D, HID, config=Fp8Config(policy="auto", recipe=recipe))
+            local = {M: layer._fp8_pays(M, torch.bfloat16) for M in ((16, 32) if rank == 0 else (16, 48, 64))}
+            n = len(gathers)
+            update_scales([layer])      # the step: verdicts exchanged
+            agreed = {k[0]: v[0] for k, v in layer.fp8_policy.items()}
+            update_scales([layer])      # nothing new: no gather
+            out[recipe] = {"local": local, "agreed": agreed, "gathers": (len(gathers) - n),
+                           "why": layer.fp8_policy_why.get((16, torch.bfloat16)), "left": layer._fp8_unagreed}
+        return out
     finally:
-        policy.measure, torch.cuda.is_current_stream_capturing = saved
+        policy.measure, torch.cuda.is_current_stream_capturing, dist.all_gather_object = saved
 
 
 @pytest.fixture(scope="module")
@@ -428,7 +451,8 @@ def test_one_amax_all_reduce_per_step(dist_results, name):
         for step in range(STEPS):
             in_step = [c for c in calls if c[0] == ("optstep", step)]
             assert len(in_step) == 1, f"step {step}: {len(in_step)} all_reduces in optimizer.step: {in_step}"
-            assert in_step[0][1] == "fp8ops.scaling" and in_step[0][2] == 3 * n_layers
+            # (+1: policy auto's flag, policy_ranks.py)
+            assert in_step[0][1] == "fp8ops.scaling" and in_step[0][2] == 3 * n_layers + 1
             fwd = [c for c in fp8 if c[0] == ("fwdbwd", step)]
             assert not fwd, f"step {step}: {fwd}"
 
@@ -556,8 +580,15 @@ def test_fsdp2_sharded_weight_gives_a_clear_error(dist_results):
         assert "fully_shard" in res["dtensor_guard"]
 
 
-def test_policy_auto_verdict_agrees_across_ranks(dist_results):
-    assert [res["policy"] for res in dist_results] == [False] * WORLD
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_policy_auto_verdicts_agree_across_ranks_at_the_step(dist_results, recipe):
+    r0, r1 = (res["policy"][recipe] for res in dist_results)
+    assert r0["local"] == {16: True, 32: True}      # each rank's own verdicts until the step
+    assert r1["local"] == {16: False, 48: True, 64: True}
+    for r in (r0, r1):
+        assert r["agreed"] == {16: False, 32: True, 48: True, 64: True}, r["agreed"]
+        assert r["gathers"] == 1 and not r["left"]
+        assert "rank(s) 1 chose BF16" in r["why"]
 
 
 # -------------------------------------------------------------------- single-process sanity

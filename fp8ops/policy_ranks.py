@@ -1,0 +1,112 @@
+"""policy="auto" across data-parallel ranks: every rank ends up running a
+layer's shape alike, and no collective ever depends on the shapes a rank saw.
+
+Each rank settles its own verdicts (policy.measure, or the trial in its loop)
+without a collective in forward. Under DDP / FSDP2 ranks may see different
+shapes -- an uneven last batch, variable-length sequences, a call with an odd
+row count that runs BF16 without asking the policy -- so a collective issued
+when a rank first meets a shape would be issued a different number of times on
+different ranks: it hangs, or pairs up with another collective (DDP's gradient
+all-reduce) and corrupts both. (Before, a verdict was all-reduced there.)
+
+Instead the ranks agree at each optimizer step, in update_scales, which every
+rank reaches with the same layers in the same order: a flag "this rank settled
+something since the last step" rides on the step's one amax all-reduce (its own
+one-element all-reduce where no delayed layer is due), and only when some rank
+set it does an all_gather_object of the settled verdicts follow -- once per new
+shape, not per step. A shape then runs FP8 only where every rank that settled it
+chose FP8, and every rank adopts the agreed verdict, also for a shape it has not
+met yet. Between settling a shape and the next step a rank runs its own verdict.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def world(group=None) -> int:
+    """The data-parallel world size (1 outside torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def takes_part(layers) -> bool:
+    """Do these layers exchange verdicts at the step? Decided from their configs
+    alone, which every rank shares, so every rank issues the same collectives."""
+    return any(layer.fp8_config.policy == "auto" for layer in layers)
+
+
+def settled(layer, key, wins: bool, speedup: float, why: str | None = None) -> None:
+    """Record a verdict this rank settled for layer's key (M, dtype); under
+    torch.distributed it waits for the next step's exchange."""
+    d = layer.__dict__
+    d["fp8_policy"][key] = (wins, speedup)
+    if why is not None:
+        d["fp8_policy_why"][key] = why
+    if world() > 1:
+        d["_fp8_unagreed"].add(key)
+
+
+def flag(layers) -> float:
+    """1.0 where this rank settled a verdict of these layers since the last exchange."""
+    return 1.0 if any(layer.__dict__["_fp8_unagreed"] for layer in layers) else 0.0
+
+
+def exchange_flag(layers, group=None) -> float:
+    """The flag max-reduced over the ranks, for a step without an amax all-reduce
+    to carry it."""
+    t = torch.tensor([flag(layers)], device=layers[0].fp8_amax_history.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def agree(layers, group=None) -> None:
+    """Every rank calls this with the same layers in the same order, once the
+    reduced flag said some rank settled something: all ranks' settled verdicts
+    are gathered and each rank adopts, per (layer, key), FP8 only where every
+    rank that settled it chose FP8."""
+    from . import loop_trial  # noqa: PLC0415
+
+    mine = []
+    for i, layer in enumerate(layers):
+        d = layer.__dict__
+        for key in sorted(d["_fp8_unagreed"], key=str):
+            wins, speedup = d["fp8_policy"][key]
+            mine.append((i, key, wins, speedup, d["fp8_policy_why"].get(key)))
+        d["_fp8_unagreed"].clear()
+    everyone = [None] * world(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    votes: dict[tuple, list] = {}
+    for rank, verdicts in enumerate(everyone):
+        for i, key, wins, speedup, why in verdicts:
+            votes.setdefault((i, key), []).append((rank, wins, speedup, why))
+    for (i, key), vs in votes.items():
+        layer = layers[i]
+        d = layer.__dict__
+        wins = all(v[1] for v in vs)
+        speedup = min(v[2] for v in vs)
+        own = next((v for v in vs if v[0] == _rank(group)), None)
+        why = (own or vs[0])[3]
+        if len(vs) < len(everyone) or not all(v[1] == wins for v in vs):
+            no = [str(v[0]) for v in vs if not v[1]]
+            why = ((why + "; ") if why else "") + (
+                f"across ranks: BF16, rank(s) {', '.join(no)} chose BF16" if no else
+                f"across ranks: FP8, chosen by rank(s) {', '.join(str(v[0]) for v in vs)}")
+        d["fp8_policy"][key] = (wins, speedup)
+        if why is not None:
+            d["fp8_policy_why"][key] = why
+        if key in d["_fp8_pending"]:  # this rank's own trial for it is moot now
+            del d["_fp8_pending"][key]
+            loop_trial.forget(layer, key)
+        d["_fp8_bf16_key"] = None  # the BF16 shortcut may belong to a verdict that changed
+
+
+def agree_now(layers, group=None) -> None:
+    """Exchange at once (tune_policy: every rank calls it at the same point)."""
+    if world(group) > 1 and layers and takes_part(layers) and exchange_flag(layers, group):
+        agree(layers, group)
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group)
