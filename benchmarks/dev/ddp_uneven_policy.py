@@ -6,7 +6,9 @@ rank issued an all-reduce per new shape in forward, a different number on each
 rank: a hang, or a collective paired with DDP's own. Checks that the run ends,
 that every rank holds the same verdicts afterwards, and that the loss is finite.
 
-    torchrun --nproc_per_node=2 benchmarks/dev/ddp_uneven_policy.py [--steps 40]
+    torchrun --nproc_per_node=2 benchmarks/dev/ddp_uneven_policy.py [--steps 40] [--timeout 120]
+
+With an fp8ops from before that change the run stops at the watchdog's timeout.
 """
 import argparse
 import datetime
@@ -25,8 +27,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--timeout", type=float, default=120, help="seconds a collective may wait (NCCL watchdog)")
     args = ap.parse_args()
-    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     torch.manual_seed(0)
