@@ -21,6 +21,7 @@ scaling recomputes each tensor's scale from its own amax before each cast.
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -65,6 +66,39 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     # without importing torch.distributed.tensor (0.4 s): no DTensor exists before it is imported
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
+
+
+def _once_differentiable(fn):
+    """torch's once_differentiable without its cost on the usual path: a backward
+    run with grad mode off (every one without create_graph=True) calls fn as it
+    is, which is all once_differentiable does then; with create_graph=True it
+    goes through once_differentiable, whose outputs raise on a second backward
+    (a second derivative through FP8 casts is not computed: raise, never 0)."""
+    once = once_differentiable(fn)
+
+    @functools.wraps(fn)
+    def backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            return once(ctx, *grads)
+        return fn(ctx, *grads)
+    return backward
+
+
+_BASE_APPLY: dict = {}
+
+
+def _apply(fn_cls, compiling: bool, *args):
+    """fn_cls.apply(*args). In eager code with no functorch transform active,
+    autograd.Function.apply's Python wrapper only unwraps functorch's dead
+    wrappers (none exist then) and calls the C apply: that is called directly
+    (a few us per call on the hot path of small layers). torch.compile traces
+    the real apply."""
+    if compiling or torch._C._are_functorch_transforms_active():
+        return fn_cls.apply(*args)
+    base = _BASE_APPLY.get(fn_cls)
+    if base is None:
+        base = _BASE_APPLY[fn_cls] = super(torch.autograd.Function, fn_cls).apply
+    return base(*args)
 
 
 def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float,
@@ -160,7 +194,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # a second derivative through FP8 casts is not computed: raise, never 0
+    @_once_differentiable  # a second derivative through FP8 casts is not computed: raise, never 0
     def backward(ctx, gy):
         x8t, w8t, sx_inv, h, y = ctx.saved_tensors
         need_dx = ctx.static[8] and ctx.needs_input_grad[0]
@@ -232,7 +266,7 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # a second derivative through FP8 casts is not computed: raise, never 0
+    @_once_differentiable  # a second derivative through FP8 casts is not computed: raise, never 0
     def backward(ctx, gy):
         x8t, w8t, sx_inv, x2, mean, rstd, ln_w, ln_b, lw, y = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -652,7 +686,7 @@ class Fp8Linear(nn.Linear):
             cdtype = torch.get_autocast_dtype("cuda")
         else:
             cdtype = x.dtype if x.dtype in ops.HP_DTYPES else torch.float32
-        x2 = x.reshape(-1, 2 * self.in_features if d["fp8_swiglu_input"] else self.in_features)
+        x2 = x if x.dim() == 2 and not compiling else x.reshape(-1, width)  # (eager: no view to make)
         cfg = d["fp8_config"]
         if x2.shape[0] % 16 != 0 and x.is_cuda:
             # cuBLASLt FP8 needs M % 16 == 0; this call (e.g. an odd eval batch)
@@ -735,11 +769,12 @@ class Fp8Linear(nn.Linear):
             # RMSNorm's eps None: F.rms_norm's, the epsilon of its fp32 arithmetic for every input dtype
             # this path takes (not the bf16 epsilon the docs suggest: measured, torch 2.11)
             eps = ln.eps if ln.eps is not None else torch.finfo(torch.float32).eps
-            y = _Fp8LayerNormLinearFn.apply(x2, ln.weight, ln_bias, weight, bias, w_in, w8t, b_lp, views, static,
-                                            store, float(eps), rms)
+            y = _apply(_Fp8LayerNormLinearFn, compiling, x2, ln.weight, ln_bias, weight, bias, w_in, w8t, b_lp,
+                       views, static, store, float(eps), rms)
         else:
-            y = d["_fp8_fn"].apply(x2, weight, bias, w_in, w8t, b_lp, views, static, store)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+            y = _apply(d["_fp8_fn"], compiling, x2, weight, bias, w_in, w8t, b_lp, views, static, store)
+        if x.dim() != 2 or compiling:
+            y = y.reshape(*x.shape[:-1], self.out_features)
         if gelu_out is not None:
             setattr(y, GELU_BOX, gelu_out)
         return y

@@ -59,9 +59,7 @@ def _reduce_amax(layers: list[Fp8Linear], group=None, flag: float | None = None)
     parameter order), so the concatenations line up and every rank then runs
     amax_update on identical histories: identical scales on every rank.
     flag: policy_ranks' "settled a verdict" flag, carried in the same
-    collective; returns it max-reduced (0.0 without one)."""
-    if policy_ranks.world(group) == 1:
-        return 0.0
+    collective; returns it max-reduced (0.0 without one). Only with ranks."""
     rows = [layer.fp8_amax_history[0] for layer in layers]
     if flag is not None:
         rows.append(torch.full((1,), flag, device=rows[0].device))
@@ -136,9 +134,10 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     due = [l for l in delayed if (l.fp8_step + 1) % l.fp8_config.interval == 0]
     # policy "auto" under DDP / FSDP2: the verdicts the ranks settled since the last step are
     # exchanged here (policy_ranks.py), flagged in the amax all-reduce where there is one
-    exchange = policy_ranks.world(group) > 1 and policy_ranks.takes_part(layers)
+    ranks = policy_ranks.world(group) > 1
+    exchange = ranks and policy_ranks.takes_part(layers)
     flag = policy_ranks.flag(layers) if exchange else None
-    if due:
+    if due and ranks:
         flag = _reduce_amax(due, group, flag)
     elif exchange:
         flag = policy_ranks.exchange_flag(layers, group)
