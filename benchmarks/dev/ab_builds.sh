@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# A/B of two fp8ops builds on one GPU machine, in one call: this checkout ("new")
+# against an older commit ("old"), the same benchmark scripts (this checkout's),
+# runs interleaved new, old, new, old so that a drift of the machine shows.
+# Each run measures policy "auto" afresh (its own policy cache file).
+#   here:   mkdir -p .old && git archive REV | gzip > .old/REV.tar.gz   (.old ignored; carry it)
+#   device: bash benchmarks/dev/ab_builds.sh .old/REV.tar.gz
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 FP8OPS_CUDA_ARCHS=${FP8OPS_CUDA_ARCHS:-90}
+R=$(pwd)
+python3 -m pip install -q --no-build-isolation --no-deps . > "$OUT/build_new.log" 2>&1 || { tail -30 "$OUT/build_new.log"; exit 1; }
+rm -rf /tmp/oldsrc /tmp/oldsite && mkdir -p /tmp/oldsrc && tar -xzf "$1" -C /tmp/oldsrc
+(cd /tmp/oldsrc && python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/oldsite .) \
+  > "$OUT/build_old.log" 2>&1 || { tail -30 "$OUT/build_old.log"; exit 1; }
+site() { [ "$1" = old ] && echo /tmp/oldsite || echo ""; }
+for side in new old; do
+  echo "== host_split ($side)"
+  (cd /tmp && PYTHONPATH=$(site $side) python3 "$R/benchmarks/dev/host_split.py") 2>&1 | tail -12
+done
+i=0
+for side in new old new old; do
+  i=$((i + 1))
+  echo "== bench_linear run $i ($side)"
+  (cd /tmp && PYTHONPATH=$(site $side) FP8OPS_POLICY_CACHE=/tmp/policy_$i.json timeout 150 python3 \
+    "$R/benchmarks/bench_linear.py" --quick --variants ${VARIANTS:-bf16,fp8ops,fp8ops_auto} --no-ceiling \
+    --reps ${REPS:-40} --rounds 2 --json "$OUT/linear_ab_${i}_$side.json") 2>&1 | grep -v Warning | tail -14
+done
