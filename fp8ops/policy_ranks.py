@@ -9,16 +9,23 @@ when a rank first meets a shape would be issued a different number of times on
 different ranks: it hangs, or pairs up with another collective (DDP's gradient
 all-reduce) and corrupts both. (Before, a verdict was all-reduced there.)
 
-Instead the ranks agree at each optimizer step, in update_scales, which every
+Instead the ranks agree at the optimizer steps, in update_scales, which every
 rank reaches with the same layers in the same order: a flag "this rank settled
-something since the last step" rides on the step's one amax all-reduce (its own
-one-element all-reduce where no delayed layer is due), and only when some rank
-set it does an all_gather_object of the settled verdicts follow -- once per new
-shape, not per step. A shape then runs FP8 only where every rank that settled it
-chose FP8, and every rank adopts the agreed verdict, also for a shape it has not
-met yet. Between settling a shape and the next step a rank runs its own verdict.
+something since the last exchange" rides on the step's one amax all-reduce (its
+own one-element all-reduce where no delayed layer is due). The reduced flag is
+copied to the host without waiting and read at the next step (one step later it
+has long arrived: no synchronization of the host with the GPU per step); where
+it was set, an all_gather_object of the settled verdicts follows, on every rank
+alike -- once per new shape, not per step. A shape then runs FP8 only where every
+rank that settled it chose FP8, and every rank adopts the agreed verdict, also
+for a shape it has not met yet. Until then (two steps at most) a rank runs its
+own verdict. A layer that no optimizer steps (a frozen one) is exchanged only by
+tune_policy.
 """
 from __future__ import annotations
+
+import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -53,12 +60,42 @@ def flag(layers) -> float:
     return 1.0 if any(layer.__dict__["_fp8_unagreed"] for layer in layers) else 0.0
 
 
-def exchange_flag(layers, group=None) -> float:
+def reduce_flag(layers, group, value: float):
     """The flag max-reduced over the ranks, for a step without an amax all-reduce
-    to carry it."""
-    t = torch.tensor([flag(layers)], device=layers[0].fp8_amax_history.device)
+    to carry it (a one-element tensor on the layers' device)."""
+    t = torch.full((1,), value, device=layers[0].fp8_amax_history.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
+    return t
+
+
+# the first layer of an update_scales call -> (event or None, host tensor): the previous
+# step's reduced flag on its way to the host (weak: a dead model's entry goes with it)
+_in_flight: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def before_step(layers, group) -> None:
+    """At each step, before this step's flag is made: act on the previous step's
+    reduced flag (every rank reads the same value, so every rank gathers, or
+    none). The gather takes everything settled so far, this step's too."""
+    prev = _in_flight.pop(layers[0], None)
+    if prev is not None:
+        event, host = prev
+        if event is not None:
+            event.synchronize()  # recorded a step ago: long complete
+        if host.item():
+            agree(layers, group)
+
+
+def send(layers, reduced) -> None:
+    """This step's reduced flag on its way to the host, for the next step."""
+    if reduced.is_cuda:
+        host = torch.empty(1, dtype=reduced.dtype, pin_memory=True)
+        host.copy_(reduced, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        _in_flight[layers[0]] = (event, host)
+    else:
+        _in_flight[layers[0]] = (None, reduced)
 
 
 def agree(layers, group=None) -> None:
@@ -76,7 +113,11 @@ def agree(layers, group=None) -> None:
             mine.append((i, key, wins, speedup, d["fp8_policy_why"].get(key)))
         d["_fp8_unagreed"].clear()
     everyone = [None] * world(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    dev = layers[0].fp8_amax_history.device
+    # (under NCCL the objects travel through the current CUDA device: the layers' one, also
+    # where the script never called torch.cuda.set_device)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        dist.all_gather_object(everyone, mine, group=group)
     votes: dict[tuple, list] = {}
     for rank, verdicts in enumerate(everyone):
         for i, key, wins, speedup, why in verdicts:
@@ -104,7 +145,7 @@ def agree(layers, group=None) -> None:
 
 def agree_now(layers, group=None) -> None:
     """Exchange at once (tune_policy: every rank calls it at the same point)."""
-    if world(group) > 1 and layers and takes_part(layers) and exchange_flag(layers, group):
+    if world(group) > 1 and layers and takes_part(layers) and reduce_flag(layers, group, flag(layers)).item():
         agree(layers, group)
 
 

@@ -11,11 +11,12 @@ state_dict so checkpoints stay the BF16 model's).
 """
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import _loader, ops, policy_ranks
 from .linear import Fp8Linear
@@ -24,7 +25,7 @@ from .linear import Fp8Linear
 # hook matches layers by the identity of their *current* weight Parameter, so
 # wrappers that swap Parameters after conversion (FSDP2's DTensor shards) work.
 _LAYERS: "weakref.WeakSet[Fp8Linear]" = weakref.WeakSet()
-_hook_handle = None
+_hook_handles = None
 
 
 def track(layer: Fp8Linear) -> None:
@@ -33,9 +34,10 @@ def track(layer: Fp8Linear) -> None:
 
 
 def _install_hook() -> None:
-    global _hook_handle
-    if _hook_handle is None:
-        _hook_handle = register_optimizer_step_post_hook(_after_optimizer_step)
+    global _hook_handles
+    if _hook_handles is None:
+        _hook_handles = (register_optimizer_step_pre_hook(_before_optimizer_step),
+                         register_optimizer_step_post_hook(_after_optimizer_step))
 
 
 def _layers_of(optimizer) -> list[Fp8Linear]:
@@ -47,19 +49,32 @@ def _layers_of(optimizer) -> list[Fp8Linear]:
     return sorted(found, key=lambda layer: pos[id(layer.weight)])
 
 
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    # ZeroRedundancyOptimizer steps an inner optimizer that holds only this rank's shard of
+    # the parameters: updating scales after it would update different layers on different
+    # ranks (collectives that do not pair up: a hang). The outer one holds every parameter on
+    # every rank, so the scales follow it alone.
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        optimizer.optim.__dict__["_fp8ops_inner"] = True
+
+
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    if optimizer.__dict__.get("_fp8ops_inner"):
+        return
     layers = _layers_of(optimizer)
     if layers:
         update_scales(layers)
 
 
-def _reduce_amax(layers: list[Fp8Linear], group=None, flag: float | None = None) -> float:
+def _reduce_amax(layers: list[Fp8Linear], group=None, flag: float | None = None):
     """Max-all-reduce row 0 (this step's amaxes) of every layer in one collective.
     Every rank passes the same layers in the same order (the optimizer's
     parameter order), so the concatenations line up and every rank then runs
     amax_update on identical histories: identical scales on every rank.
     flag: policy_ranks' "settled a verdict" flag, carried in the same
-    collective; returns it max-reduced (0.0 without one). Only with ranks."""
+    collective; returns it max-reduced, as a one-element tensor on the
+    layers' device (None without one). Only with ranks."""
     rows = [layer.fp8_amax_history[0] for layer in layers]
     if flag is not None:
         rows.append(torch.full((1,), flag, device=rows[0].device))
@@ -68,9 +83,9 @@ def _reduce_amax(layers: list[Fp8Linear], group=None, flag: float | None = None)
     parts = list(flat.split([r.numel() for r in rows]))
     if flag is not None:
         rows.pop()
-        flag = float(parts.pop().item())
+        flag = parts.pop()
     torch._foreach_copy_(rows, parts)
-    return flag or 0.0
+    return flag
 
 
 # Fp8Linear's scaling buffers: rank-local state that DDP must not overwrite.
@@ -136,13 +151,15 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     # exchanged here (policy_ranks.py), flagged in the amax all-reduce where there is one
     ranks = policy_ranks.world(group) > 1
     exchange = ranks and policy_ranks.takes_part(layers)
+    if exchange:
+        policy_ranks.before_step(layers, group)
     flag = policy_ranks.flag(layers) if exchange else None
     if due and ranks:
         flag = _reduce_amax(due, group, flag)
     elif exchange:
-        flag = policy_ranks.exchange_flag(layers, group)
-    if exchange and flag:
-        policy_ranks.agree(layers, group)
+        flag = policy_ranks.reduce_flag(layers, group, flag)
+    if exchange:
+        policy_ranks.send(layers, flag)
     for layer in layers:
         layer.__dict__["fp8_step"] = layer.fp8_step + 1  # not Module.__setattr__: per layer per step
     # each layer: the scales of its 3 tensors, the history roll, and the count of

@@ -24,6 +24,7 @@ CPU box); the single-process references run in the pytest process. What is check
 Then examples/train_fp8.py under torchrun: --ddp for 3 steps, then --fsdp resumed from its
 checkpoint, follow the single-process run's losses, and the checkpoints load into a plain GPT.
 """
+import datetime
 import json
 import os
 import shutil
@@ -221,7 +222,9 @@ SCENARIOS = {   # name: (mode, recipe, activation checkpointing)
 
 def _worker(rank, world, tmp, scenarios):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world)
+    # (a timeout: a collective one rank misses fails the test instead of hanging it)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
     out = {}
     try:
         # count the all_reduces fp8ops issues, by phase of the training step
@@ -247,6 +250,7 @@ def _worker(rank, world, tmp, scenarios):
         if fully_shard is not None:
             out["fsdp_load"] = _fsdp_load_state_dict(rank, world)
         out["policy"] = _policy_agreement(rank)
+        out["zero"] = _zero_redundancy(rank)
         if fully_shard is not None:
             out["dtensor_guard"] = _dtensor_guard()
     finally:
@@ -324,7 +328,8 @@ def _policy_agreement(rank):
     """policy="auto" with ranks that meet different shapes (uneven batches): rank 0 settles
     M=16 and 32, rank 1 M=16, 48 and 64, with no collective in forward (one per new shape, as
     before, would hang here: 2 on one rank, 3 on the other). The optimizer step's exchange
-    then gives both the same verdicts, FP8 only where every rank that met the shape chose it:
+    (its flag read at the next step) then gives both the same verdicts, FP8 only where every
+    rank that met the shape chose it:
     rank 0 measures FP8 faster at M=16, rank 1 slower, so both run it BF16. A layer of the
     current recipe (no amax all-reduce at the step) exchanges through its own flag."""
     import fp8ops.policy as policy
@@ -345,15 +350,40 @@ def _policy_agreement(rank):
         for recipe in ("delayed", "current"):
             layer = Fp8Linear(D, HID, config=Fp8Config(policy="auto", recipe=recipe))
             local = {M: layer._fp8_pays(M, torch.bfloat16) for M in ((16, 32) if rank == 0 else (16, 48, 64))}
-            n = len(gathers)
-            update_scales([layer])      # the step: verdicts exchanged
-            agreed = {k[0]: v[0] for k, v in layer.fp8_policy.items()}
-            update_scales([layer])      # nothing new: no gather
-            out[recipe] = {"local": local, "agreed": agreed, "gathers": (len(gathers) - n),
+            per_step, verdicts = [], []
+            for _ in range(3):          # the flag of step 1 is read at step 2, which gathers; step 3: none
+                n = len(gathers)
+                update_scales([layer])
+                per_step.append(len(gathers) - n)
+                verdicts.append({k[0]: v[0] for k, v in layer.fp8_policy.items()})
+            out[recipe] = {"local": local, "after_step1": verdicts[0], "agreed": verdicts[1],
+                           "final": verdicts[2], "gathers": per_step,
                            "why": layer.fp8_policy_why.get((16, torch.bfloat16)), "left": layer._fp8_unagreed}
         return out
     finally:
         policy.measure, torch.cuda.is_current_stream_capturing, dist.all_gather_object = saved
+
+
+def _zero_redundancy(rank):
+    """ZeroRedundancyOptimizer steps an inner optimizer holding this rank's shard of the
+    parameters: the scales follow the outer one (every parameter, every rank), once per step.
+    Before, the inner one's scale update ran on one rank only (a hang), and twice per step."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    out = {}
+    for recipe in ("current", "delayed"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(D, 256), nn.Linear(256, D))
+        model[1] = Fp8Linear.from_linear(model[1], Fp8Config(recipe=recipe, amax_history_len=4))
+        model[1].fp8_on_cpu = True
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.01)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            ddp(torch.randn(16, D, generator=g)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        out[recipe] = {"steps": model[1].fp8_step, "scale": model[1].fp8_scale.clone()}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -580,14 +610,24 @@ def test_fsdp2_sharded_weight_gives_a_clear_error(dist_results):
         assert "fully_shard" in res["dtensor_guard"]
 
 
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_zero_redundancy_optimizer_updates_scales_once_per_step_on_every_rank(dist_results, recipe):
+    r0, r1 = (res["zero"][recipe] for res in dist_results)
+    assert r0["steps"] == r1["steps"] == 3
+    # (current scaling: each rank's input and gradient scales come from its own data)
+    same = slice(None) if recipe == "delayed" else slice(W, W + 1)
+    assert torch.equal(r0["scale"][same], r1["scale"][same])
+
+
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_policy_auto_verdicts_agree_across_ranks_at_the_step(dist_results, recipe):
     r0, r1 = (res["policy"][recipe] for res in dist_results)
     assert r0["local"] == {16: True, 32: True}      # each rank's own verdicts until the step
     assert r1["local"] == {16: False, 48: True, 64: True}
+    assert r0["after_step1"] == r0["local"] and r1["after_step1"] == r1["local"]
     for r in (r0, r1):
-        assert r["agreed"] == {16: False, 32: True, 48: True, 64: True}, r["agreed"]
-        assert r["gathers"] == 1 and not r["left"]
+        assert r["agreed"] == r["final"] == {16: False, 32: True, 48: True, 64: True}, r["agreed"]
+        assert r["gathers"] == [0, 1, 0] and not r["left"]
         assert "rank(s) 1 chose BF16" in r["why"]
 
 
