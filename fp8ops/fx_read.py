@@ -8,6 +8,8 @@ eval inside a model in training) is restored afterwards.
 """
 from __future__ import annotations
 
+from collections.abc import MutableMapping, MutableSequence, MutableSet
+
 import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -31,8 +33,9 @@ def graphs_in_both_modes(m: nn.Module, tracer: type[torch.fx.Tracer] = torch.fx.
     module (self.last_act = h, or self.acts.append(h), for a statistic or a loss
     term). fx records no use for such a store, so a fusion must check that it
     changes none of them. Every module gets its attributes back after each read,
-    and a list, dict or set attribute its contents (tracing stored fx Proxies
-    there, and fx its own tensor constants on m)."""
+    and a container attribute (list, dict, set, deque, ...) that the read added
+    to its entries (tracing stored fx Proxies there, and fx its own tensor
+    constants on m). Containers inside containers are not looked into."""
     saved = [(s, dict(s.__dict__), [(r, dict(s.__dict__[r])) for r in _REGISTRIES if r in s.__dict__],
               _contents(s.__dict__))
              for s in m.modules()]
@@ -49,28 +52,82 @@ def graphs_in_both_modes(m: nn.Module, tracer: type[torch.fx.Tracer] = torch.fx.
         _restore(saved)
 
 
-_CONTAINERS = (list, dict, set)
+# what nn.Module keeps in __dict__ itself (registries, hooks, flags): not user containers
+_MODULE_ATTRS = frozenset(nn.Module().__dict__)
 
 
 def _contents(attrs: dict) -> list:
-    """(container, a shallow copy) of each list, dict and set attribute: a forward
-    may add to one in place (self.acts.append(h))."""
-    return [(v, v.copy()) for v in attrs.values() if isinstance(v, _CONTAINERS)]
+    """(container, a snapshot of its entries) of each mutable container attribute
+    (list, dict, set, deque, any MutableSequence, MutableMapping or MutableSet): a
+    forward may add to one in place (self.acts.append(h))."""
+    out = []
+    for k, v in attrs.items():
+        if k in _MODULE_ATTRS or not isinstance(v, (MutableMapping, MutableSequence, MutableSet)):
+            continue
+        try:
+            out.append((v, _entries(v)))
+        except Exception:  # noqa: BLE001,S112 -- a container that cannot list itself: not looked into
+            continue
+    return out
+
+
+def _entries(container) -> list:
+    return list(container.items()) if isinstance(container, MutableMapping) else list(container)
+
+
+def _changed(container, snapshot: list) -> bool:
+    """By identity, never by ==: == on an fx Proxy is traced, on a tensor elementwise."""
+    now = _entries(container)
+    if len(now) != len(snapshot):
+        return True
+    if isinstance(container, MutableMapping):
+        return any(k is not k0 or v is not v0 for (k, v), (k0, v0) in zip(now, snapshot))
+    return any(a is not b for a, b in zip(now, snapshot))
+
+
+def _refill(container, snapshot: list) -> None:
+    """Put the snapshot back in place, through the builtin types' own methods where
+    they apply (a dict subclass's update may refuse: transformers' ModelOutput)."""
+    if isinstance(container, list):
+        list.__setitem__(container, slice(None), snapshot)
+    elif isinstance(container, dict):
+        dict.clear(container)
+        dict.update(container, snapshot)
+    elif isinstance(container, set):
+        set.clear(container)
+        set.update(container, snapshot)
+    elif isinstance(container, MutableMapping):
+        container.clear()
+        container.update(snapshot)
+    elif isinstance(container, MutableSet):
+        container.clear()
+        for v in snapshot:
+            container.add(v)
+    else:
+        container.clear()
+        container.extend(snapshot)
 
 
 def _restore(saved) -> None:
-    for s, attrs, registries, contents in saved:
+    """Every module's attributes and registries first, then the containers that
+    changed (each tried: one that cannot be refilled does not stop the others,
+    and the first error is raised at the end)."""
+    for s, attrs, registries, _ in saved:
         s.__dict__.clear()
         s.__dict__.update(attrs)
         for r, entries in registries:
             attrs[r].clear()
             attrs[r].update(entries)
-        for container, copy in contents:  # (refilled, not compared: == on a Proxy is traced)
-            if isinstance(container, list):
-                container[:] = copy
-            else:
-                container.clear()
-                container.update(copy)
+    error = None
+    for _, _, _, contents in saved:
+        for container, snapshot in contents:
+            try:
+                if _changed(container, snapshot):
+                    _refill(container, snapshot)
+            except Exception as e:  # noqa: BLE001 -- re-raised below, after the others
+                error = error or e
+    if error is not None:
+        raise error
 
 
 def _stored_nodes(saved):
@@ -80,7 +137,7 @@ def _stored_nodes(saved):
     for s, attrs, registries, contents in saved:
         now = s.__dict__
         values = [v for k, v in now.items() if k != "training" and (k not in attrs or attrs[k] is not v)]
-        values += [list(c) if isinstance(c, set) else c for c, _ in contents]
+        values += [_entries(c) for c, snapshot in contents if _changed(c, snapshot)]
         for r, entries in registries:
             values += [v for k, v in now[r].items() if entries.get(k) is not v]
         for leaf in pytree.tree_leaves(values):

@@ -5,6 +5,7 @@ its gradient cast (linear_bwd with gelu_input).
 
 CPU tests run the C reference kernels; the CUDA parametrisations run the
 cast kernels on the device."""
+import collections
 import copy
 import logging
 
@@ -139,6 +140,37 @@ class GeluAppended(GeluTwice):
         return self.b(g)
 
 
+class GeluDeque(GeluTwice):
+    def __init__(self):
+        super().__init__()
+        self.acts = collections.deque(maxlen=4)
+
+    def forward(self, x):
+        g = self.gelu(self.a(x))
+        self.acts.append(g)
+        return self.b(g)
+
+
+class RefusesUpdate(dict):
+    """Like transformers' ModelOutput: its own update and item assignment refuse."""
+
+    def update(self, *a, **k):
+        raise RuntimeError("refused")
+
+    def __setitem__(self, k, v):
+        raise RuntimeError("refused")
+
+
+class GeluBesideContainers(MLP):
+    """Containers the forward does not touch: left exactly as they were, and the GELU fused."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = RefusesUpdate(last=1)
+        self.stats = {"n": [1, 2]}
+        self.seen = {3}
+
+
 class GeluWithConstantAndAux(GeluTwice):
     def forward(self, x):
         self.aux_loss = x.pow(2).mean()  # stored, but not the GELU's output or its producer's
@@ -165,7 +197,7 @@ def test_stores_block_only_the_fusions_they_touch(monkeypatch):
 
 
 @pytest.mark.parametrize("cls", [GeluTwice, GeluAlsoResidual, GeluFunctional, GeluBranching, LinearTwice,
-                                 TrainOnlyDropout, GeluStored, GeluAppended])
+                                 TrainOnlyDropout, GeluStored, GeluAppended, GeluDeque])
 def test_gelu_not_fused_where_unsafe(cls, monkeypatch):
     torch.manual_seed(0)
     model = cls()
@@ -178,8 +210,17 @@ def test_gelu_not_fused_where_unsafe(cls, monkeypatch):
     torch.testing.assert_close(model(x), ref(x), rtol=0.1, atol=0.1)  # FP8, but the same function
     if cls is GeluStored:  # what it stores is the GELU's output (not a tracing Proxy, not its input)
         assert type(model.last_act) is torch.Tensor and model.last_act.min() >= -0.1701
-    if cls is GeluAppended:  # the reads left no Proxy in the list; the forward appended the GELU's output
+    if cls in (GeluAppended, GeluDeque):  # the reads left no Proxy; the forward appended the GELU's output
         assert len(model.acts) == 1 and type(model.acts[0]) is torch.Tensor and model.acts[0].min() >= -0.1701
+
+
+def test_untouched_containers_stay_and_do_not_block_fusion(monkeypatch):
+    model = GeluBesideContainers()
+    out, stats, seen = model.out, model.stats, model.seen
+    convert_as_on_fp8_gpu(model, monkeypatch)
+    assert model.c_proj.fp8_gelu_input
+    assert model.out is out and dict(out) == {"last": 1}
+    assert model.stats is stats and stats == {"n": [1, 2]} and model.seen is seen and seen == {3}
 
 
 def test_gelu_not_fused_erf_shared_or_hooked(monkeypatch):
