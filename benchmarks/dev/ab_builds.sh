@@ -5,6 +5,7 @@
 # Each run measures policy "auto" afresh (its own policy cache file).
 #   here:   mkdir -p .old && git archive REV | gzip > .old/REV.tar.gz   (.old ignored; carry it)
 #   device: bash benchmarks/dev/ab_builds.sh .old/REV.tar.gz
+#           HOST_ROUNDS=6 bash benchmarks/dev/ab_builds.sh ...   (host time only, 256^3, alternating)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FP8OPS_CUDA_ARCHS=${FP8OPS_CUDA_ARCHS:-90}
@@ -14,6 +15,15 @@ rm -rf /tmp/oldsrc /tmp/oldsite && mkdir -p /tmp/oldsrc && tar -xzf "$1" -C /tmp
 (cd /tmp/oldsrc && python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/oldsite .) \
   > "$OUT/build_old.log" 2>&1 || { tail -30 "$OUT/build_old.log"; exit 1; }
 site() { [ "$1" = old ] && echo /tmp/oldsite || echo ""; }
+if [ -n "${HOST_ROUNDS:-}" ]; then  # host time only, 256^3, alternating sides
+  for r in $(seq "$HOST_ROUNDS"); do
+    for side in new old; do
+      echo -n "$side: "
+      (cd /tmp && PYTHONPATH=$(site $side) python3 "$R/benchmarks/dev/host_split.py" --totals 5 --iters 300) 2>&1 | tail -1
+    done
+  done
+  exit 0
+fi
 for side in new old; do
   echo "== host_split ($side)"
   (cd /tmp && PYTHONPATH=$(site $side) python3 "$R/benchmarks/dev/host_split.py") 2>&1 | tail -12
