@@ -22,6 +22,7 @@ scaling recomputes each tensor's scale from its own amax before each cast.
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 
 import torch
@@ -43,6 +44,10 @@ GELU_BOX = "_fp8ops_gelu_box"
 V_S, V_SI, V_H = 0, 3, 6   # scale[i:i+1], scale_inv[i:i+1], history[0, i]: per-tensor views
 V_OVERFLOW = 9             # fp8_overflow_count
 V_BUFFERS = 10             # fp8_amax_history, fp8_scale, fp8_scale_inv, fp8_max (whole)
+
+# Each Fp8Linear's place in the order of creation (copies get their own): what orders layers
+# that share one weight Parameter alike on every rank (scaling._layers_of)
+_SERIAL = itertools.count()
 
 # Set by policy.tune_policy() around its one forward: the layers make their policy decision and
 # return the plain result, touching no scaling state.
@@ -367,6 +372,7 @@ class Fp8Linear(nn.Linear):
 
     def _init_fp8_state(self, config: Fp8Config) -> None:
         self.fp8_config = config
+        self._fp8_serial = next(_SERIAL)
         dev = self.weight.device
         x_dt, w_dt, g_dt = self.fp8_dtypes = config.dtypes()
         H = config.amax_history_len if config.recipe == "delayed" else 1
@@ -632,6 +638,7 @@ class Fp8Linear(nn.Linear):
         # a whole Fp8Linear pickled by an fp8ops from before the fused SwiGLU
         state.setdefault("fp8_swiglu_input", False)
         state.setdefault("_fp8_unagreed", set())  # (and from before the exchange at the step)
+        state["_fp8_serial"] = next(_SERIAL)
         super().__setstate__(state)
         # a copy (copy.deepcopy, pickle, torch.load of a whole model) updates its scales after
         # optimizer steps as the original does

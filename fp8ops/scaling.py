@@ -43,10 +43,11 @@ def _install_hook() -> None:
 def _layers_of(optimizer) -> list[Fp8Linear]:
     if not _LAYERS:
         return []
-    # ordered as the optimizer's params, so every rank concatenates amaxes alike
+    # ordered as the optimizer's params, so every rank concatenates amaxes alike; layers that
+    # share one weight by creation (a WeakSet iterates in an order of its own in each process)
     pos = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     found = [layer for layer in list(_LAYERS) if id(layer.weight) in pos]
-    return sorted(found, key=lambda layer: pos[id(layer.weight)])
+    return sorted(found, key=lambda layer: (pos[id(layer.weight)], layer.__dict__.get("_fp8_serial", 0)))
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:

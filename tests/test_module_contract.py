@@ -265,3 +265,25 @@ def test_a_cast_without_the_transpose_is_not_reused_where_one_is_needed(monkeypa
     xr = x.clone().requires_grad_()
     ref(xr).sum().backward()
     assert torch.equal(xg.grad, xr.grad)
+
+
+def test_layers_sharing_a_weight_keep_their_creation_order(monkeypatch):
+    """Two Fp8Linears that share one weight Parameter take the same place in the optimizer's
+    parameters; the step's amax all-reduce concatenates layers in that order, so every rank
+    must break the tie alike: by creation, not by the WeakSet's order (its own per process)."""
+    import fp8ops.scaling as scaling
+
+    class Ordered(list):  # a stand-in for the WeakSet that iterates in the order given
+        add = list.append
+
+    a = Fp8Linear(16, 16, bias=False, config=Fp8Config())
+    b = Fp8Linear(16, 16, bias=False, config=Fp8Config())
+    b.weight = a.weight
+    opt = torch.optim.SGD([a.weight], lr=0.1)
+    for order in ([a, b], [b, a]):
+        monkeypatch.setattr(scaling, "_LAYERS", Ordered(order))
+        assert scaling._layers_of(opt) == [a, b]
+    c = copy.deepcopy(a)   # a copy orders after the layers made before it, not beside its original
+    c.weight = a.weight
+    monkeypatch.setattr(scaling, "_LAYERS", Ordered([c, b, a]))
+    assert scaling._layers_of(opt) == [a, b, c]
