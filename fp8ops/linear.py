@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable
 from . import ops
 from ._reference import FP8_MAX
 from .config import Fp8Config
+from .policy import rows_bucket
 from .swiglu import swiglu
 
 X, W, G = 0, 1, 2
@@ -405,7 +406,7 @@ class Fp8Linear(nn.Linear):
         # LayerNorm stays where it is in the model, with its parameters)
         self.__dict__["fp8_ln_input"] = None
         self.fp8_policy_measuring = False  # policy.py's throwaway layers skip the policy
-        self.fp8_policy = {}            # (M, dtype) -> (fp8 wins, speedup): policy="auto" verdicts for this layer
+        self.fp8_policy = {}            # (M bucket, dtype) -> (fp8 wins, speedup): policy="auto" verdicts (policy.rows_bucket)
         self.fp8_policy_why = {}        # (M, dtype) -> how the trial in the loop decided it (loop_trial.py)
         self._fp8_pending = {}          # (M, dtype) -> Timing: waiting for that trial
         self._fp8_bf16_key = None       # (shape, dtype, device, autocast) of the last call policy sent to BF16
@@ -596,7 +597,10 @@ class Fp8Linear(nn.Linear):
         Measured once per shape (policy.py); where FP8 wins on the GPU but loses
         alone, or gains little, a trial of a few steps of the caller's own loop,
         in blocks of BF16 and FP8, decides (loop_trial.py). Under torch.compile
-        or CUDA-graph capture nothing is measured and an unknown shape runs FP8."""
+        or CUDA-graph capture nothing is measured and an unknown shape runs FP8.
+        One verdict covers a bucket of row counts (policy.rows_bucket), timed at
+        its lowest."""
+        M = rows_bucket(M)
         k = (M, cdtype)
         hit = self.fp8_policy.get(k)
         if hit is not None:

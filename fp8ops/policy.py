@@ -1,5 +1,6 @@
 """policy="auto": run a layer in FP8 only where FP8 is faster than BF16 on this
-GPU (by at least MIN_SPEEDUP). Each distinct (M, K, N, dtype) is measured once
+GPU (by at least MIN_SPEEDUP). Each (K, N, dtype) and bucket of row counts M
+(rows_bucket: a quarter octave) is measured once
 -- fwd+bwd+scale update of a throwaway FP8 layer vs fwd+bwd under BF16
 autocast -- and the timings are cached for the process and on disk
 (FP8OPS_POLICY_CACHE, default ~/.cache/fp8ops/policy.json, keyed by GPU name
@@ -92,6 +93,26 @@ def key(device: torch.device, M: int, K: int, N: int, dtype: torch.dtype, bias: 
 
 def cached(k: str) -> Timing | None:
     return _load().get(k)
+
+
+def rows_bucket(M: int) -> int:
+    """The row counts one verdict covers, named by their lowest: quarter octaves,
+    2^e * {1, 1.25, 1.5, 1.75} <= M (each M below 64 its own). FP8's gain moves
+    smoothly with M, and with variable-length batches every distinct M would
+    otherwise be measured (a synchronizing timing each) and wait for its own loop
+    trial. The lowest M of a bucket is a multiple of 16 from 64 on: what is timed."""
+    if M < 64:
+        return M
+    e = M.bit_length() - 3   # M >> e is 4..7
+    return (M >> e) << e
+
+
+def rows_label(lo: int) -> str:
+    """"M=..." of a bucket for reports: its range."""
+    if lo < 64:
+        return f"M={lo}"
+    e = lo.bit_length() - 3
+    return f"M={lo}-{((lo >> e) + 1 << e) - 1}"
 
 
 # FP8 is chosen only when measured at least this much faster: within timing

@@ -9,6 +9,7 @@ from .conversion import decisions_of
 from .conv1d import is_hf_conv1d
 from .fsdp import fp8_all_gather_enabled
 from .linear import G, W, X, Fp8Linear
+from .policy import rows_label
 
 
 # what a layer runs now (report's "runs" column)
@@ -73,14 +74,14 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                 rows[-1]["reason"] += "; FSDP2 all-gathers its weight in FP8"
             if m.fp8_config.gemm_emulated:
                 rows[-1]["reason"] += "; all-E5M2: GEMMs emulated in BF16 (FP8 numerics, not FP8 speed)"
-            slow = [f"M={k[0]}: BF16 (FP8 {v[1]:.2f}x)" for k, v in m.fp8_policy.items()
+            slow = [f"{rows_label(k[0])}: BF16 (FP8 {v[1]:.2f}x)" for k, v in m.fp8_policy.items()
                     if not v[0] and k not in m.fp8_policy_why]
             if slow:
                 rows[-1]["reason"] += "; policy auto measured FP8 slower for " + ", ".join(slow)
             for k, why in m.fp8_policy_why.items():  # decided beyond the two timings: the loop trial, tune_policy
-                rows[-1]["reason"] += f"; M={k[0]}: {'FP8' if m.fp8_policy[k][0] else 'BF16'} ({why})"
+                rows[-1]["reason"] += f"; {rows_label(k[0])}: {'FP8' if m.fp8_policy[k][0] else 'BF16'} ({why})"
             for k in m._fp8_pending:  # not decided yet: its first steps run BF16 and FP8 in turns
-                rows[-1]["reason"] += f"; M={k[0]}: {loop_trial.progress(m, k)}"
+                rows[-1]["reason"] += f"; {rows_label(k[0])}: {loop_trial.progress(m, k)}"
         elif isinstance(m, nn.Linear) or is_hf_conv1d(m):
             backend, reason = decisions.get(name, ("bf16", "not converted (convert() was not called on it)"))
             shape = f"{m.nx}->{m.nf}" if is_hf_conv1d(m) else f"{m.in_features}->{m.out_features}"

@@ -191,14 +191,14 @@ def test_report_says_where_a_pending_trial_stands(monkeypatch):
 
     def reason():
         return fp8ops.report(torch.nn.Sequential(layer), print_table=False)[0]["reason"]
-    assert "M=64: waiting on the trial in your loop: not started" in reason()
+    assert "M=64-79: waiting on the trial in your loop: not started" in reason()
     for _ in range(5):
         sim.step([anchor, layer])
-    assert f"M=64: waiting on the trial in your loop: step 4 of {loop_trial.DECIDE_AT}" in reason()
+    assert f"M=64-79: waiting on the trial in your loop: step 4 of {loop_trial.DECIDE_AT}" in reason()
     for _ in range(5, loop_trial.DECIDE_AT):
         sim.step([anchor, layer])
     assert loop_trial.decision(anchor, KEY, gpu_only())[1] is not None  # the anchor's call decides
-    assert "M=64: the trial in your loop chose FP8; applied at its next call" in reason()
+    assert "M=64-79: the trial in your loop chose FP8; applied at its next call" in reason()
 
 
 def test_a_stale_anchor_restarts_the_trial(monkeypatch):
@@ -270,7 +270,8 @@ def test_trial_in_a_real_loop(fresh_policy, monkeypatch, shape, gpu_bound):
     assert layer.fp8_amax_history.abs().sum() > 0                     # the FP8 steps of the trial ran FP8
     assert not layer._fp8_pending and not loop_trial._trials[torch.cuda.current_device()].pending
     reason = fp8ops.report(torch.nn.Sequential(layer), print_table=False)[0]["reason"]
-    assert (f"M={M}: FP8 (" if gpu_bound else f"M={M}: BF16 (") in reason and "trial in your loop" in reason
+    label = policy.rows_label(M)
+    assert (f"{label}: FP8 (" if gpu_bound else f"{label}: BF16 (") in reason and "trial in your loop" in reason
 
 
 @requires_fp8
@@ -302,3 +303,30 @@ def test_trial_under_activation_checkpointing(fresh_policy, monkeypatch):
         assert k in layer.fp8_policy and "trial in your loop" in layer.fp8_policy_why[k]
         assert layer.fp8_fallback_calls >= 2 * (1 + 4 * loop_trial.BLOCK)  # BF16 steps: forward + recomputation
     assert torch.isfinite(x.grad).all()
+
+
+def test_rows_buckets_are_quarter_octaves():
+    assert [policy.rows_bucket(m) for m in (16, 48, 63, 64, 79, 80, 96, 112, 127, 128, 144)] == \
+        [16, 48, 63, 64, 64, 80, 96, 112, 112, 128, 128]
+    assert [policy.rows_bucket(m) for m in (4096, 4112, 5119, 5120, 7168, 8191, 8192, 32768)] == \
+        [4096, 4096, 4096, 5120, 7168, 7168, 8192, 32768]
+    for m in range(64, 70000, 16):   # every bucket's lowest M is a multiple of 16, within 25 % of M
+        lo = policy.rows_bucket(m)
+        assert lo % 16 == 0 and lo <= m < 1.25 * lo and policy.rows_bucket(lo) == lo
+    assert policy.rows_label(4096) == "M=4096-5119" and policy.rows_label(48) == "M=48"
+
+
+def test_one_verdict_per_bucket_of_row_counts(monkeypatch):
+    """Variable-length batches: row counts within a quarter octave share one timing (of the
+    bucket's lowest M) and one verdict; the next bucket is measured on its own."""
+    timed = []
+
+    def measure(layer, M, cdtype):
+        timed.append(M)
+        return policy.Timing(1.5, 1.0, 1.5, 1.0, 0.1, 0.1)
+    monkeypatch.setattr(policy, "measure", measure)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    layer = Fp8Linear(32, 32, config=Fp8Config(policy="auto"))
+    assert all(layer._fp8_pays(m, torch.bfloat16) for m in (4096, 4112, 4800, 5104, 5120, 6000))
+    assert timed == [4096, 5120]
+    assert set(layer.fp8_policy) == {(4096, torch.bfloat16), (5120, torch.bfloat16)}

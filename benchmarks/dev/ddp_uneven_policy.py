@@ -5,6 +5,9 @@ verdicts were exchanged at the optimizer step (fp8ops/policy_ranks.py), each
 rank issued an all-reduce per new shape in forward, a different number on each
 rank: a hang, or a collective paired with DDP's own. Checks that the run ends,
 that every rank holds the same verdicts afterwards, and that the loss is finite.
+(The row counts, 4096-4213, fall in one of policy.rows_bucket's quarter octaves:
+since those, one timing and one trial settle them all.) With one process
+(--nproc_per_node=1) it shows the same for variable-length batches alone.
 
     torchrun --nproc_per_node=2 benchmarks/dev/ddp_uneven_policy.py [--steps 40] [--timeout 120]
 
