@@ -8,6 +8,7 @@ eval inside a model in training) is restored afterwards.
 """
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from collections.abc import MutableMapping, MutableSequence, MutableSet
 
 import torch.fx
@@ -86,16 +87,24 @@ def _changed(container, snapshot: list) -> bool:
 
 
 def _refill(container, snapshot: list) -> None:
-    """Put the snapshot back in place, through the builtin types' own methods where
-    they apply (a dict subclass's update may refuse: transformers' ModelOutput)."""
-    if isinstance(container, list):
-        list.__setitem__(container, slice(None), snapshot)
+    """Put the snapshot back in place through the methods of the builtin type the
+    container derives from (a subclass's own may refuse, like transformers'
+    ModelOutput, and an OrderedDict keeps its order apart from the dict's)."""
+    if isinstance(container, OrderedDict):
+        OrderedDict.clear(container)
+        for k, v in snapshot:
+            OrderedDict.__setitem__(container, k, v)
     elif isinstance(container, dict):
         dict.clear(container)
         dict.update(container, snapshot)
+    elif isinstance(container, list):
+        list.__setitem__(container, slice(None), snapshot)
     elif isinstance(container, set):
         set.clear(container)
         set.update(container, snapshot)
+    elif isinstance(container, deque):
+        deque.clear(container)
+        deque.extend(container, snapshot)
     elif isinstance(container, MutableMapping):
         container.clear()
         container.update(snapshot)

@@ -46,9 +46,12 @@ V_S, V_SI, V_H = 0, 3, 6   # scale[i:i+1], scale_inv[i:i+1], history[0, i]: per-
 V_OVERFLOW = 9             # fp8_overflow_count
 V_BUFFERS = 10             # fp8_amax_history, fp8_scale, fp8_scale_inv, fp8_max (whole)
 
-# Each Fp8Linear's place in the order of creation (copies get their own): what orders layers
-# that share one weight Parameter alike on every rank (scaling._layers_of)
+# Each Fp8Linear's place in the order of creation, kept by copies and pickles (a model that one
+# rank built and sent to the others orders alike everywhere), with copies counted apart (_COPIES,
+# 0 for the original): what orders layers that share one weight Parameter alike on every rank
+# (scaling._layers_of)
 _SERIAL = itertools.count()
+_COPIES = itertools.count(1)
 
 # Set by policy.tune_policy() around its one forward: the layers make their policy decision and
 # return the plain result, touching no scaling state.
@@ -373,7 +376,7 @@ class Fp8Linear(nn.Linear):
 
     def _init_fp8_state(self, config: Fp8Config) -> None:
         self.fp8_config = config
-        self._fp8_serial = next(_SERIAL)
+        self._fp8_serial, self._fp8_copy = next(_SERIAL), 0
         dev = self.weight.device
         x_dt, w_dt, g_dt = self.fp8_dtypes = config.dtypes()
         H = config.amax_history_len if config.recipe == "delayed" else 1
@@ -407,8 +410,8 @@ class Fp8Linear(nn.Linear):
         self.__dict__["fp8_ln_input"] = None
         self.fp8_policy_measuring = False  # policy.py's throwaway layers skip the policy
         self.fp8_policy = {}            # (M bucket, dtype) -> (fp8 wins, speedup): policy="auto" verdicts (policy.rows_bucket)
-        self.fp8_policy_why = {}        # (M, dtype) -> how the trial in the loop decided it (loop_trial.py)
-        self._fp8_pending = {}          # (M, dtype) -> Timing: waiting for that trial
+        self.fp8_policy_why = {}        # (M bucket, dtype) -> how the trial in the loop decided it (loop_trial.py)
+        self._fp8_pending = {}          # (M bucket, dtype) -> Timing: waiting for that trial
         self._fp8_bf16_key = None       # (shape, dtype, device, autocast) of the last call policy sent to BF16
         self._fp8_unagreed = set()      # keys settled here, not yet exchanged with the other ranks (policy_ranks.py)
         if config.gemm_emulated:
@@ -642,7 +645,8 @@ class Fp8Linear(nn.Linear):
         # a whole Fp8Linear pickled by an fp8ops from before the fused SwiGLU
         state.setdefault("fp8_swiglu_input", False)
         state.setdefault("_fp8_unagreed", set())  # (and from before the exchange at the step)
-        state["_fp8_serial"] = next(_SERIAL)
+        state.setdefault("_fp8_serial", next(_SERIAL))
+        state["_fp8_copy"] = next(_COPIES)
         super().__setstate__(state)
         # a copy (copy.deepcopy, pickle, torch.load of a whole model) updates its scales after
         # optimizer steps as the original does
@@ -712,7 +716,7 @@ class Fp8Linear(nn.Linear):
             if compiling:
                 return self._plain_forward(x)
             d["fp8_fallback_calls"] += 1  # (eager only, as above)
-            if (x2.shape[0], cdtype) in d["_fp8_pending"]:  # a BF16 step of the trial: decided later
+            if (rows_bucket(x2.shape[0]), cdtype) in d["_fp8_pending"]:  # a BF16 step of the trial: decided later
                 return self._plain_forward(x)
             ac = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
             d["_fp8_bf16_key"] = (x.shape, x.dtype, x.device, ac)

@@ -275,7 +275,8 @@ def tune_policy(model: nn.Module, *args, **kwargs) -> dict:
     (FP8 faster on the GPU, slower alone) is settled as GPU-bound: compiled
     code spends far less host time per layer than eager code. Under DDP / FSDP2
     every rank calls it, and the ranks agree on the verdicts before it returns
-    (FP8 only where every rank chose it). Returns {layer name: {(M, dtype): (fp8 wins, speedup)}}."""
+    (FP8 only where every rank chose it). Returns {layer name: {(M bucket, dtype): (fp8 wins,
+    speedup)}} (rows_bucket: the lowest M of the bucket)."""
     from . import linear, policy_ranks  # noqa: PLC0415 -- linear imports this module lazily
     from .linear import Fp8Linear  # noqa: PLC0415
 

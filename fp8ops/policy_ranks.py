@@ -51,6 +51,7 @@ def settled(layer, key, wins: bool, speedup: float, why: str | None = None) -> N
     d["fp8_policy"][key] = (wins, speedup)
     if why is not None:
         d["fp8_policy_why"][key] = why
+    d["_fp8_bf16_key"] = None  # (the BF16 shortcut of an earlier call may be this key's)
     if world() > 1:
         d["_fp8_unagreed"].add(key)
 
@@ -87,12 +88,17 @@ def before_step(layers, group) -> None:
 
 
 def send(layers, reduced) -> None:
-    """This step's reduced flag on its way to the host, for the next step."""
+    """This step's reduced flag on its way to the host, for the next step. (Under
+    CUDA-graph capture nothing is sent: the copy would not run until a replay, and
+    the verdicts are flagged again at the next step; every rank captures alike.)"""
     if reduced.is_cuda:
-        host = torch.empty(1, dtype=reduced.dtype, pin_memory=True)
-        host.copy_(reduced, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        if torch.cuda.is_current_stream_capturing():
+            return
+        with torch.cuda.device(reduced.device):  # the copy's stream and the event's: the flag's GPU
+            host = torch.zeros(1, dtype=reduced.dtype, pin_memory=True)
+            host.copy_(reduced, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
         _in_flight[layers[0]] = (event, host)
     else:
         _in_flight[layers[0]] = (None, reduced)

@@ -47,7 +47,8 @@ def _layers_of(optimizer) -> list[Fp8Linear]:
     # share one weight by creation (a WeakSet iterates in an order of its own in each process)
     pos = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     found = [layer for layer in list(_LAYERS) if id(layer.weight) in pos]
-    return sorted(found, key=lambda layer: (pos[id(layer.weight)], layer.__dict__.get("_fp8_serial", 0)))
+    return sorted(found, key=lambda layer: (pos[id(layer.weight)], layer.__dict__.get("_fp8_serial", 0),
+                                            layer.__dict__.get("_fp8_copy", 0)))
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
@@ -57,7 +58,9 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
     # every rank, so the scales follow it alone.
     zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
-        optimizer.optim.__dict__["_fp8ops_inner"] = True
+        inner = getattr(optimizer, "optim", None)  # (overlap_with_ddp=True makes it later)
+        if inner is not None:
+            inner.__dict__["_fp8ops_inner"] = True
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:

@@ -162,13 +162,28 @@ class RefusesUpdate(dict):
 
 
 class GeluBesideContainers(MLP):
-    """Containers the forward does not touch: left exactly as they were, and the GELU fused."""
+    """Containers the forward does not touch, or fills with no tensor: left exactly as they
+    were, and the GELU fused."""
 
     def __init__(self):
         super().__init__()
         self.out = RefusesUpdate(last=1)
         self.stats = {"n": [1, 2]}
         self.seen = {3}
+        self.calls = collections.OrderedDict(calls=0)
+        self.output = OrderedRefuses(last=1)
+
+    def forward(self, x):
+        self.calls["n"] = 1          # not a tensor: no store that blocks the fusion
+        self.output["n"] = 1
+        return super().forward(x)
+
+
+class OrderedRefuses(collections.OrderedDict):
+    """transformers' ModelOutput: an OrderedDict whose own update refuses."""
+
+    def update(self, *a, **k):
+        raise RuntimeError("refused")
 
 
 class GeluWithConstantAndAux(GeluTwice):
@@ -221,6 +236,8 @@ def test_untouched_containers_stay_and_do_not_block_fusion(monkeypatch):
     assert model.c_proj.fp8_gelu_input
     assert model.out is out and dict(out) == {"last": 1}
     assert model.stats is stats and stats == {"n": [1, 2]} and model.seen is seen and seen == {3}
+    assert list(model.calls.items()) == [("calls", 0)]   # an OrderedDict keeps working (its order)
+    assert list(model.output.items()) == [("last", 1)]
 
 
 def test_gelu_not_fused_erf_shared_or_hooked(monkeypatch):

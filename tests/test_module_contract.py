@@ -283,7 +283,22 @@ def test_layers_sharing_a_weight_keep_their_creation_order(monkeypatch):
     for order in ([a, b], [b, a]):
         monkeypatch.setattr(scaling, "_LAYERS", Ordered(order))
         assert scaling._layers_of(opt) == [a, b]
-    c = copy.deepcopy(a)   # a copy orders after the layers made before it, not beside its original
+    c = copy.deepcopy(a)   # a copy keeps its original's place, and comes right after it
     c.weight = a.weight
     monkeypatch.setattr(scaling, "_LAYERS", Ordered([c, b, a]))
-    assert scaling._layers_of(opt) == [a, b, c]
+    assert scaling._layers_of(opt) == [a, c, b]
+    # a model one rank built and pickled to the others (unpickled in another order) orders alike
+    a2, b2 = pickle.loads(pickle.dumps([b, a]))[::-1]
+    b2.weight = a2.weight
+    monkeypatch.setattr(scaling, "_LAYERS", Ordered([b2, a2]))
+    assert scaling._layers_of(torch.optim.SGD([a2.weight], lr=0.1)) == [a2, b2]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (torch.distributed.optim's torch.jit use)
+def test_zero_redundancy_optimizer_before_its_inner_optimizer_exists():
+    """ZeroRedundancyOptimizer(overlap_with_ddp=True) makes its inner optimizer after DDP's
+    first iterations: the step pre-hook must not fail on one without it."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    import fp8ops.scaling as scaling
+    zero = object.__new__(ZeroRedundancyOptimizer)   # no inner optimizer yet
+    scaling._before_optimizer_step(zero, (), {})

@@ -330,3 +330,37 @@ def test_one_verdict_per_bucket_of_row_counts(monkeypatch):
     assert all(layer._fp8_pays(m, torch.bfloat16) for m in (4096, 4112, 4800, 5104, 5120, 6000))
     assert timed == [4096, 5120]
     assert set(layer.fp8_policy) == {(4096, torch.bfloat16), (5120, torch.bfloat16)}
+
+
+def test_trial_runs_for_row_counts_inside_a_bucket(monkeypatch):
+    """A layer whose rows are not a bucket's lowest (4112 in 4096-5119) takes the trial's
+    steps: its BF16 steps are the trial's, not a settled BF16 verdict that would skip the
+    policy from then on (and leave the trial at step 0). CPU, with CUDA's parts faked."""
+    class FakeCuda(torch.Tensor):
+        is_cuda = property(lambda self: True)
+
+    class Event:
+        def __init__(self, enable_timing=True):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 1.0
+
+    trial = loop_trial._Trial()
+    monkeypatch.setattr(loop_trial, "_trial", lambda device: trial)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(policy, "measure", lambda layer, M, cdtype: policy.Timing(1.0, 2.0, 1.5, 1.0, 0.2, 0.4))
+    layer = Fp8Linear(32, 32, config=Fp8Config(policy="auto"))
+    x = torch.randn(4112, 32).as_subclass(FakeCuda)
+    with torch.no_grad():
+        for _ in range(loop_trial.DECIDE_AT + 2):
+            layer(x)
+    assert not layer._fp8_pending and (4096, torch.float32) in layer.fp8_policy
+    assert "trial in your loop" in layer.fp8_policy_why[(4096, torch.float32)]
