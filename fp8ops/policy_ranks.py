@@ -45,7 +45,7 @@ def takes_part(layers) -> bool:
 
 
 def settled(layer, key, wins: bool, speedup: float, why: str | None = None) -> None:
-    """Record a verdict this rank settled for layer's key (M, dtype); under
+    """Record a verdict this rank settled for layer's key (M bucket, dtype); under
     torch.distributed it waits for the next step's exchange."""
     d = layer.__dict__
     d["fp8_policy"][key] = (wins, speedup)
@@ -124,6 +124,7 @@ def agree(layers, group=None) -> None:
     # where the script never called torch.cuda.set_device)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         dist.all_gather_object(everyone, mine, group=group)
+    me = dist.get_rank(group)
     votes: dict[tuple, list] = {}
     for rank, verdicts in enumerate(everyone):
         for i, key, wins, speedup, why in verdicts:
@@ -133,7 +134,7 @@ def agree(layers, group=None) -> None:
         d = layer.__dict__
         wins = all(v[1] for v in vs)
         speedup = min(v[2] for v in vs)
-        own = next((v for v in vs if v[0] == _rank(group)), None)
+        own = next((v for v in vs if v[0] == me), None)
         why = (own or vs[0])[3]
         if len(vs) < len(everyone) or not all(v[1] == wins for v in vs):
             no = [str(v[0]) for v in vs if not v[1]]
@@ -154,6 +155,3 @@ def agree_now(layers, group=None) -> None:
     if world(group) > 1 and layers and takes_part(layers) and reduce_flag(layers, group, flag(layers)).item():
         agree(layers, group)
 
-
-def _rank(group) -> int:
-    return dist.get_rank(group)
