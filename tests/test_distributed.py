@@ -329,9 +329,9 @@ def _policy_agreement(rank):
     M=16 and 32, rank 1 M=16, 48 and 64, with no collective in forward (one per new shape, as
     before, would hang here: 2 on one rank, 3 on the other). The optimizer step's exchange
     (its flag read at the next step) then gives both the same verdicts, FP8 only where every
-    rank that met the shape chose it:
-    rank 0 measures FP8 faster at M=16, rank 1 slower, so both run it BF16. A layer of the
-    current recipe (no amax all-reduce at the step) exchanges through its own flag."""
+    rank that met the shape chose it: rank 0 measures FP8 faster at M=16, rank 1 slower, so
+    both run it BF16. A layer of the current recipe (no amax all-reduce at the step) exchanges
+    through its own flag."""
     import fp8ops.policy as policy
     from fp8ops.scaling import update_scales
     saved = policy.measure, torch.cuda.is_current_stream_capturing, dist.all_gather_object
@@ -367,7 +367,7 @@ def _policy_agreement(rank):
 def _zero_redundancy(rank):
     """ZeroRedundancyOptimizer steps an inner optimizer holding this rank's shard of the
     parameters: the scales follow the outer one (every parameter, every rank), once per step.
-    Before, the inner one's scale update ran on one rank only (a hang), and twice per step."""
+    Before, the inner one's scale update ran where its shard held the layer only (a hang)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     out = {}
     for recipe in ("current", "delayed"):
