@@ -64,31 +64,31 @@ def loop(mod, n, step):
         acc["fp8ops.step (scale update)"] += t5 - t4
 
 
+def host_us(mod, step, warmup=5):
+    """Host us per iteration of a timed loop (after a few untimed ones), the GPU drained around it."""
+    loop(mod, warmup, step)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    loop(mod, args.iters, step)
+    us = (time.perf_counter() - t) / args.iters * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
 if args.totals:
     best = {"bf16": float("inf"), "fp8ops": float("inf")}
     for _ in range(args.totals):
         for name, mod, step in (("bf16", ref, False), ("fp8ops", fp8, True)):
-            loop(mod, 5, step)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            loop(mod, args.iters, step)
-            best[name] = min(best[name], (time.perf_counter() - t) / args.iters * 1e6)
-            torch.cuda.synchronize()
+            best[name] = min(best[name], host_us(mod, step))
     print(f"host us per fwd+bwd(+step), best of {args.totals}: bf16 {best['bf16']:.1f}  fp8ops {best['fp8ops']:.1f}  "
           f"(fp8ops - bf16: {best['fp8ops'] - best['bf16']:.1f})")
     raise SystemExit(0)
 
 for name, mod, step in (("bf16 nn.Linear", ref, False), ("fp8ops", fp8, True)):
     if mod is fp8:  # wrap after the warm-up so its first calls are not counted
-        loop(mod, 5, step)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        loop(mod, args.iters, step)
-        plain = time.perf_counter() - t
-        torch.cuda.synchronize()
-        print(f"--- fp8ops without the timing wrappers: {plain / args.iters * 1e6:.0f} us host per iteration")
+        print(f"--- fp8ops without the timing wrappers: {host_us(mod, step):.0f} us host per iteration")
         linear.Fp8Linear.forward = timed("  Fp8Linear.forward", linear.Fp8Linear.forward)
-        linear._Fp8LinearFn.apply = timed("    _Fp8LinearFn.apply", linear._Fp8LinearFn.apply)
+        linear._apply = timed("    linear._apply (autograd.Function's C apply)", linear._apply)
         linear._Fp8LinearFn.forward = staticmethod(timed("      _Fp8LinearFn.forward (in apply)",
                                                          linear._Fp8LinearFn.forward))
         linear._Fp8LinearFn.backward = staticmethod(timed("  _Fp8LinearFn.backward (in engine)",
@@ -97,14 +97,8 @@ for name, mod, step in (("bf16 nn.Linear", ref, False), ("fp8ops", fp8, True)):
         ops._linear_bwd_raw = timed("    op linear_bwd", ops._linear_bwd_raw)
         fp8.__dict__.pop("_fp8_fn", None)
         fp8._fp8_fn = linear._Fp8LinearFn
-    else:
-        loop(mod, 5, step)
+    loop(mod, 5, step)
     acc.clear()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    loop(mod, args.iters, step)
-    total = time.perf_counter() - t
-    torch.cuda.synchronize()
-    print(f"--- {name}: {total / args.iters * 1e6:.0f} us host per iteration")
+    print(f"--- {name}: {host_us(mod, step, warmup=0):.0f} us host per iteration")
     for k, v in acc.items():
         print(f"  {k:44} {v / args.iters * 1e6:7.1f} us")
