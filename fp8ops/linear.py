@@ -185,9 +185,10 @@ class _Fp8LinearFn(torch.autograd.Function):
         if b_lp is None:
             b_lp = ops._empty_bias_for(x2, out_dtype)
         # one C call: [cast the weight,] cast x (amaxes folded into history row 0), GEMM
+        st = ops.ST  # (dtypes as ScalarType codes: cheaper to pass)
         y, x8t, w8_new, w8t_new = ops._linear_fwd_raw(
             x2, w_in, views[V_S + X], views[V_H + X], views[V_SI + X], views[V_S + W], views[V_H + W],
-            views[V_SI + W], b_lp, x_dtype, w_dtype, out_dtype, fast_accum, need_wgrad, need_dgrad,
+            views[V_SI + W], b_lp, st[x_dtype], st[w_dtype], st[out_dtype], fast_accum, need_wgrad, need_dgrad,
             act_in in (GELU_GRAD_HERE, GELU_GRAD_PRODUCER), act_in == SWIGLU_IN)
         if w8t is None:
             w8t = w8t_new
@@ -236,10 +237,11 @@ def _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_dx: bool, wants_dw: bool, n
     g2 = _scaled_grad_output(ctx, gy)
     need_dw = need_wgrad and wants_dw
     w_out = ctx.w_dtype if ctx.w_dtype in ops.HP_DTYPES else torch.float32
+    st = ops.ST  # (dtypes as ScalarType codes: cheaper to pass)
     # one C call: cast gy (amax folded into history row 0; with the bias gradient, gy's
     # column sums, in the same pass), dgrad and wgrad GEMMs
     dx, dw, db = ops._linear_bwd_raw(g2, w8t, x8t, views[V_S + G], views[V_H + G], views[V_SI + G],
-                                     views[V_SI + W], sx_inv, y, g_dtype, ctx.x2_dtype, w_out, need_dx,
+                                     views[V_SI + W], sx_inv, y, st[g_dtype], st[ctx.x2_dtype], st[w_out], need_dx,
                                      need_dw, need_db)
     return (dx if need_dx else None), (dw if need_dw else None), (db.to(ctx.b_dtype) if need_db else None)
 
@@ -262,7 +264,8 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
             b_lp = ops._empty_bias_for(x2, out_dtype)
         y, x8t, w8_new, w8t_new, mean, rstd = ops._ln_linear_fwd_raw(
             x2, lw, lb, eps, w_in, views[V_S + X], views[V_H + X], views[V_SI + X], views[V_S + W],
-            views[V_H + W], views[V_SI + W], b_lp, x_dtype, w_dtype, out_dtype, fast_accum, need_dgrad, rms)
+            views[V_H + W], views[V_SI + W], b_lp, ops.ST[x_dtype], ops.ST[w_dtype], ops.ST[out_dtype], fast_accum,
+            need_dgrad, rms)
         if w8t is None:
             w8t = w8t_new
             if store is not None:
@@ -394,6 +397,9 @@ class Fp8Linear(nn.Linear):
         self._fp8_delayed_ready = False
         self._w_cache = None            # (key, w8, w8t, bias in the GEMM's bias dtype)
         self._fp8_cast_since_update = False  # update_scales skips layers that cast nothing
+        # no cast and no load since the scaling state was made: the history is all 0 and the
+        # scales 1, so a scale update would change nothing (update_scales skips it, one process)
+        self._fp8_pristine = True
         self.fp8_on_cpu = False         # tests: run the FP8 path on CPU with the C reference kernels
         # the fused GELU (gelu_fusion.py). fp8_gelu_input: the layer computes
         # linear(gelu_tanh(x)), the GELU fused into x's cast on the FP8 path.
@@ -539,6 +545,7 @@ class Fp8Linear(nn.Linear):
         d["fp8_step"] = 0
         d["_fp8_delayed_ready"] = False
         d["_fp8_cast_since_update"] = False
+        d["_fp8_pristine"] = True
         d["_w_cache"] = None
 
     def _apply(self, fn, recurse=True):
@@ -645,6 +652,7 @@ class Fp8Linear(nn.Linear):
         # a whole Fp8Linear pickled by an fp8ops from before the fused SwiGLU
         state.setdefault("fp8_swiglu_input", False)
         state.setdefault("_fp8_unagreed", set())  # (and from before the exchange at the step)
+        state.setdefault("_fp8_pristine", False)  # (and from before the pristine skip: update it)
         state.setdefault("_fp8_serial", next(_SERIAL))
         state["_fp8_copy"] = next(_COPIES)
         super().__setstate__(state)

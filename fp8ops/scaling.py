@@ -180,7 +180,14 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
             # keeps current scaling for its first cast: its history may hold no amax yet; under
             # DDP a rank that skipped the layer another rank cast does so for one cast)
             d["_fp8_delayed_ready"] = True
+            d["_fp8_pristine"] = False
         d["_fp8_cast_since_update"] = False
+        if d["_fp8_pristine"] and not ranks:
+            # never cast (e.g. policy "auto" runs it BF16): its history is all 0 and its scales
+            # 1, which the update would leave as they are; a layer left in BF16 should cost what
+            # an nn.Linear costs. (Under DDP / FSDP2 another rank's amax may arrive through the
+            # all-reduce above: updated there.)
+            continue
         job = _fast_job(layer) if core is not None else None
         if job is not None:
             fast.setdefault(job[0], []).append(job[1])
@@ -267,6 +274,7 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
         m.fp8_step = int(s["step"])
         m._fp8_delayed_ready = bool(s.get("primed", True))
         m._w_cache = None  # the cached weight cast was made with the old weight scale
+        m._fp8_pristine = False  # its history is the loaded one
     if strict and skipped:
         raise KeyError(f"load_scaling_state_dict: no compatible state for {skipped} (missing, or saved with "
                        "another amax history length, recipe or FP8 format); pass strict=False to start those "

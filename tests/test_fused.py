@@ -315,3 +315,40 @@ def test_linear_fwd_high_precision_weight_needs_its_scale():
     s = torch.ones(1)
     with pytest.raises(ValueError, match=r"w_scale \(the scale to cast it with\) is required"):
         ops.linear_fwd(x, torch.randn(16, 32), s, torch.zeros(1), s, s)
+
+
+# ---------------------------------------------------------------- ScalarType codes
+
+def test_scalar_type_codes_name_the_dtypes():
+    """Fp8Linear passes the fused ops their dtypes as ScalarType codes (ops.ST); each code
+    means its dtype to torch.ops, and the fake kernels read it back."""
+    assert set(ops.ST) == {torch.float16, torch.float32, torch.bfloat16, E4, E5}
+    for d, c in ops.ST.items():
+        assert isinstance(c, int), "torch refused the codes here: ST fell back to dtypes"
+        assert torch.ops.aten.empty.memory_format([0], dtype=c).dtype == d
+        assert ops._as_dtype(c) is d and ops._as_dtype(d) is d
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_linear_ops_take_codes_as_they_take_dtypes(device):
+    """linear_fwd and linear_bwd called with codes give what they give with dtypes, bit for bit."""
+    M, K, N = 32, 48, 64
+    x, w8, sx, sx_inv, sw_inv = _fwd_inputs(M, K, N, device)
+    st = ops.ST
+    runs = []
+    for codes in (False, True):
+        c = (lambda d: st[d]) if codes else (lambda d: d)
+        bias = torch.empty(0, device=device, dtype=torch.bfloat16)
+        h, slot = _slot(0.0, device)
+        y, x8t, _, _ = torch.ops.fp8ops.linear_fwd.default(
+            x, w8, sx, slot, sx_inv, sx, slot, sw_inv, bias, c(E4), c(E4), c(torch.bfloat16), False, True, False,
+            False, False)
+        gy = torch.randn(M, N, generator=torch.Generator().manual_seed(2)).to(device, torch.bfloat16)
+        gh, gslot = _slot(0.0, device)
+        gs = torch.tensor([4.0], device=device)
+        dx, dw, _ = torch.ops.fp8ops.linear_bwd.default(
+            gy, w8.t().contiguous(), x8t, gs, gslot, 1 / gs, sw_inv, sx_inv, torch.empty(0, device=device),
+            c(E5), c(torch.bfloat16), c(torch.float32), True, True, False)
+        runs.append((y, x8t, h, dx, dw, gh))
+    for a, b in zip(*runs):
+        assert_bitwise(a, b, "with codes")

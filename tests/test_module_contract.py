@@ -302,3 +302,50 @@ def test_zero_redundancy_optimizer_before_its_inner_optimizer_exists():
     import fp8ops.scaling as scaling
     zero = object.__new__(ZeroRedundancyOptimizer)   # no inner optimizer yet
     scaling._before_optimizer_step(zero, (), {})
+
+
+def test_a_layer_that_never_cast_skips_its_scale_update_and_ends_as_if_updated(monkeypatch):
+    """update_scales skips a layer with no cast yet (what policy "auto" leaves in BF16): its
+    history is all 0 and its scales 1, which the update would keep. Shown on two copies of one
+    model, one with the skip and one with it forced off: no amax_update reaches the idle layer
+    in the first, and after both cast again for 3 steps their scaling state is the same, bit
+    for bit. A loaded state is not skipped."""
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
+
+    class Updates(TorchDispatchMode):
+        def __init__(self, history):
+            super().__init__()
+            self.history, self.n = history, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.fp8ops.amax_update.default and args[0] is self.history:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    runs, idle_updates = [], []
+    for force in (False, True):
+        model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, amax_history_len=4)
+        layer = model[2]
+        assert layer._fp8_pristine
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(1)
+        with Updates(layer.fp8_amax_history) as seen:
+            for _ in range(3):  # layer 2 idle: only layer 0 runs FP8
+                if force:
+                    layer.__dict__["_fp8_pristine"] = False  # the update for every layer, as before the skip
+                model[0](torch.randn(16, 32, generator=g)).square().mean().backward()
+                opt.step()  # (its hook updates the scales)
+                opt.zero_grad()
+        idle_updates.append(seen.n)
+        assert layer.fp8_step == 3
+        assert layer.fp8_amax_history.abs().sum() == 0 and layer.fp8_scale.tolist() == [1.0, 1.0, 1.0]
+        _train(model, steps=3, opt=opt)
+        assert not layer._fp8_pristine
+        runs.append([m.fp8_amax_history.clone() for m in (model[0], layer)] + [layer.fp8_scale.clone()])
+    assert idle_updates == [0, 3]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    # a loaded state (history not 0) is never skipped
+    fresh = convert_as_on_fp8_gpu(_mlp(), monkeypatch, amax_history_len=4)
+    fp8ops.load_scaling_state_dict(fresh, fp8ops.scaling_state_dict(model))
+    assert not fresh[2]._fp8_pristine
