@@ -8,6 +8,7 @@
 #           HOST_ROUNDS=6 bash benchmarks/dev/ab_builds.sh ...   (host time only, 256^3, alternating)
 #           TRAIN=1 bash benchmarks/dev/ab_builds.sh ...   (bench_train instead, TRAIN_ARGS, new old new old)
 #           SKIP_BUILD=1 ...   (a later call on the same warm machine: both builds are still there)
+#           SHAPES=MxKxN,... ...   (bench_linear on these shapes instead of --quick's)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FP8OPS_CUDA_ARCHS=${FP8OPS_CUDA_ARCHS:-90}
@@ -43,11 +44,12 @@ for side in new old; do
   echo "== host_split ($side)"
   (cd /tmp && PYTHONPATH=$(site $side) python3 "$R/benchmarks/dev/host_split.py") 2>&1 | tail -12
 done
+SHAPE_ARGS=${SHAPES:+--shapes $SHAPES}; SHAPE_ARGS=${SHAPE_ARGS:---quick}
 i=0
 for side in new old new old; do
   i=$((i + 1))
   echo "== bench_linear run $i ($side)"
   (cd /tmp && PYTHONPATH=$(site $side) FP8OPS_POLICY_CACHE=/tmp/policy_$i.json timeout 150 python3 \
-    "$R/benchmarks/bench_linear.py" --quick --variants ${VARIANTS:-bf16,fp8ops,fp8ops_auto} --no-ceiling \
+    "$R/benchmarks/bench_linear.py" $SHAPE_ARGS --variants ${VARIANTS:-bf16,fp8ops,fp8ops_auto} --no-ceiling \
     --reps ${REPS:-40} --rounds 2 --json "$OUT/linear_ab_${i}_$side.json") 2>&1 | grep -v Warning | tail -14
 done
