@@ -182,15 +182,18 @@ def test_padded_scale_inv(device):
 
 @requires_cuda
 @pytest.mark.gpu
-def test_amax_update_many_matches_the_op():
+@pytest.mark.parametrize("widths", [(3, 1, 40, 3), (3, 3, 3, 3), (1, 1, 1, 1)])
+def test_amax_update_many_matches_the_op(widths):
     """_C.amax_update_many (the optimizer hook's path: all layers in few launches)
     gives bit for bit what amax_update gives layer by layer, over more than one
-    launch (> 32 jobs), mixed H / n / margin / algo, padded scale_inv, NaN rows."""
+    launch (> 32 jobs), mixed H / margin / algo, padded scale_inv, NaN rows; with
+    mixed widths (a 32-column block) and with every history as narrow as
+    Fp8Linear's (the launch's block shaped for 3 or 1 columns)."""
     from fp8ops import _loader
     gen = torch.Generator().manual_seed(7)
     jobs, refs, states = [], [], []
     for i in range(70):
-        H, n = (1, 16, 3, 1024)[i % 4], (3, 1, 40, 3)[i % 4]
+        H, n = (1, 16, 3, 1024)[i % 4], widths[i % 4]
         margin, algo = (0.0, 1.0, 2.5)[i % 3], ("max", "most_recent")[i % 2]
         hist = torch.rand(H, n, generator=gen) * 100
         if i % 5 == 0:

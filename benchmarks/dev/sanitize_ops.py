@@ -28,7 +28,7 @@ if sys.argv[1:] == ["scaled_mm"]:
     sys.exit(0)
 
 import fp8ops  # noqa: E402
-from fp8ops import ops  # noqa: E402
+from fp8ops import _loader, ops  # noqa: E402
 for shape in [(1, 16), (5, 160), (217, 256), (3, 7), (64, 48), (256, 4096)]:
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         x = (torch.randn(shape, device=dev) * 10).to(dt)
@@ -42,6 +42,15 @@ ops.cast(base[1:].view(64, 48), torch.ones(1, device=dev), torch.float8_e4m3fn, 
 for H, n in [(1, 1), (31, 3), (1024, 7), (5, 1000)]:
     h = torch.rand(H, n, device=dev)
     ops.amax_update(h, torch.ones(n, device=dev), torch.ones(n, device=dev), torch.full((n,), 448.0, device=dev), 0.0, "max")
+# the optimizer hook's many-layer update: 33 histories of Fp8Linear's width (3 columns), two launches
+keep = []
+for H in [1024] * 32 + [5]:
+    t = (torch.rand(H, 3, device=dev), torch.ones(3, device=dev), torch.ones(3, device=dev),
+         torch.full((3,), 448.0, device=dev), torch.zeros(3, dtype=torch.int64, device=dev))
+    keep.append(t)
+_loader._C.amax_update_many(torch.cuda.current_device(), [
+    (t[0].data_ptr(), t[1].data_ptr(), t[2].data_ptr(), t[3].data_ptr(), t[4].data_ptr(), 3, t[0].shape[0], 1, 0.0,
+     ops.AMAX_ALGOS["max"]) for t in keep])
 if torch.cuda.get_device_capability() >= (8, 9):
     a = torch.randn(128, 256, device=dev).to(torch.float8_e4m3fn)
     b = torch.randn(64, 256, device=dev).to(torch.float8_e4m3fn)
