@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fp8ops
-from layer_iteration import make_iteration as make  # this folder
+from layer_iteration import layer_and_batch, make_iteration as make  # this folder
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shapes", default="16384x3072x768,4096x4096x4096")
@@ -43,11 +43,7 @@ def bench(fns):
 
 
 for shape in args.shapes.split(","):
-    M, K, N = (int(v) for v in shape.split("x"))
-    torch.manual_seed(0)
-    base = torch.nn.Linear(K, N, bias=False, device=dev)
-    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(M, N, device=dev, dtype=torch.bfloat16) * 1e-3
+    (M, K, N), base, x, g = layer_and_batch(shape, dev)
     by_hand = fp8ops.convert(copy.deepcopy(base), config=fp8ops.Fp8Config(policy="auto"))
     by_hand.fp8_policy[(M, torch.bfloat16)] = (False, 1.0)
     decided = fp8ops.convert(copy.deepcopy(base), config=fp8ops.Fp8Config(policy="auto"))

@@ -15,7 +15,7 @@ import statistics
 import torch
 
 import fp8ops
-from layer_iteration import make_iteration as make  # this folder
+from layer_iteration import layer_and_batch, make_iteration as make  # this folder
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shapes", default="4096x4096x4096,16384x768x3072")
@@ -50,11 +50,7 @@ def continuous(fn):
 
 
 for shape in args.shapes.split(","):
-    M, K, N = (int(v) for v in shape.split("x"))
-    torch.manual_seed(0)
-    base = torch.nn.Linear(K, N, bias=False, device=dev)
-    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(M, N, device=dev, dtype=torch.bfloat16) * 1e-3
+    _, base, x, g = layer_and_batch(shape, dev)
     fp8 = fp8ops.convert(copy.deepcopy(base), config=fp8ops.Fp8Config(policy="always"))
     fns = {"bf16": make(copy.deepcopy(base), x, g, False), "fp8ops": make(fp8, x, g, True)}
     for fn in fns.values():

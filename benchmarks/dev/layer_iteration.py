@@ -19,3 +19,14 @@ def make_iteration(mod, x, g, step: bool, device: str = "cuda"):
         if step:
             fp8ops.step(mod)
     return it
+
+
+def layer_and_batch(shape: str, device: str = "cuda"):
+    """((M, K, N), nn.Linear(K, N) without bias (seed 0), x [M, K] bf16 requiring grad, and
+    g [M, N], the output's gradient) for a shape "MxKxN", as the dev timing scripts use them."""
+    M, K, N = (int(v) for v in shape.split("x"))
+    torch.manual_seed(0)
+    base = torch.nn.Linear(K, N, bias=False, device=device)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(M, N, device=device, dtype=torch.bfloat16) * 1e-3  # gradients are small
+    return (M, K, N), base, x, g
