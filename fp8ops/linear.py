@@ -262,10 +262,11 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
         lb = ops._empty_for(x2, torch.float32) if ln_b is None else ln_b.detach().float()
         if b_lp is None:
             b_lp = ops._empty_bias_for(x2, out_dtype)
+        st = ops.ST  # (dtypes as ScalarType codes: cheaper to pass)
         y, x8t, w8_new, w8t_new, mean, rstd = ops._ln_linear_fwd_raw(
             x2, lw, lb, eps, w_in, views[V_S + X], views[V_H + X], views[V_SI + X], views[V_S + W],
-            views[V_H + W], views[V_SI + W], b_lp, ops.ST[x_dtype], ops.ST[w_dtype], ops.ST[out_dtype], fast_accum,
-            need_dgrad, rms)
+            views[V_H + W], views[V_SI + W], b_lp, st[x_dtype], st[w_dtype], st[out_dtype], fast_accum, need_dgrad,
+            rms)
         if w8t is None:
             w8t = w8t_new
             if store is not None:
