@@ -186,7 +186,7 @@ extern "C" int fp8ops_amax_update_many_cuda(const fp8ops_amax_update_job* jobs, 
     FP8OPS_REQUIRE(in->n <= (int64_t)INT32_MAX * 32, "amax_update_many: too many tensors in one "
                    "job (n=%lld)", (long long)in->n);
     FP8OPS_REQUIRE(in->margin == in->margin && in->margin > -1e6f && in->margin < 1e6f,
-                   "amax_update_many: margin must be a finite number, found %g",
+                   "amax_update_many: margin must be a number in (-1e6, 1e6), found %g",
                    (double)in->margin);
   }
   for (int64_t first = 0; first < count; first += AU_MANY) {

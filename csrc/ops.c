@@ -129,12 +129,22 @@ static int require_contiguous(const char* op, const char* arg, const tinfo* t) {
   return FP8OPS_OK;
 }
 
+/* "cpu" or "cuda:0" (the shim gives a CPU tensor the index -1) */
+static void device_str(const tinfo* t, char* buf, size_t n) {
+  if (t->dev_type == aoti_torch_device_type_cuda())
+    snprintf(buf, n, "cuda:%d", (int)t->dev_index);
+  else
+    snprintf(buf, n, "%s", device_name(t->dev_type));
+}
+
 static int require_same_device(const char* op, const char* arg, const tinfo* t,
                                const char* ref_arg, const tinfo* ref) {
+  char d1[32], d2[32];
+  device_str(t, d1, sizeof d1);
+  device_str(ref, d2, sizeof d2);
   FP8OPS_REQUIRE(t->dev_type == ref->dev_type && t->dev_index == ref->dev_index,
-                 "%s: %s is on %s:%d but %s is on %s:%d; expected all tensors on one device", op,
-                 arg, device_name(t->dev_type), (int)t->dev_index, ref_arg,
-                 device_name(ref->dev_type), (int)ref->dev_index);
+                 "%s: %s is on %s but %s is on %s; expected all tensors on one device (move %s "
+                 "to %s)", op, arg, d1, ref_arg, d2, arg, d2);
   return FP8OPS_OK;
 }
 
@@ -189,9 +199,11 @@ static int new_tensor(const char* op, int64_t ndim, const int64_t* sizes, int32_
   for (int64_t i = 0; i < ndim; ++i) shape.sizes[i] = sizes[i];
   char sh[96];
   shape_str(&shape, sh, sizeof sh);
-  return fp8ops_set_error(FP8OPS_ERR_NOMEM, "%s: could not allocate a %s %s output on %s:%d "
+  char dev[32];
+  device_str(like, dev, sizeof dev);
+  return fp8ops_set_error(FP8OPS_ERR_NOMEM, "%s: could not allocate a %s %s output on %s "
                           "(torch's message is on stderr: out of memory?)", op, sh, dtype_name(dtype),
-                          device_name(like->dev_type), (int)like->dev_index);
+                          dev);
 }
 
 /* *rows = the product of t's leading dims (all but the last), which a zero last dim lets be
@@ -420,7 +432,8 @@ static int run_amax_update(AtenTensorHandle hh, AtenTensorHandle hs, AtenTensorH
   FP8OPS_REQUIRE(algo == 0 || algo == 1, "%s: algo must be 0 (max) or 1 (most_recent), "
                  "found %lld", op, (long long)algo);
   FP8OPS_REQUIRE(margin == margin && margin > -1e6 && margin < 1e6,
-                 "%s: margin must be a finite number, found %g", op, margin);
+                 "%s: margin must be a number in (-1e6, 1e6) (scale = fp8_max / amax / 2^margin), "
+                 "found %g", op, margin);
   FP8OPS_TRY(describe(op, "overflow_count", ho, &o));
   int64_t* counts = NULL;
   if (o.numel > 0) {
@@ -720,11 +733,12 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
     const char* names[2] = {"ln_weight", "ln_bias"};
     for (int i = 0; i < 2; ++i) {
       if (pp[i]->numel == 0 && K > 0) continue; /* none: ones / zeros */
+      shape_str(pp[i], sh2, sizeof sh2);
       FP8OPS_REQUIRE(pp[i]->ndim == 1 && pp[i]->numel == K &&
                      pp[i]->dtype == aoti_torch_dtype_float32(),
                      "%s: %s must be float32 [K] = [%lld] (the LayerNorm's, as float32) or "
-                     "empty (none), found %s with %lld elements", op, names[i], (long long)K,
-                     dtype_name(pp[i]->dtype), (long long)pp[i]->numel);
+                     "empty (none), found %s %s", op, names[i], (long long)K,
+                     dtype_name(pp[i]->dtype), sh2);
       FP8OPS_TRY(require_contiguous(op, names[i], pp[i]));
       FP8OPS_TRY(require_same_device(op, names[i], pp[i], "x", &x));
     }
@@ -1057,11 +1071,13 @@ static int run_layernorm_bwd(AtenTensorHandle in[5], bool rms, AtenTensorHandle 
   const int64_t lens[3] = {M, M, K};
   for (int i = 0; i < 3; ++i) {
     if (i == 2 && w.numel == 0) continue; /* no weight: ones */
+    char sh[96];
+    shape_str(vv[i], sh, sizeof sh);
     FP8OPS_REQUIRE(vv[i]->ndim == 1 && vv[i]->numel == lens[i] &&
                    vv[i]->dtype == aoti_torch_dtype_float32(),
-                   "%s: %s must be float32 [%lld]%s, found %s with %lld elements", op, names[i],
+                   "%s: %s must be float32 [%lld]%s, found %s %s", op, names[i],
                    (long long)lens[i], i == 2 ? " or empty (none)" : "",
-                   dtype_name(vv[i]->dtype), (long long)vv[i]->numel);
+                   dtype_name(vv[i]->dtype), sh);
     FP8OPS_TRY(require_contiguous(op, names[i], vv[i]));
     FP8OPS_TRY(require_same_device(op, names[i], vv[i], "x", &x));
   }

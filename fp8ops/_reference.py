@@ -16,12 +16,12 @@ def cast_ref(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, trans
     for d in x.shape[:-1]:
         rows *= d
     out_t = out.reshape(rows, cols).t().contiguous() if transpose else out.new_empty((0,))
-    amax = x.float().abs().amax() if x.numel() else torch.zeros((), device=x.device)
+    amax = x.float().abs().amax() if x.numel() else torch.zeros((), device=x.device, dtype=torch.float32)
     return out, out_t, amax
 
 
 def amax_ref(x: torch.Tensor) -> torch.Tensor:
-    return x.float().abs().amax() if x.numel() else torch.zeros((), device=x.device)
+    return x.float().abs().amax() if x.numel() else torch.zeros((), device=x.device, dtype=torch.float32)
 
 
 def amax_update_ref(amax_history, scale, scale_inv, fp8_max, margin: float = 0.0, algo: str = "max"):

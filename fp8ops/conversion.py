@@ -125,8 +125,13 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
             else:
                 Fp8Linear.from_linear(mod, config)
 
+    kept_config: list[str] = []  # layers converted before with another config, which they keep
+
     def _decide(name: str, mod: nn.Module) -> tuple[str, str]:
         if isinstance(mod, Fp8Linear):
+            if mod.fp8_config != config:
+                kept_config.append(name)
+                return "fp8ops", f"already converted (keeps its config {mod.fp8_config.short_str()})"
             return "fp8ops", "already converted"
         reason = _layer_reason(mod)
         if reason is None and module_filter_fn is not None and not module_filter_fn(mod, name):
@@ -135,6 +140,11 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
 
     for name, mod in linears:
         convert_one(name, mod)
+    if kept_config:
+        warnings.warn(f"fp8ops.convert: {len(kept_config)} layer(s) ({', '.join(kept_config[:3])}"
+                      f"{', ...' if len(kept_config) > 3 else ''}) were already converted with another config, "
+                      f"which they keep; this call's {config.short_str()} does not apply to them. Convert the "
+                      "original nn.Linear model to change the config", stacklevel=2)
     if isinstance(model, nn.Linear):  # a root-level layer (converted in place): nothing to fuse
         _store(model, decisions)
         return model

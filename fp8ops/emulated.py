@@ -17,7 +17,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import ops
-from .linear import G, V_H, V_S, V_SI, W, X, _current_scale, _overflow, _scaled_grad_output
+from .linear import (G, V_H, V_S, V_SI, W, X, _check_scales_unchanged, _current_scale, _keep_context, _overflow,
+                     _scaled_grad_output)
 
 
 def mm_dequant(a8: torch.Tensor, b8: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -59,10 +60,7 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
             # another micro-batch's forward may rescale x before this backward runs
             sx_inv = sx_inv.clone()
         ctx.save_for_backward(x8 if need_wgrad else None, w8, sx_inv)
-        ctx.views, ctx.static = views, static
-        ctx.w_dtype = weight.dtype
-        ctx.b_dtype = None if bias is None else bias.dtype
-        ctx.x2_dtype = x2.dtype
+        _keep_context(ctx, views, static, weight, bias, x2)
         # A view, not the product tensor itself: returned directly, torch.compile (2.11)
         # traced this backward with a zero gradient (test_e5m2_compiled_matches_eager_cpu).
         return y.to(out_dtype).view(y.shape)
@@ -70,6 +68,7 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # as linear._Fp8LinearFn's
     def backward(ctx, gy):
+        _check_scales_unchanged(ctx)
         x8, w8, sx_inv = ctx.saved_tensors
         x_dtype, w_dtype, g_dtype, out_dtype, _fast, current, margin, need_wgrad, need_dgrad, delayed, *_gelu = \
             ctx.static

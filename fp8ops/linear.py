@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
+import weakref
 
 import torch
 import torch.nn as nn
@@ -97,12 +98,13 @@ _BASE_APPLY: dict = {}
 
 
 def _apply(fn_cls, compiling: bool, *args):
-    """fn_cls.apply(*args). In eager code with no functorch transform active,
+    """fn_cls.apply(*args). In eager code (where no functorch transform is active:
+    Fp8Linear.forward sends those calls down the plain path),
     autograd.Function.apply's Python wrapper only unwraps functorch's dead
     wrappers (none exist then) and calls the C apply: that is called directly
     (a few us per call on the hot path of small layers). torch.compile traces
     the real apply."""
-    if compiling or torch._C._are_functorch_transforms_active():
+    if compiling:
         return fn_cls.apply(*args)
     base = _BASE_APPLY.get(fn_cls)
     if base is None:
@@ -206,6 +208,7 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     @_once_differentiable  # a second derivative through FP8 casts is not computed: raise, never 0
     def backward(ctx, gy):
+        _check_scales_unchanged(ctx)  # (before the saved tensors: their check would raise less clearly)
         x8t, w8t, sx_inv, h, y = ctx.saved_tensors
         need_dx = ctx.static[8] and ctx.needs_input_grad[0]
         need_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
@@ -225,6 +228,22 @@ def _keep_context(ctx, views, static, weight, bias, x2) -> None:
     ctx.w_dtype = weight.dtype
     ctx.b_dtype = None if bias is None else bias.dtype
     ctx.x2_dtype = x2.dtype
+    # the scales' generation: a scale update (update_scales) or a state load between this
+    # forward and its backward bumps it (eager only: compiled code keeps no Python context)
+    ctx.si_version = None if torch.compiler.is_compiling() else views[V_BUFFERS + 2]._version
+
+
+def _check_scales_unchanged(ctx) -> None:
+    """Backward pairs the FP8 tensors cast in forward with the layer's live
+    scale_inv: after a scale update in between, that would silently give wrong
+    gradients. nn.Linear raises when an optimizer step changed its weight between
+    forward and backward; so does this."""
+    if ctx.si_version is not None and ctx.views[V_BUFFERS + 2]._version != ctx.si_version:
+        raise RuntimeError(
+            "Fp8Linear backward: this layer's FP8 scales changed between its forward and this backward (an "
+            "optimizer step or fp8ops.step updated them, or a state was loaded), so the FP8 tensors saved in "
+            "forward no longer match them. Run backward before the optimizer step, as nn.Linear requires of "
+            "its weight (it raises 'modified by an inplace operation' there)")
 
 
 def _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_dx: bool, wants_dw: bool, need_db: bool):
@@ -281,6 +300,7 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
     @_once_differentiable  # a second derivative through FP8 casts is not computed: raise, never 0
     def backward(ctx, gy):
+        _check_scales_unchanged(ctx)  # (before the saved tensors: their check would raise less clearly)
         x8t, w8t, sx_inv, x2, mean, rstd, ln_w, ln_b, lw, y = ctx.saved_tensors
         need = ctx.needs_input_grad
         need_ln = need[0] or need[1] or need[2]
@@ -384,11 +404,13 @@ class Fp8Linear(nn.Linear):
         dev = self.weight.device
         x_dt, w_dt, g_dt = self.fp8_dtypes = config.dtypes()
         H = config.amax_history_len if config.recipe == "delayed" else 1
-        self.register_buffer("fp8_amax_history", torch.zeros(H, 3, device=dev), persistent=False)
-        self.register_buffer("fp8_scale", torch.ones(3, device=dev), persistent=False)
-        self.register_buffer("fp8_scale_inv", _padded(torch.ones(3, device=dev)), persistent=False)
-        self.register_buffer("fp8_max", torch.tensor([FP8_MAX[x_dt], FP8_MAX[w_dt], FP8_MAX[g_dt]], device=dev),
-                             persistent=False)
+        # fp32 whatever torch.set_default_dtype says: the C ops take fp32 scaling state only
+        f32 = torch.float32
+        self.register_buffer("fp8_amax_history", torch.zeros(H, 3, device=dev, dtype=f32), persistent=False)
+        self.register_buffer("fp8_scale", torch.ones(3, device=dev, dtype=f32), persistent=False)
+        self.register_buffer("fp8_scale_inv", _padded(torch.ones(3, device=dev, dtype=f32)), persistent=False)
+        self.register_buffer("fp8_max", torch.tensor([FP8_MAX[x_dt], FP8_MAX[w_dt], FP8_MAX[g_dt]], device=dev,
+                                                     dtype=f32), persistent=False)
         # per tensor (input, weight, grad_output): amaxes that were NaN/inf (the scale was kept)
         self.register_buffer("fp8_overflow_count", torch.zeros(3, dtype=torch.int64, device=dev), persistent=False)
         self.fp8_step = 0               # optimizer steps seen
@@ -396,7 +418,7 @@ class Fp8Linear(nn.Linear):
         # delayed: False until the first scale update; until then every cast uses its tensor's
         # current scale (rank-local: no collective outside the step's one all-reduce)
         self._fp8_delayed_ready = False
-        self._w_cache = None            # (key, w8, w8t, bias in the GEMM's bias dtype)
+        self._w_cache = None            # (key, w8, w8t, bias in the GEMM's bias dtype, weakrefs to weight, bias)
         self._fp8_cast_since_update = False  # update_scales skips layers that cast nothing
         # no cast and no load since the scaling state was made: the history is all 0 and the
         # scales 1, so a scale update would change nothing (update_scales skips it, one process)
@@ -486,8 +508,11 @@ class Fp8Linear(nn.Linear):
         key = None if not cacheable else (w._version, w.data_ptr(), None if b is None else b._version,
                                           self.fp8_step, compute_dtype)
         cache = self._w_cache
-        # (a cast made with the transpose also serves a call that needs none)
-        if key is not None and cache is not None and cache[0] == key and (cache[2] is not None or not need_t):
+        # (a cast made with the transpose also serves a call that needs none; the weak
+        # references: a new tensor that lands on a freed weight's memory with version 0, as
+        # functional_call's fast weights or a parametrization's output can, is another weight)
+        if key is not None and cache is not None and cache[0] == key and (cache[2] is not None or not need_t) \
+                and cache[4]() is w and (b is None or cache[5]() is b):
             return cache[1], (cache[2] if need_t else None), cache[3], None
         cfg = self.fp8_config
         w_hp = w.detach()
@@ -504,7 +529,8 @@ class Fp8Linear(nn.Linear):
 
             def store(w8, w8t):
                 # (without need_t the op returns an empty w8t: kept as None, "not made")
-                d["_w_cache"] = (key, w8, w8t if need_t else None, b_lp)  # not Module.__setattr__: hot path
+                d["_w_cache"] = (key, w8, w8t if need_t else None, b_lp, weakref.ref(w),  # not Module.__setattr__
+                                 None if b is None else weakref.ref(b))
         return w_hp, None, b_lp, store
 
     def _fp8_views(self, compiling: bool) -> tuple:
@@ -540,7 +566,7 @@ class Fp8Linear(nn.Linear):
             bufs["fp8_amax_history"].zero_()
             bufs["fp8_scale"].fill_(1.0)
             bufs["fp8_scale_inv"].fill_(1.0)
-            bufs["fp8_max"].copy_(torch.tensor([FP8_MAX[dt] for dt in self.fp8_dtypes]))
+            bufs["fp8_max"].copy_(torch.tensor([FP8_MAX[dt] for dt in self.fp8_dtypes], dtype=torch.float32))
             bufs["fp8_overflow_count"].zero_()
         d = self.__dict__
         d["fp8_step"] = 0
@@ -662,12 +688,19 @@ class Fp8Linear(nn.Linear):
         from .scaling import track  # noqa: PLC0415 -- scaling imports this module
         track(self)
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The load writes the weight in place. Under FSDP2 it writes the sharded
         # parameter, which moves neither the version counter nor the storage of
         # the unsharded weight the cache key reads: drop the cached cast here.
         self._w_cache = None
-        super()._load_from_state_dict(*args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if prefix + "weight" in state_dict:
+            # other weights (the best checkpoint, a rollback): the amaxes and scales of the old
+            # ones mean nothing for them, and delayed scaling would cast with those for up to
+            # amax_history_len steps. The layer scales as if converted after the load: its
+            # first casts use current scales. (load_scaling_state_dict after this restores a
+            # saved scaling state, as a resume does)
+            self._reset_fp8_state()
 
     # ----------------------------------------------------------------- forward
 
@@ -685,7 +718,11 @@ class Fp8Linear(nn.Linear):
             if bf16_key == (x.shape, x.dtype, x.device, ac):
                 d["fp8_fallback_calls"] += 1
                 return self._plain_forward(x)
-        if (not x.is_cuda and not d["fp8_on_cpu"]) or x.numel() == 0:
+        if (not isinstance(x, torch.Tensor) or x.dtype not in ops.HP_DTYPES or (not x.is_cuda and not d["fp8_on_cpu"])
+                or x.numel() == 0 or (not compiling and torch._C._are_functorch_transforms_active())):
+            # (what nn.Linear does with it: an integer, bool, complex, float64 or FP8 input, or a
+            # list, raises torch's error or runs under the caller's autocast; torch.func
+            # transforms see the plain computation, which they can differentiate and batch)
             if not compiling:  # an int read in compiled code is a guard: one recompile per call
                 d["fp8_fallback_calls"] += 1
             return self._plain_forward(x)
@@ -709,7 +746,7 @@ class Fp8Linear(nn.Linear):
         if torch.is_autocast_enabled("cuda"):
             cdtype = torch.get_autocast_dtype("cuda")
         else:
-            cdtype = x.dtype if x.dtype in ops.HP_DTYPES else torch.float32
+            cdtype = x.dtype
         x2 = x if x.dim() == 2 and not compiling else x.reshape(-1, width)  # (eager: no view to make)
         cfg = d["fp8_config"]
         if x2.shape[0] % 16 != 0 and x.is_cuda:
@@ -734,8 +771,6 @@ class Fp8Linear(nn.Linear):
             # (policy.measure's throwaway layer, which tune_policy's forward may create, must run
             # FP8: timed on the plain path, FP8 would measure as fast as BF16 and lose every verdict)
             return self._plain_forward(x)
-        if x2.dtype not in ops.HP_DTYPES:
-            x2 = x2.to(cdtype)
         # an fp32 input (LayerNorm under autocast) is cast to fp8 directly: no
         # extra pass through bf16; its gradient comes back in fp32 as well
         x2 = x2.contiguous()

@@ -208,7 +208,9 @@ def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
     dev = layer.weight.device
     gelu, swiglu = layer.fp8_gelu_input, layer.fp8_swiglu_input
     k = key(dev, M, layer.in_features, layer.out_features, cdtype, layer.bias is not None, gelu, swiglu)
-    with _lock:
+    # (the first forward may come under inference_mode, e.g. a validation sanity check:
+    # the timing layers and tensors below must be ordinary ones, which autograd takes)
+    with _lock, torch.inference_mode(False):
         hit = _load().get(k)
         if hit is not None:
             return hit

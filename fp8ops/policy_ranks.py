@@ -64,7 +64,7 @@ def flag(layers) -> float:
 def reduce_flag(layers, group, value: float):
     """The flag max-reduced over the ranks, for a step without an amax all-reduce
     to carry it (a one-element tensor on the layers' device)."""
-    t = torch.full((1,), value, device=layers[0].fp8_amax_history.device)
+    t = torch.full((1,), value, device=layers[0].fp8_amax_history.device, dtype=torch.float32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
 

@@ -81,7 +81,7 @@ def _reduce_amax(layers: list[Fp8Linear], group=None, flag: float | None = None)
     layers' device (None without one). Only with ranks."""
     rows = [layer.fp8_amax_history[0] for layer in layers]
     if flag is not None:
-        rows.append(torch.full((1,), flag, device=rows[0].device))
+        rows.append(torch.full((1,), flag, device=rows[0].device, dtype=torch.float32))
     flat = torch.cat(rows)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
     parts = list(flat.split([r.numel() for r in rows]))
@@ -198,6 +198,9 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
                float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo], bufs["fp8_overflow_count"])
     for device, jobs in fast.items():
         core.amax_update_many(device, jobs)
+    # the C kernels write the scales through raw pointers: tell autograd's version counters, which
+    # a backward still to come of an earlier forward checks (linear._check_scales_unchanged)
+    torch._C._increment_version(tuple(layer._buffers["fp8_scale_inv"] for layer in layers))
 
 
 def step(model: torch.nn.Module) -> None:
@@ -255,18 +258,36 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
     fp8ops that keyed a compiled or DDP-wrapped model by its wrapper's names).
     Layers without a state, or whose saved history length, recipe or FP8 format
     differ from theirs (the scales of one format mean nothing in another), keep
-    their fresh state; returns the names that were not restored (raises instead
-    when strict)."""
-    skipped = []
+    their fresh state; returns the names that were not restored (raises instead,
+    loading nothing, when strict; strict also refuses states of layers the model
+    does not have)."""
+    skipped, matched, loads = [], set(), []
     bare = {_bare_name(k): v for k, v in state.items()}
     for name, m in _unwrapped(model).named_modules():
         if not isinstance(m, Fp8Linear):
             continue
         s = state.get(name, bare.get(name))
+        if s is not None:
+            matched.add(name)
         if (s is None or s["amax_history"].shape != m.fp8_amax_history.shape
                 or ("config" in s and _recipe_and_format(s["config"]) != _recipe_and_format(m.fp8_config.short_str()))):
             skipped.append(name)
             continue
+        for what in ("scale", "scale_inv"):
+            if tuple(s[what].shape) != tuple(m._buffers["fp8_" + what].shape):
+                raise ValueError(f"load_scaling_state_dict: {name}'s saved {what} has shape {tuple(s[what].shape)}, "
+                                 f"expected {tuple(m._buffers['fp8_' + what].shape)} (one per input, weight and "
+                                 "gradient); the state is not from scaling_state_dict of this fp8ops. Nothing was "
+                                 "loaded")
+        loads.append((m, s))
+    unknown = sorted(k for k in bare if k not in matched)
+    if strict and (skipped or unknown):
+        what = ([f"no compatible state for {skipped} (missing, or saved with another amax history length, "
+                 "recipe or FP8 format)"] if skipped else []) + \
+               ([f"states for layers this model does not have: {unknown}"] if unknown else [])
+        raise KeyError(f"load_scaling_state_dict: {'; '.join(what)}. Nothing was loaded; pass strict=False to "
+                       "load what fits and start the other layers' scaling afresh")
+    for m, s in loads:  # (all checked first: a bad entry leaves the model as it was)
         with torch.no_grad():
             m.fp8_amax_history.copy_(s["amax_history"])
             m.fp8_scale.copy_(s["scale"])
@@ -275,8 +296,4 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
         m._fp8_delayed_ready = bool(s.get("primed", True))
         m._w_cache = None  # the cached weight cast was made with the old weight scale
         m._fp8_pristine = False  # its history is the loaded one
-    if strict and skipped:
-        raise KeyError(f"load_scaling_state_dict: no compatible state for {skipped} (missing, or saved with "
-                       "another amax history length, recipe or FP8 format); pass strict=False to start those "
-                       "layers' scaling afresh")
     return skipped

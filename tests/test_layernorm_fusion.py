@@ -388,8 +388,10 @@ def test_layernorm_bwd_checks_its_arguments(device):
     dy, x, mean, rstd, gamma = _ln_bwd_inputs(32, 64, torch.float32, device)
     with pytest.raises(RuntimeError, match=r"dy must have x's dtype float32, found bfloat16; convert it"):
         ops.layernorm_bwd(dy.bfloat16(), x, mean, rstd, gamma)
-    with pytest.raises(RuntimeError, match=r"mean must be float32 \[32\], found float32 with 31 elements"):
+    with pytest.raises(RuntimeError, match=r"mean must be float32 \[32\], found float32 \[31\]"):
         ops.layernorm_bwd(dy, x, mean[:31], rstd, gamma)
+    with pytest.raises(RuntimeError, match=r"rstd must be float32 \[32\], found float32 \[1, 32\]"):
+        ops.layernorm_bwd(dy, x, mean, rstd.reshape(1, 32), gamma)
     with pytest.raises(RuntimeError, match=r"weight must be float32 \[64\] or empty \(none\), found bfloat16"):
         ops.layernorm_bwd(dy, x, mean, rstd, gamma.bfloat16())
     with pytest.raises(RuntimeError, match=r"dy \[32, 32\] must have x's shape \[32, 64\]"):

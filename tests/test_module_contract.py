@@ -7,6 +7,7 @@ import copy
 import functools
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -349,3 +350,136 @@ def test_a_layer_that_never_cast_skips_its_scale_update_and_ends_as_if_updated(m
     fresh = convert_as_on_fp8_gpu(_mlp(), monkeypatch, amax_history_len=4)
     fp8ops.load_scaling_state_dict(fresh, fp8ops.scaling_state_dict(model))
     assert not fresh[2]._fp8_pristine
+
+
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float64])
+def test_a_model_built_under_another_default_dtype_trains(monkeypatch, default):
+    """torch.set_default_dtype(bf16) before building the model: the scaling state stays
+    fp32 (the C ops take nothing else), and the layer trains."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        model = convert_as_on_fp8_gpu(_mlp().float(), monkeypatch)   # the scaling state made here
+    finally:
+        torch.set_default_dtype(old)
+    _train(model, steps=2)
+    bufs = dict(model[0].named_buffers())
+    assert all(bufs[n].dtype == torch.float32 for n in ("fp8_amax_history", "fp8_scale", "fp8_scale_inv",
+                                                         "fp8_max")), {n: b.dtype for n, b in bufs.items()}
+    assert model[0].fp8_step == 2 and model[0].fp8_scale[X] != 1
+
+
+def test_fast_weights_at_a_freed_weights_address_are_cast_afresh(monkeypatch):
+    """functional_call with new weight tensors each call (MAML-style fast weights): a new
+    tensor may land on the freed memory of the last one, with version 0 as well; the
+    cached cast of the old one must not be used for it."""
+    from torch.func import functional_call
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    x = torch.randn(16, 32)
+    w = {k: v.detach().clone() for k, v in model.named_parameters()}
+    for i in range(6):
+        params = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+        y = functional_call(model, params, (x,))
+        fresh = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+        assert torch.equal(y, functional_call(fresh, params, (x,))), i
+        w = {k: v * 1.5 for k, v in w.items()}
+        del params, y
+
+
+@pytest.mark.parametrize("x", [torch.ones(16, 32, dtype=torch.int64), torch.ones(16, 32, dtype=torch.bool),
+                               torch.randn(16, 32, dtype=torch.complex64), torch.randn(16, 32).to(torch.float8_e4m3fn),
+                               torch.randn(16, 32, dtype=torch.float64), [[1.0] * 32] * 16],
+                         ids=["int64", "bool", "complex64", "float8", "float64", "list"])
+def test_an_input_nn_linear_refuses_is_refused_alike(monkeypatch, x):
+    """What nn.Linear does with an input of another dtype (or no tensor) is what the
+    converted layer does: torch's own error, not a silent FP8 computation."""
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    with pytest.raises((RuntimeError, TypeError)) as ref:
+        _mlp()(x)
+    with pytest.raises(type(ref.value), match=str(ref.value).split(",")[0][:40].replace("(", r"\(").replace(")", r"\)")):
+        model(x)
+    assert not model[0].fp8_amax_history.any()
+
+
+def test_torch_func_transforms_take_the_plain_path(monkeypatch):
+    """torch.func.grad over a converted model (per-sample gradients): the layers run
+    the nn.Linear computation, counted as fallback calls, with nn.Linear's gradients."""
+    from torch.func import functional_call, grad
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    ref = _mlp()
+    x = torch.randn(16, 32)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(m):
+        return lambda p: functional_call(m, p, (x,)).square().mean()
+
+    got, want = grad(loss(model))(params), grad(loss(ref))(params)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    assert model[0].fp8_fallback_calls == 1 and not model[0].fp8_amax_history.any()
+
+
+def test_converting_again_with_another_config_warns_that_it_is_kept(monkeypatch):
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_as_on_fp8_gpu(model, monkeypatch)                       # the same config: silent
+    with pytest.warns(UserWarning, match=r"2 layer\(s\) \(0, 2\) were already converted with another config"):
+        convert_as_on_fp8_gpu(model, monkeypatch, recipe="current")
+    assert model[0].fp8_config.recipe == "delayed"
+    assert "keeps its config delayed" in fp8ops.report(model, print_table=False)[0]["reason"]
+
+
+def test_a_strict_scaling_state_load_checks_everything_before_loading_anything(monkeypatch):
+    src = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    _train(src)
+    state = fp8ops.scaling_state_dict(src)
+    dst = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    with pytest.raises(KeyError, match=r"layers this model does not have: \['extra'\]. Nothing was loaded"):
+        fp8ops.load_scaling_state_dict(dst, {**state, "extra": state["0"]}, strict=True)
+    bad = {"0": state["0"], "2": {**state["2"], "scale": torch.ones(5)}}
+    with pytest.raises(ValueError, match=r"2's saved scale has shape \(5,\), expected \(3,\)"):
+        fp8ops.load_scaling_state_dict(dst, bad)
+    assert dst[0].fp8_scale.tolist() == [1.0, 1.0, 1.0] and dst[0].fp8_step == 0    # "0" was not loaded either
+    assert fp8ops.load_scaling_state_dict(dst, {**state, "extra": state["0"]}) == []  # not strict: what fits
+    assert torch.equal(dst[2].fp8_scale, src[2].fp8_scale)
+
+
+def test_loading_weights_into_a_trained_model_scales_them_as_a_fresh_conversion(monkeypatch):
+    """load_state_dict into a converted model that has trained (the best checkpoint, a
+    rollback): the old weights' scales would saturate or waste the new weights' range
+    for up to amax_history_len steps; the layer starts its scaling afresh instead, and a
+    scaling state loaded after that is restored (a resume)."""
+    trained = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    _train(trained)
+    other = _mlp(seed=5)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(8)                                                   # other weights, 8x larger
+    sd = other.state_dict()
+    trained.load_state_dict(sd)
+    fresh = convert_as_on_fp8_gpu(copy.deepcopy(other), monkeypatch)
+    x = torch.randn(16, 32)
+    assert torch.equal(trained(x), fresh(x))
+    assert trained[0].fp8_step == 0 and torch.equal(trained[0].fp8_scale, fresh[0].fp8_scale)
+    state = fp8ops.scaling_state_dict(fresh)
+    _train(fresh)
+    fp8ops.load_scaling_state_dict(fresh, fp8ops.scaling_state_dict(trained))   # resume: after the weights
+    assert torch.equal(fresh[0].fp8_amax_history, trained[0].fp8_amax_history) and state
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_an_optimizer_step_between_forward_and_backward_raises(monkeypatch, recipe):
+    """The FP8 tensors saved in forward pair with the scales of that forward; an update in
+    between would give wrong gradients silently (the kernels write the scales through raw
+    pointers). nn.Linear raises there (its weight changed); so does Fp8Linear."""
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, recipe=recipe)
+    opt = _train(model, steps=2)
+    x = torch.randn(16, 32)
+    loss = model(x).square().mean()
+    opt.step()
+    with pytest.raises(RuntimeError, match="scales changed between its forward and this backward"):
+        loss.backward()
+    model(x).square().mean().backward()                                 # the usual order still works
+    opt.step()
+    assert model[0].fp8_step == 4

@@ -243,6 +243,26 @@ def test_measure_times_both_ways(fresh_policy):
 @requires_fp8
 @pytest.mark.gpu
 @pytest.mark.fp8
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_first_forward_under_inference_mode_measures(fresh_policy, mode):
+    """A model's first forward may be an evaluation under inference_mode (Lightning's
+    sanity check): the policy's timing, which runs a backward, must still work, and
+    the layer then trains."""
+    torch.manual_seed(0)
+    layer = fp8ops.convert(torch.nn.Sequential(torch.nn.Linear(1024, 1024)).cuda())[0]
+    x = torch.randn(2048, 1024, device="cuda")
+    with getattr(torch, mode)(), torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.shape == (2048, 1024) and torch.isfinite(y).all()
+    assert policy.cached(policy.key(layer.weight.device, 2048, 1024, 1024, torch.bfloat16, True)) is not None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        layer(x).float().square().mean().backward()
+    assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
+
+
+@requires_fp8
+@pytest.mark.gpu
+@pytest.mark.fp8
 @pytest.mark.parametrize("shape, gpu_bound", [((8192, 4096, 4096), True), ((64, 128, 256), False)])
 def test_trial_in_a_real_loop(fresh_policy, monkeypatch, shape, gpu_bound):
     """Both layers are said (mocked) to be faster in FP8 on the GPU only. The
