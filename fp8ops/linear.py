@@ -766,6 +766,10 @@ class Fp8Linear(nn.Linear):
                 return self._plain_forward(x)
             ac = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
             d["_fp8_bf16_key"] = (x.shape, x.dtype, x.device, ac)
+            if not d["_fp8_pending"] and not any(wins for wins, _ in d["fp8_policy"].values()):
+                # BF16 for every shape it met: the trial's last FP8 weight cast (the weight's size
+                # again in FP8, twice) would stay allocated until the next FP8 call, i.e. forever
+                d["_w_cache"] = None
             return self._plain_forward(x)
         if _POLICY_ONLY and not d["fp8_policy_measuring"]:
             # (policy.measure's throwaway layer, which tune_policy's forward may create, must run
