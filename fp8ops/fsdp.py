@@ -102,7 +102,8 @@ class _Fp8MasterWeight(torch.Tensor):
             group = mesh.get_group()
             _current_scale(src, views, W, cfg.margin, overflow=_overflow(views, delayed), keep_history=delayed,
                            reduce=lambda a: dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group))
-        d["_fp8_cast_since_update"] = True
+        if not d["_fp8_cast_since_update"]:
+            d["_fp8_cast_since_update"] = True
         out = None
         if rows:
             out, _ = ops.cast_accumulate(src, views[V_S + W], views[V_H + W], w_dt, False)

@@ -59,6 +59,25 @@ _COPIES = itertools.count(1)
 _POLICY_ONLY = False
 
 
+# _fp8_trace_key of the layers whose FP8 forward torch.compile traced: compiled code casts at
+# every call, and update_scales reads this where eager code sets _fp8_cast_since_update
+_TRACED_CASTS: set = set()
+
+
+def _cast_traced(key: str) -> bool:
+    """Run by dynamo while it traces a layer's FP8 forward, not by the compiled
+    code: a side effect of the graph (the flag eager code sets) would make
+    dynamo break the graph inside an activation-checkpointed region, at every
+    layer."""
+    _TRACED_CASTS.add(key)
+    return True
+
+
+# what torch.compiler.assume_constant_result does (dynamo calls the function once while
+# tracing and keeps its result), without importing dynamo (a second) at import time
+_cast_traced._dynamo_marked_constant = True
+
+
 def _padded(scale_inv: torch.Tensor) -> torch.Tensor:
     """scale_inv [3] as a view with stride 4 into fresh storage: every entry
     16-byte aligned, which cuBLASLt wants of the GEMMs' scale pointers (an
@@ -238,12 +257,15 @@ def _check_scales_unchanged(ctx) -> None:
     scale_inv: after a scale update in between, that would silently give wrong
     gradients. nn.Linear raises when an optimizer step changed its weight between
     forward and backward; so does this."""
-    if ctx.si_version is not None and ctx.views[V_BUFFERS + 2]._version != ctx.si_version:
+    # (not under compiled autograd: a version read there breaks its graph at every layer)
+    if ctx.si_version is not None and not torch.compiler.is_compiling() \
+            and ctx.views[V_BUFFERS + 2]._version != ctx.si_version:
         raise RuntimeError(
             "Fp8Linear backward: this layer's FP8 scales changed between its forward and this backward (an "
-            "optimizer step or fp8ops.step updated them, or a state was loaded), so the FP8 tensors saved in "
-            "forward no longer match them. Run backward before the optimizer step, as nn.Linear requires of "
-            "its weight (it raises 'modified by an inplace operation' there)")
+            "optimizer step or fp8ops.step updated them, a state was loaded, or DDP's broadcast_buffers copied "
+            "rank 0's: see fp8ops.exclude_from_ddp_broadcast), so the FP8 tensors saved in forward no longer "
+            "match them. Run backward before the optimizer step, as nn.Linear requires of its weight (it raises "
+            "'modified by an inplace operation' there)")
 
 
 def _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_dx: bool, wants_dw: bool, need_db: bool):
@@ -401,6 +423,7 @@ class Fp8Linear(nn.Linear):
     def _init_fp8_state(self, config: Fp8Config) -> None:
         self.fp8_config = config
         self._fp8_serial, self._fp8_copy = next(_SERIAL), 0
+        self._fp8_trace_key = f"{self._fp8_serial}.0"  # (a str: a constant to dynamo, where ints are dynamic)
         dev = self.weight.device
         x_dt, w_dt, g_dt = self.fp8_dtypes = config.dtypes()
         H = config.amax_history_len if config.recipe == "delayed" else 1
@@ -419,7 +442,8 @@ class Fp8Linear(nn.Linear):
         # current scale (rank-local: no collective outside the step's one all-reduce)
         self._fp8_delayed_ready = False
         self._w_cache = None            # (key, w8, w8t, bias in the GEMM's bias dtype, weakrefs to weight, bias)
-        self._fp8_cast_since_update = False  # update_scales skips layers that cast nothing
+        # has cast since the last scale update; True from the update that makes it ready on
+        self._fp8_cast_since_update = False
         # no cast and no load since the scaling state was made: the history is all 0 and the
         # scales 1, so a scale update would change nothing (update_scales skips it, one process)
         self._fp8_pristine = True
@@ -574,6 +598,7 @@ class Fp8Linear(nn.Linear):
         d["_fp8_cast_since_update"] = False
         d["_fp8_pristine"] = True
         d["_w_cache"] = None
+        d["_fp8_si_version"] = None  # (written here: no broadcast, see scaling._check_not_broadcast)
 
     def _apply(self, fn, recurse=True):
         """.to() / .cuda() / .half() of the module: the scaling state keeps its
@@ -596,6 +621,7 @@ class Fp8Linear(nn.Linear):
         d = self.__dict__
         d["_w_cache"] = None
         d["_fp8_bf16_key"] = None
+        d["_fp8_si_version"] = None
         d.pop("_fp8_views_flat", None)
         if d.get("_fp8_pending"):
             from .loop_trial import forget  # noqa: PLC0415
@@ -682,6 +708,7 @@ class Fp8Linear(nn.Linear):
         state.setdefault("_fp8_pristine", False)  # (and from before the pristine skip: update it)
         state.setdefault("_fp8_serial", next(_SERIAL))
         state["_fp8_copy"] = next(_COPIES)
+        state["_fp8_trace_key"] = f"{state['_fp8_serial']}.{state['_fp8_copy']}"
         super().__setstate__(state)
         # a copy (copy.deepcopy, pickle, torch.load of a whole model) updates its scales after
         # optimizer steps as the original does
@@ -817,7 +844,10 @@ class Fp8Linear(nn.Linear):
             x2 = _normalize(ln, x2)
         rms = ln_fused and is_rms
         ln_bias = None if not ln_fused or rms else ln.bias  # (an RMSNorm has no bias attribute)
-        d["_fp8_cast_since_update"] = True
+        if compiling:
+            _cast_traced(d["_fp8_trace_key"])  # (no side effect for the graph)
+        elif not d["_fp8_cast_since_update"]:  # (once: see update_scales)
+            d["_fp8_cast_since_update"] = True
         grad = torch.is_grad_enabled()
         need_wgrad = grad and weight.requires_grad
         # (x2: after an unfused LayerNorm, whose parameters need the gradient too)

@@ -12,6 +12,7 @@ state_dict so checkpoints stay the BF16 model's).
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 
 import torch
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import _loader, ops, policy_ranks
-from .linear import Fp8Linear
+from .linear import _TRACED_CASTS, Fp8Linear
 
 # Every live Fp8Linear (weak: dead models are not kept alive). The optimizer
 # hook matches layers by the identity of their *current* weight Parameter, so
@@ -51,7 +52,14 @@ def _layers_of(optimizer) -> list[Fp8Linear]:
                                             layer.__dict__.get("_fp8_copy", 0)))
 
 
+# update_scales calls so far; each layer keeps the count at its last update (_fp8_updated_at)
+# and each optimizer the count when its step began (_fp8ops_seen): an optimizer whose step
+# runs another hooked one (SAM's base optimizer) then skips the layers the inner one updated
+_updates = 0
+
+
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    optimizer.__dict__["_fp8ops_seen"] = _updates
     # ZeroRedundancyOptimizer steps an inner optimizer that holds only this rank's shard of
     # the parameters: updating scales after it would update different layers on different
     # ranks (collectives that do not pair up: a hang). The outer one holds every parameter on
@@ -67,6 +75,10 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
     if optimizer.__dict__.get("_fp8ops_inner"):
         return
     layers = _layers_of(optimizer)
+    seen = optimizer.__dict__.get("_fp8ops_seen")
+    if seen is not None and seen != _updates:
+        # an optimizer stepped inside this one's step has updated some layers: once per step
+        layers = [layer for layer in layers if layer.__dict__.get("_fp8_updated_at", 0) <= seen]
     if layers:
         update_scales(layers)
 
@@ -111,6 +123,9 @@ def exclude_from_ddp_broadcast(model: torch.nn.Module) -> list[str]:
     (or pass DDP(broadcast_buffers=False))."""
     names = [f"{name}.{b}" if name else b
              for name, m in model.named_modules() if isinstance(m, Fp8Linear) for b in FP8_BUFFERS]
+    # DDP(torch.compile(model)): DDP finds this list through the OptimizedModule's attribute
+    # lookup, and names the buffers under its _orig_mod
+    names += ["_orig_mod." + n for n in names]
     if names:
         old = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
         # what DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets
@@ -143,6 +158,8 @@ def _fast_job(layer: Fp8Linear):
 
 def update_scales(layers: list[Fp8Linear], group=None) -> None:
     """One optimizer step has happened for these layers."""
+    global _updates
+    _updates += 1
     # Every delayed layer whose interval is due is updated, also one that cast
     # nothing since the last update (policy "auto" chose BF16 for its shape, or
     # nothing called it): its row 0 holds 0, and its history window counts
@@ -154,6 +171,8 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     # policy "auto" under DDP / FSDP2: the verdicts the ranks settled since the last step are
     # exchanged here (policy_ranks.py), flagged in the amax all-reduce where there is one
     ranks = policy_ranks.world(group) > 1
+    if ranks:
+        _check_not_broadcast(layers)
     exchange = ranks and policy_ranks.takes_part(layers)
     if exchange:
         policy_ranks.before_step(layers, group)
@@ -165,7 +184,9 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     if exchange:
         policy_ranks.send(layers, flag)
     for layer in layers:
-        layer.__dict__["fp8_step"] = layer.fp8_step + 1  # not Module.__setattr__: per layer per step
+        d = layer.__dict__
+        d["fp8_step"] = d["fp8_step"] + 1  # not Module.__setattr__: per layer per step
+        d["_fp8_updated_at"] = _updates
     # each layer: the scales of its 3 tensors, the history roll, and the count of
     # this step's NaN/inf amaxes (the scale was kept for those). CUDA layers: all
     # of a device's layers in one launch (32 per launch) through _C; others (CPU)
@@ -175,13 +196,17 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     update = torch.ops.fp8ops.amax_update.default
     for layer in due:
         d = layer.__dict__
+        if not d["_fp8_cast_since_update"] and d["_fp8_trace_key"] in _TRACED_CASTS:
+            d["_fp8_cast_since_update"] = True  # (compiled code: see linear._cast_traced)
         if d["_fp8_cast_since_update"]:
             # from now on the casts use the history's scales (a layer that has cast nothing here
             # keeps current scaling for its first cast: its history may hold no amax yet; under
             # DDP a rank that skipped the layer another rank cast does so for one cast)
             d["_fp8_delayed_ready"] = True
             d["_fp8_pristine"] = False
-        d["_fp8_cast_since_update"] = False
+        # (the flag stays True from here on: forward sets it only while it is False, so compiled
+        # code, which meets it True after the first update, traces no side effect, which an
+        # activation-checkpointed region would refuse: a graph break per layer)
         if d["_fp8_pristine"] and not ranks:
             # never cast (e.g. policy "auto" runs it BF16): its history is all 0 and its scales
             # 1, which the update would leave as they are; a layer left in BF16 should cost what
@@ -200,7 +225,36 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
         core.amax_update_many(device, jobs)
     # the C kernels write the scales through raw pointers: tell autograd's version counters, which
     # a backward still to come of an earlier forward checks (linear._check_scales_unchanged)
-    torch._C._increment_version(tuple(layer._buffers["fp8_scale_inv"] for layer in layers))
+    scale_invs = tuple(layer._buffers["fp8_scale_inv"] for layer in layers)
+    torch._C._increment_version(scale_invs)
+    if ranks:
+        for layer, si in zip(layers, scale_invs):
+            layer.__dict__["_fp8_si_version"] = si._version
+
+
+_warned_broadcast = False
+
+
+def _check_not_broadcast(layers: list[Fp8Linear]) -> None:
+    """DDP with broadcast_buffers=True copies rank 0's buffers to every rank before each
+    forward unless its root module names them in _ddp_params_and_buffers_to_ignore, which
+    convert() sets on the model it converts. A DDP around another module (a parent of the
+    converted model) overwrites each rank's amaxes of the earlier micro-batches. The copy
+    bumps the buffers' version counters, which nothing else between two updates does: warn."""
+    global _warned_broadcast
+    if _warned_broadcast:
+        return
+    for layer in layers:
+        v = layer.__dict__.get("_fp8_si_version")
+        if v is not None and layer._buffers["fp8_scale_inv"]._version != v:
+            _warned_broadcast = True
+            warnings.warn(
+                "fp8ops: the FP8 scaling buffers were overwritten between two optimizer steps, most likely by DDP's "
+                "broadcast_buffers: DDP wraps a module that fp8ops.convert did not convert itself (a parent of the "
+                "converted model), so it does not know to skip them. Every rank then loses the amaxes of its "
+                "earlier micro-batches. Pass DDP(..., broadcast_buffers=False), or call "
+                "fp8ops.exclude_from_ddp_broadcast(module) on the module you wrap before DDP", stacklevel=3)
+            return
 
 
 def step(model: torch.nn.Module) -> None:
@@ -295,5 +349,7 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
         m.fp8_step = int(s["step"])
         m._fp8_delayed_ready = bool(s.get("primed", True))
         m._w_cache = None  # the cached weight cast was made with the old weight scale
+        m.__dict__["_fp8_si_version"] = None  # (written here, not by a broadcast)
         m._fp8_pristine = False  # its history is the loaded one
+        m._fp8_cast_since_update = False  # (ready, or not, as saved)
     return skipped

@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,15 @@ def train(mode="single", recipe="delayed", ckpt=False, rank=0, world=1, ar_log=N
     wrapped = model
     if mode == "ddp":
         wrapped = nn.parallel.DistributedDataParallel(model)
+    elif mode == "ddp_compiled":
+        # DDP finds convert's list of buffers to skip through the compiled wrapper's attribute
+        # lookup, under its _orig_mod names
+        torch._dynamo.reset()
+        wrapped = nn.parallel.DistributedDataParallel(torch.compile(model, backend="aot_eager"))
+    elif mode == "ddp_parent":
+        # DDP around a parent of the converted model: its broadcast_buffers copies rank 0's
+        # scaling buffers before every forward (fp8ops cannot name them for it): warned
+        wrapped = nn.parallel.DistributedDataParallel(nn.Sequential(model))
     elif mode in ("fsdp", "fsdp_fp8_ag", "fsdp_fp8_ag_compiled", "fsdp_mp", "fsdp_fp8_ag_mp"):
         if mode.startswith("fsdp_fp8_ag"):
             assert len(fp8ops.enable_fsdp_fp8_all_gather(model)) == len(fp8_layers(model))
@@ -206,6 +216,8 @@ _orig_all_reduce = dist.all_reduce
 SCENARIOS = {   # name: (mode, recipe, activation checkpointing)
     "ddp": ("ddp", "delayed", False),
     "ddp_ckpt": ("ddp", "delayed", True),
+    "ddp_compiled": ("ddp_compiled", "delayed", False),
+    "ddp_parent": ("ddp_parent", "delayed", False),
     "fsdp": ("fsdp", "delayed", False),
     "fsdp_ckpt": ("fsdp", "delayed", True),
     "fsdp_current": ("fsdp", "current", False),
@@ -243,7 +255,10 @@ def _worker(rank, world, tmp, scenarios):
             ar_log["phase"] = [None]
             mode, recipe, ckpt = SCENARIOS[name]
             ag_log = _log_all_gathers()
-            out[name] = train(mode, recipe, ckpt, rank, world, ar_log)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                out[name] = train(mode, recipe, ckpt, rank, world, ar_log)
+            out[name]["warnings"] = [str(w.message) for w in said]
             out[name]["all_reduce"] = ar_log["calls"]
             out[name]["all_gather"] = ag_log()
         dist.all_reduce = _orig_all_reduce
@@ -456,6 +471,20 @@ def test_ddp_matches_single_process(dist_results, single):
 
 def test_ddp_activation_checkpointing_matches_single_process(dist_results, single):
     _check_against_single(dist_results, single(), "ddp_ckpt")
+
+
+def test_ddp_of_a_compiled_model_matches_single_process(dist_results, single):
+    """DDP(torch.compile(model)): the scaling buffers are not broadcast (else each rank loses
+    the amaxes of its earlier micro-batches, and the scales move away from the single
+    process's)."""
+    _check_against_single(dist_results, single(), "ddp_compiled")
+    assert not any("overwritten" in w for r in dist_results for w in r["ddp_compiled"]["warnings"])
+
+
+def test_ddp_broadcasting_the_scaling_buffers_is_warned(dist_results):
+    for r in dist_results:
+        said = [w for w in r["ddp_parent"]["warnings"] if "overwritten between two optimizer steps" in w]
+        assert len(said) == 1 and "broadcast_buffers=False" in said[0], r["ddp_parent"]["warnings"]
 
 
 @requires_fsdp2

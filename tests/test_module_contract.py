@@ -483,3 +483,82 @@ def test_an_optimizer_step_between_forward_and_backward_raises(monkeypatch, reci
     model(x).square().mean().backward()                                 # the usual order still works
     opt.step()
     assert model[0].fp8_step == 4
+
+
+class _Sam(torch.optim.Optimizer):
+    """SAM as its users write it: an optimizer whose step runs a base optimizer's step."""
+
+    def __init__(self, params, base_cls, **kw):
+        super().__init__(params, dict(rho=0.05, **kw))
+        self.base_optimizer = base_cls(self.param_groups, **kw)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def step(self, closure):
+        with torch.enable_grad():
+            closure()
+        self.base_optimizer.step()
+
+
+def test_an_optimizer_stepping_an_inner_one_updates_the_scales_once_per_step(monkeypatch):
+    """Both step hooks fire (the inner optimizer's and the outer's): the scales follow the
+    one optimizer step, not two (which halved the amax window and doubled DDP's all-reduces)."""
+    runs = {}
+    for kind in ("sgd", "sam"):
+        model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, amax_history_len=4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01) if kind == "sgd" else \
+            _Sam(model.parameters(), torch.optim.SGD, lr=0.01)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(16, 32, generator=g)
+
+            def closure():
+                loss = model(x).square().mean()
+                loss.backward()
+                return loss
+            closure() if kind == "sgd" else None
+            opt.step() if kind == "sgd" else opt.step(closure)
+            opt.zero_grad()
+        runs[kind] = model[0]
+    assert runs["sam"].fp8_step == runs["sgd"].fp8_step == 3
+    assert torch.equal(runs["sam"].fp8_amax_history[:, X].ne(0), runs["sgd"].fp8_amax_history[:, X].ne(0))
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_compiled_activation_checkpointing_keeps_the_layers_in_the_graph(monkeypatch, recipe):
+    """torch.compile of blocks under activation checkpointing: no graph break (a module
+    attribute written in forward was one, at every checkpointed layer), delayed scaling
+    starts after the first step as in eager, and the results are eager's bits."""
+    from torch.utils.checkpoint import checkpoint
+    import torch._dynamo.utils as dynamo_utils
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def inner(self, x):
+            return self.fc2(F.relu(self.fc1(x)))
+
+        def forward(self, x):
+            return x + checkpoint(self.inner, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    base = nn.Sequential(Block(), Block(), nn.Linear(32, 16))
+    models = {k: convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, recipe=recipe) for k in ("eager", "compiled")}
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    calls = {"eager": models["eager"], "compiled": torch.compile(models["compiled"], backend="aot_eager")}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.05) for k, m in models.items()}
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(32, 32, generator=g)
+        for k in calls:
+            calls[k](x).square().mean().backward()
+            opts[k].step()
+            opts[k].zero_grad()
+    assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])
+    for (_, e), (_, c) in zip(models["eager"].named_modules(), models["compiled"].named_modules()):
+        if isinstance(e, Fp8Linear):
+            assert c._fp8_delayed_ready == e._fp8_delayed_ready == (recipe == "delayed")
+            assert torch.equal(c.fp8_amax_history, e.fp8_amax_history) and torch.equal(c.weight, e.weight)
