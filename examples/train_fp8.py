@@ -129,9 +129,14 @@ def parse_args(argv=None):
     if args.fsdp_fp8_all_gather and not args.fsdp:
         p.error("--fsdp_fp8_all_gather needs --fsdp")
     for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_iters",
-                 "save_every", "log_every"):
-        if getattr(args, name) < 1:
+                 "save_every", "log_every", "n_layer", "n_head", "n_embd", "block_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    if args.data and not Path(args.data).is_file():
+        p.error(f"--data {args.data}: no such file (a plain-text file to train on; leave it out for the "
+                "embedded default corpus)")
+    if args.resume and args.resume != "auto" and not Path(args.resume).is_file():
+        p.error(f"--resume {args.resume}: no such file (a ckpt_*.pt this script wrote, or auto)")
     return args
 
 
@@ -320,8 +325,13 @@ def main(argv=None):
     ckpt = None
     if resume_path is not None:
         # Our own checkpoint holds only tensors, numbers and strings: weights_only loading works.
-        ckpt = torch.load(resume_path, map_location="cpu", weights_only=True)
-        cfg = GPTConfig(**ckpt["model_config"])
+        try:
+            ckpt = torch.load(resume_path, map_location="cpu", weights_only=True)
+            cfg = GPTConfig(**ckpt["model_config"])
+            ckpt["step"], ckpt["model"]  # noqa: B018 -- what a resume reads first
+        except Exception as e:  # noqa: BLE001 -- any unreadable file gets the same answer
+            raise SystemExit(f"--resume {resume_path}: not a checkpoint this script wrote "
+                             f"({type(e).__name__}: {str(e)[:200]})") from None
         print(f"resume: {resume_path} (step {ckpt['step']}, trained with "
               f"{ckpt.get('fp8_backend', 'bf16')}); model shape from the checkpoint")
     else:
@@ -386,7 +396,8 @@ def main(argv=None):
     del ckpt  # the optimizer copied its state; free the checkpoint's copy
 
     # --- logging ----------------------------------------------------------------------------------
-    writer = make_writer(args, out_dir, start_step) if dinfo.main else None
+    # (nothing to train: the finished run's TensorBoard events stay as they are)
+    writer = make_writer(args, out_dir, start_step) if dinfo.main and start_step < args.steps else None
     tokens_per_step = args.batch_size * args.grad_accum * cfg.block_size * dinfo.world
     interactive = sys.stderr.isatty()
     bar = None
@@ -434,7 +445,7 @@ def main(argv=None):
             shutil.copyfile(out_dir / names[0], tmp)
             os.replace(tmp, out_dir / name)
 
-    def write_metrics(step):
+    def write_metrics(step, save=True):
         flush_losses()
         # This run's windows after the first (which holds warm-up and any compilation).
         steady = run_tok_s[1:] or run_tok_s
@@ -446,7 +457,7 @@ def main(argv=None):
                        mean_tokens_per_s=sum(steady) / len(steady) if steady else None,
                        final_val_loss=metrics["val_loss"][-1] if metrics["val_loss"] else None,
                        final_train_loss=final_train_loss(metrics))
-        if dinfo.main:
+        if dinfo.main and save:
             save_atomic(summary, out_dir / "metrics.json", json_text=True)
         return summary
 
@@ -578,9 +589,12 @@ def main(argv=None):
         bar.close()
 
     # --- wrap up --------------------------------------------------------------------------------------
-    if last_saved != step:
+    # (a resume with nothing to train leaves the finished run's checkpoint and metrics.json as they
+    # are: rewritten, they would carry this invocation's flags, e.g. BF16 without --use_fp8)
+    trained = step > start_step
+    if trained and last_saved != step:
         checkpoint(step, "ckpt_latest.pt")
-    summary = write_metrics(step)
+    summary = write_metrics(step, save=trained)
     if writer is not None:
         writer.close()
 
@@ -671,8 +685,10 @@ def make_writer(args, out_dir, start_step):
         print("tensorboard: not installed (pip install tensorboard); logging to metrics.json only")
         return None
     # purge_step hides events an earlier run in this directory wrote from this step on, so a
-    # resumed (or restarted) run does not draw over stale curves.
-    return SummaryWriter(log_dir=str(out_dir / "tb"), purge_step=start_step)
+    # resumed (or restarted) run does not draw over stale curves. A resumed run's checkpoint step
+    # itself keeps its events (its losses and evaluation came before that checkpoint): from the
+    # step after it.
+    return SummaryWriter(log_dir=str(out_dir / "tb"), purge_step=start_step + 1 if start_step else 0)
 
 
 def log_fp8_state(writer, model, fp8_info, step):

@@ -51,7 +51,15 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     decisions = decisions_of(model)
     rows = []
     for name, m in model.named_modules():
-        if isinstance(m, Fp8Linear):
+        if isinstance(m, Fp8Linear) and m.fp8_amax_history.is_meta:
+            # a model built on the meta device: no scaling state until to_empty()
+            rows.append({"name": name or "<root>", "backend": "fp8ops", "runs": RUNS_NOT_YET,
+                         "reason": decisions.get(name, ("fp8ops", "converted"))[1] + "; on the meta device",
+                         "recipe": m.fp8_config.short_str(), "shape": f"{m.in_features}->{m.out_features}",
+                         "scale_x": None, "scale_w": None, "scale_g": None, "amax_x": None, "amax_w": None,
+                         "amax_g": None, "overflows": 0, "overflow_x": 0, "overflow_w": 0, "overflow_g": 0,
+                         "fallback_calls": m.fp8_fallback_calls})
+        elif isinstance(m, Fp8Linear):
             h = m.fp8_amax_history.detach().float().cpu()
             # the newest completed step sits in the last row after a roll; before
             # any update the running maxima are in row 0
@@ -82,6 +90,11 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                 rows[-1]["reason"] += f"; {rows_label(k[0])}: {'FP8' if m.fp8_policy[k][0] else 'BF16'} ({why})"
             for k in m._fp8_pending:  # not decided yet: its first steps run BF16 and FP8 in turns
                 rows[-1]["reason"] += f"; {rows_label(k[0])}: {loop_trial.progress(m, k)}"
+            if m.fp8_fallback_calls and not m.fp8_policy and not m._fp8_pending:
+                # (policy auto's BF16 calls are counted too: its verdicts say why above)
+                rows[-1]["reason"] += (f"; {m.fp8_fallback_calls} calls ran nn.Linear's computation (an input "
+                                       "not on a CUDA GPU, a row count not a multiple of 16, an empty input, "
+                                       "or under torch.func)")
         elif isinstance(m, nn.Linear) or is_hf_conv1d(m):
             backend, reason = decisions.get(name, ("bf16", "not converted (convert() was not called on it)"))
             shape = f"{m.nx}->{m.nf}" if is_hf_conv1d(m) else f"{m.in_features}->{m.out_features}"

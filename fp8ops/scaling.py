@@ -291,7 +291,7 @@ def scaling_state_dict(model: torch.nn.Module) -> dict:
     names of the model a torch.compile or DDP wrapper holds."""
     out = {}
     for name, m in _unwrapped(model).named_modules():
-        if isinstance(m, Fp8Linear):
+        if isinstance(m, Fp8Linear) and not m.fp8_amax_history.is_meta:  # (meta: no state before to_empty)
             out[name] = {
                 "config": m.fp8_config.short_str(),
                 "amax_history": m.fp8_amax_history.detach().cpu().clone(),

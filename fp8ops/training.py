@@ -40,6 +40,22 @@ FORMATS = ("hybrid", "e4m3", "e5m2")
 _FP8_DIM_MULTIPLE = 16
 
 
+def _int_in(lo: int, hi: int | None = None):
+    """argparse type: an int in [lo, hi], refused at parse time with the flag's name (not
+    later by Fp8Config, after the model was built, or never on a run that falls back)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, found {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"expected an integer {'>= %d' % lo if hi is None else 'in [%d, %d]' % (lo, hi)}"
+                                             f", found {v}")
+        return v
+    parse.__name__ = "int"  # (argparse names the type in some messages)
+    return parse
+
+
 def add_fp8_args(parser):
     """Add the "FP8" argument group to an argparse parser; returns the group."""
     g = parser.add_argument_group("FP8", "FP8 training (see fp8ops.training for the backends)")
@@ -60,12 +76,12 @@ def add_fp8_args(parser):
                         "everywhere, fp8ops only, for numerics studies: its GEMMs run in BF16 "
                         "on the FP8 values (no tensor core multiplies E5M2 by E5M2), so it is "
                         "slower than BF16 (default: %(default)s)")
-    g.add_argument("--fp8_margin", type=int, default=0,
-                   help="scale = fp8_max / amax / 2**margin (default: %(default)s)")
-    g.add_argument("--fp8_interval", type=int, default=1,
-                   help="delayed scaling: update scales every N steps (default: %(default)s)")
-    g.add_argument("--fp8_amax_history_len", type=int, default=1024,
-                   help="delayed scaling: amax history length (default: %(default)s)")
+    g.add_argument("--fp8_margin", type=_int_in(-63, 63), default=0,
+                   help="scale = fp8_max / amax / 2**margin, an int in [-63, 63] (default: %(default)s)")
+    g.add_argument("--fp8_interval", type=_int_in(1), default=1,
+                   help="delayed scaling: update scales every N >= 1 steps (default: %(default)s)")
+    g.add_argument("--fp8_amax_history_len", type=_int_in(1), default=1024,
+                   help="delayed scaling: amax history length, >= 1 (default: %(default)s)")
     g.add_argument("--fp8_amax_compute_algo", choices=("max", "most_recent"), default="max",
                    help="delayed scaling: reduce the history by max or take the most recent "
                         "(default: %(default)s)")
@@ -151,7 +167,7 @@ def prepare_model(model, args, logger=print, module_filter_fn=None, precision="B
     prepare = _prepare_torchao if backend == "torchao" else _prepare_te
     reason = prepare(model, args, logger, module_filter_fn, info)
     if reason is None:
-        return model, info
+        return info.pop("model", model), info
 
     # The requested backend cannot run here: say why, then carry on without it.
     name = {"torchao": "torchao", "te": "Transformer Engine"}[backend]
@@ -214,6 +230,11 @@ def _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision):
         return model, info
 
     info["backend"] = "fp8ops"
+    param = next((m.weight for m in model.modules() if isinstance(m, nn.Linear) and type(m) is not nn.Linear), None)
+    if param is not None and param.device.type == "cpu" and torch.cuda.is_available():
+        # convert checked this machine, not where the model lives: every call would fall back
+        logger(f"FP8 note: the converted layers' weights are on the CPU, and fp8ops runs FP8 on CUDA tensors "
+               f"only: they compute in {precision} until the model moves to the GPU (model.cuda())")
     # policy "auto" settles per shape at a layer's first CUDA forward, after this call.
     later, runs = "", "run FP8"
     if config.policy == "auto" and not config.gemm_emulated:
@@ -361,8 +382,11 @@ def _prepare_torchao(model, args, logger, module_filter_fn, info):
 
     n_before = sum(type(m) is nn.Linear for m in model.modules())
     model_filter = _eligible(module_filter_fn)
-    convert_to_float8_training(model, config=Float8LinearConfig(**kwargs),
-                               module_filter_fn=model_filter)
+    # (it swaps in place and returns the model: a new object where the model is one nn.Linear)
+    converted = convert_to_float8_training(model, config=Float8LinearConfig(**kwargs),
+                                           module_filter_fn=model_filter)
+    if converted is not None and converted is not model:
+        info["model"] = model = converted
     n_fp8 = n_before - sum(type(m) is nn.Linear for m in model.modules())
     if n_fp8 == 0:
         return ("no linear layer is eligible (in/out features multiples of 16, accepted by "
@@ -424,8 +448,8 @@ def _prepare_te(model, args, logger, module_filter_fn, info):
             new.weight.copy_(old.weight)
             if old.bias is not None:
                 new.bias.copy_(old.bias)
-        if not fqn:  # the model itself is a single nn.Linear
-            model = new
+        if not fqn:  # the model itself is a single nn.Linear: prepare_model returns the new one
+            info["model"] = new
             continue
         parent_name, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)

@@ -110,6 +110,10 @@ def test_meta_device_model_gets_fresh_scaling_state(monkeypatch):
     with torch.device("meta"):
         model = _mlp()
     convert_as_on_fp8_gpu(model, monkeypatch)
+    # before to_empty: the report and the scaling state say there is none yet (no crash)
+    assert [r["runs"] for r in fp8ops.report(model, print_table=False)] == ["not yet", "not yet"]
+    assert "on the meta device" in fp8ops.report(model, print_table=False)[0]["reason"]
+    assert fp8ops.scaling_state_dict(model) == {}
     model.to_empty(device="cpu")
     ref = _mlp()
     model.load_state_dict(ref.state_dict())
@@ -562,3 +566,14 @@ def test_compiled_activation_checkpointing_keeps_the_layers_in_the_graph(monkeyp
         if isinstance(e, Fp8Linear):
             assert c._fp8_delayed_ready == e._fp8_delayed_ready == (recipe == "delayed")
             assert torch.equal(c.fp8_amax_history, e.fp8_amax_history) and torch.equal(c.weight, e.weight)
+
+
+def test_report_counts_the_calls_that_fell_back(monkeypatch):
+    """A converted layer whose every call fell back (here: rows not a multiple of 16 on the
+    GPU path, simulated by an input that never reaches FP8) says so in its reason."""
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    for m in (model[0], model[2]):
+        m.fp8_on_cpu = False                 # the CPU input now falls back, as on a GPU machine
+    model(torch.randn(16, 32))
+    row = fp8ops.report(model, print_table=False)[0]
+    assert row["runs"] == "not yet" and "1 calls ran nn.Linear's computation" in row["reason"]

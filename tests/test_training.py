@@ -7,6 +7,7 @@ examples/train_fp8.py end to end (train, checkpoint, resume into FP8, Ctrl-C).
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,6 +71,18 @@ def test_add_fp8_args_rejects_unknown_choices(argv, capsys):
     with pytest.raises(SystemExit):
         parse(*argv)
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [(["--fp8_interval", "0"], "--fp8_interval: expected an integer >= 1, found 0"),
+                                        (["--fp8_amax_history_len", "-5"], "--fp8_amax_history_len: expected an integer >= 1"),
+                                        (["--fp8_margin", "100"], "--fp8_margin: expected an integer in [-63, 63], found 100"),
+                                        (["--fp8_margin", "1.5"], "--fp8_margin: expected an integer, found '1.5'")])
+def test_add_fp8_args_refuses_bad_values_at_parse_time(argv, said, capsys):
+    """Before the model is built, and also for runs that would fall back (where Fp8Config,
+    which checks them too, is never made)."""
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert said in capsys.readouterr().err
 
 
 def test_config_from_args():
@@ -175,6 +188,16 @@ def test_prepare_model_counts_fp8_layers(monkeypatch):
     assert info["backend"] == "fp8ops" and info["fp8_layers"] == 8
     assert "8 linear layers converted to FP8, 1 run BF16" in lines[0]  # policy auto: converted, not yet running
     assert "excluded by module_filter_fn" in lines[0]
+
+
+def test_prepare_model_says_when_the_converted_model_is_on_the_cpu(monkeypatch):
+    """convert checks the machine, not where the model lives: a model left on the CPU of an
+    FP8 GPU machine would run every call in plain precision under an "FP8: on" line."""
+    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lines = []
+    prepare_model(tiny_gpt(), parse("--use_fp8"), logger=lines.append, module_filter_fn=LM_HEAD_FILTER)
+    assert any("weights are on the CPU" in line and "model.cuda()" in line for line in lines), lines
 
 
 def test_run_summary_says_what_ran_at_the_end():
@@ -294,6 +317,9 @@ def test_prepare_model_te_plumbing(monkeypatch):
     with info["autocast"]():
         pass
     assert entered[0].amax_history_len == 16 and entered[0].fp8_format is Format.HYBRID
+    # a model that is one nn.Linear: the swapped layer is what comes back
+    root, info = prepare_model(nn.Linear(32, 64), parse("--use_fp8", "--fp8_backend", "te"), logger=lines.append)
+    assert type(root) is Linear and info["backend"] == "te" and "model" not in info
 
 
 def test_portable_state_dict_drops_extra_state_and_compile_prefix():
@@ -367,6 +393,49 @@ def test_resume_with_use_fp8_continues_from_saved_step(trained, tmp_path):
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["steps"] == list(range(1, 9)) and m["last_step"] == 8
     assert torch.load(tmp_path / "ckpt_latest.pt", weights_only=True)["step"] == 8
+
+
+def test_resume_with_nothing_to_train_leaves_the_finished_run_as_it_is(trained, tmp_path):
+    """Checking a finished run (or forgetting --use_fp8 on it) must not rewrite its checkpoint
+    and metrics with this invocation's flags, nor purge its last TensorBoard points."""
+    out, _ = trained
+    run_dir = tmp_path / "run"
+    shutil.copytree(out, run_dir)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    r = run_example(*SMALL_RUN, "--steps", "6", "--device", "cpu", "--out_dir", str(run_dir), "--resume", "auto")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "nothing to train" in r.stdout
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
+def test_resume_keeps_the_checkpoint_steps_tensorboard_points(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    common = [*SMALL_RUN, "--eval_every", "2", "--save_every", "4", "--log_every", "2", "--device", "cpu",
+              "--out_dir", str(tmp_path), "--tensorboard"]
+    for steps in ("4", "8"):
+        r = run_example(*common, "--steps", steps, *(["--resume", "auto"] if steps == "8" else []))
+        assert r.returncode == 0, r.stdout + r.stderr
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6, 8]
+    assert [e.step for e in acc.Scalars("val/loss")] == [2, 4, 6, 8]
+
+
+@pytest.mark.parametrize("argv, said", [(["--block_size", "0"], "--block_size must be at least 1"),
+                                        (["--data", "/nonexistent/corpus.txt"], "--data /nonexistent/corpus.txt: no such file"),
+                                        (["--resume", "/nonexistent/ckpt.pt"], "--resume /nonexistent/ckpt.pt: no such file")])
+def test_example_refuses_bad_arguments_before_building_anything(argv, said):
+    r = run_example(*SMALL_RUN, "--steps", "2", "--device", "cpu", *argv)
+    assert r.returncode == 2 and said in r.stderr, r.stdout + r.stderr
+
+
+def test_resume_from_a_file_that_is_no_checkpoint_says_so(tmp_path):
+    bad = tmp_path / "notes.pt"
+    torch.save({"hello": 1}, bad)
+    r = run_example(*SMALL_RUN, "--steps", "2", "--device", "cpu", "--out_dir", str(tmp_path), "--resume", str(bad))
+    assert r.returncode == 1 and "not a checkpoint this script wrote" in r.stderr, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_help_describes_default_corpus():
