@@ -576,6 +576,7 @@ class Fp8Linear(nn.Linear):
             if not _is_padded(si):
                 # .to() / .cuda() / a load made the buffer contiguous again
                 si = bufs["fp8_scale_inv"] = _padded(si)
+                self.__dict__["_fp8_si_version"] = None  # (a new tensor: see scaling._check_not_broadcast)
                 ptrs = ptrs[:2] + (si.data_ptr(),) + ptrs[3:]
         c = (s[0:1], s[1:2], s[2:3], si[0:1], si[1:2], si[2:3], h[0, 0], h[0, 1], h[0, 2], o, h, s, si, m)
         if not compiling:
