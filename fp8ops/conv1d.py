@@ -16,6 +16,7 @@ linear layer above.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from .config import Fp8Config
@@ -53,3 +54,7 @@ class Fp8Conv1D(Fp8Linear):
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx} (HF Conv1D, weight [nx, nf]), " + super().extra_repr()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (transformers' Conv1D names its argument x, nn.Linear input: a call by keyword keeps working)
+        return Fp8Linear.forward(self, x)

@@ -8,6 +8,8 @@ eval inside a model in training) is restored afterwards.
 """
 from __future__ import annotations
 
+import inspect
+import re
 from collections import OrderedDict, deque
 from collections.abc import MutableMapping, MutableSequence, MutableSet
 
@@ -37,20 +39,84 @@ def graphs_in_both_modes(m: nn.Module, tracer: type[torch.fx.Tracer] = torch.fx.
     and a container attribute (list, dict, set, deque, ...) that the read added
     to its entries (tracing stored fx Proxies there, and fx its own tensor
     constants on m). Containers inside containers are not looked into."""
+    if _switches_grad_mode(m):
+        raise ValueError(f"{type(m).__name__}.forward switches grad mode (no_grad, enable_grad, ...), which fx "
+                         "does not record: a fusion could move a computation across it")
     saved = [(s, dict(s.__dict__), [(r, dict(s.__dict__[r])) for r in _REGISTRIES if r in s.__dict__],
               _contents(s.__dict__))
              for s in m.modules()]
     try:
         graphs = []
-        for mode in (True, False):
-            m.train(mode)
-            graph = tracer(**tracer_args).trace(m)
-            graph.escaped_nodes = frozenset(_stored_nodes(saved))
-            _restore(saved)
-            graphs.append(graph)
+        for concrete in (None, _defaults(m)):
+            if concrete == {}:
+                continue
+            for mode in (True, False):
+                m.train(mode)
+                graph = tracer(**tracer_args).trace(m, concrete_args=concrete)
+                graph.escaped_nodes = frozenset(_stored_nodes(saved))
+                _restore(saved)
+                graphs.append(graph)
         return graphs
     finally:
         _restore(saved)
+
+
+def _defaults(m: nn.Module) -> dict:
+    """The arguments of m.forward that have a plain default (None, a bool, a number, a
+    string), at that default. fx reads an argument as a stand-in value, for which
+    `context is None` is False: a forward whose default call routes the data another way
+    (cross-attention with context=None attending to x itself) is read a second time,
+    called with its defaults, and fused only where both reads agree."""
+    try:
+        params = inspect.signature(m.forward).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in params
+            if p.default is not inspect.Parameter.empty and (p.default is None or type(p.default) in (bool, int, float, str))
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+
+
+# what fx does not record: grad mode switched inside a forward (a frozen feature extractor under
+# no_grad, a stop-gradient), or a branch on it
+_GRAD_MODE_CALLS = ("no_grad", "enable_grad", "set_grad_enabled", "inference_mode", "is_grad_enabled")
+
+
+def _switches_grad_mode(m: nn.Module) -> bool:
+    """Does the source of m's forward name a grad-mode switch? (A source that cannot be
+    read is taken as not.)"""
+    try:
+        src = inspect.getsource(type(m).forward)
+    except (OSError, TypeError):
+        return False
+    return any(w in src for w in _GRAD_MODE_CALLS)
+
+
+# what makes a view of its first argument (an in-place change of the view changes it)
+_VIEW_METHODS = frozenset(("view", "reshape", "view_as", "transpose", "permute", "narrow", "select", "unsqueeze",
+                           "squeeze", "flatten", "unflatten", "expand", "expand_as", "t", "split", "chunk",
+                           "unbind", "as_strided", "movedim", "contiguous"))
+
+
+def mutated_in_place(node: torch.fx.Node, depth: int = 4) -> bool:
+    """Does the forward modify node's value in place (h.mul_(0.5), h += 1, x[..., :16].mul_(2)),
+    itself or through a view of it? A fused activation or norm reads its input when the
+    consumer casts it, after such a change."""
+    for user in node.users:
+        if not user.args or user.args[0] is not node:
+            continue
+        name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+        if user.op == "call_method" and name.endswith("_") and not name.startswith("__"):
+            return True
+        if user.op == "call_function" and getattr(user.target, "__module__", "") in ("_operator", "operator"):
+            if name.startswith("i") and name not in ("is_", "is_not", "index", "indexOf", "inv", "invert"):
+                return True   # h += 1 (operator.iadd), h *= 2, ...
+            if name in ("setitem",):
+                return True   # h[..., :16] = 0
+            if name == "getitem" and depth and mutated_in_place(user, depth - 1):
+                return True
+        if user.op == "call_method" and name in _VIEW_METHODS and depth and mutated_in_place(user, depth - 1):
+            return True
+    return False
 
 
 # what nn.Module keeps in __dict__ itself (registries, hooks, flags): not user containers
@@ -152,3 +218,24 @@ def _stored_nodes(saved):
         for leaf in pytree.tree_leaves(values):
             if isinstance(leaf, torch.fx.Proxy):
                 yield leaf.node
+
+
+def used_by_other_methods(m: nn.Module) -> set[str]:
+    """The names x of the calls `self.x(...)` in the source of m's methods other than
+    forward (its class and bases up to nn.Module): a fusion must not change a child
+    those call."""
+    names: set[str] = set()
+    for cls in type(m).__mro__:
+        if cls in (nn.Module, object):
+            break
+        for attr, fn in vars(cls).items():
+            if attr == "forward" or not inspect.isfunction(fn):
+                continue
+            try:
+                src = inspect.getsource(fn)
+                me = next(iter(inspect.signature(fn).parameters), None)  # "self", whatever its name
+            except (OSError, TypeError, ValueError):
+                continue
+            if me is not None:  # (calls only: __init__ assigns the children, an init method sets weights)
+                names.update(re.findall(rf"\b{re.escape(me)}\.([A-Za-z_]\w*)\s*\(", src))
+    return names

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch.fx
 import torch.nn as nn
 
-from .fx_read import graphs_in_both_modes, hooked
+from .fx_read import graphs_in_both_modes, hooked, mutated_in_place, used_by_other_methods
 from .linear import Fp8Linear
 
 log = logging.getLogger("fp8ops")
@@ -84,6 +84,8 @@ def _roles(calls: dict, parent: nn.Module, name: str, uses: dict) -> tuple[str, 
     # an output stored on a module would be the activation's input once fused)
     if g is None or len(g.users) != 1 or len(g.args) != 1 or g.kwargs or g in calls[ESCAPED]:
         return None
+    if isinstance(g.args[0], torch.fx.Node) and mutated_in_place(g.args[0]):
+        return None  # (the consumer would read the input as changed later, not as the activation saw it)
     user = next(iter(g.users))
     if user.op != "call_module" or user.args != (g,) or user.kwargs or _single(calls, user.target) is None:
         return None
@@ -114,6 +116,12 @@ def candidates(model: nn.Module, select, what: str):
         chosen = [(n, m) for n, m in parent.named_children() if select(m)]
         if not chosen:
             continue
+        for other in used_by_other_methods(parent):
+            # (a child another method of the parent calls, self.ln in a features() say, is
+            # used in a place the forward's read does not show: as if held twice)
+            child = parent._modules.get(other)
+            if child is not None:
+                uses[id(child)] = uses.get(id(child), 0) + 1
         prefix = parent_name + "." if parent_name else ""
         try:
             calls = _trace(parent, [m for _, m in chosen])

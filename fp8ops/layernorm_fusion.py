@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch.fx
 import torch.nn as nn
 
-from .fx_read import hooked
+from .fx_read import hooked, mutated_in_place
 from .gelu_fusion import ESCAPED, _single, candidates
 from .linear import Fp8Linear
 
@@ -72,6 +73,8 @@ def _consumer(calls: dict, parent: nn.Module, name: str, uses: dict) -> str | No
     # stored on a module would be the norm's input once fused)
     if node is None or len(node.args) != 1 or node.kwargs or node in calls[ESCAPED]:
         return None
+    if isinstance(node.args[0], torch.fx.Node) and mutated_in_place(node.args[0]):
+        return None  # (the consumer would normalize the input as changed later)
     users = [u for u in node.users if not _shape_only(u)]  # e.g. attention's B, T, C = x.shape
     if len(users) != 1:
         return None

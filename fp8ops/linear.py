@@ -732,7 +732,8 @@ class Fp8Linear(nn.Linear):
 
     # ----------------------------------------------------------------- forward
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 -- nn.Linear's name: layer(input=x) works
+        x = input
         # The hot path of small layers is bound by host time: plain dict reads
         # instead of Module.__getattr__, is_compiling() asked once.
         d = self.__dict__

@@ -39,6 +39,8 @@ def test_gpt2_conv1d_layers_are_converted_with_their_parameters(monkeypatch):
     rows = {r["name"]: r for r in fp8ops.report(model, print_table=False)}
     assert rows["transformer.h.0.mlp.c_fc"]["shape"] == "64->256"
     assert all(rows[n]["backend"] == "fp8ops" for n in conv) and rows["lm_head"]["backend"] == "fp8ops"
+    fc, x = model.transformer.h[0].mlp.c_fc, torch.randn(16, 64)
+    assert torch.equal(fc(x=x), fc(x))       # Conv1D names its argument x (nn.Linear: input)
 
 
 def test_gpt2_trains_like_the_plain_model(monkeypatch):

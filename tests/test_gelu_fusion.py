@@ -122,6 +122,29 @@ class TrainOnlyDropout(GeluTwice):
         return self.b(g)
 
 
+class GeluInputChangedInPlace(GeluTwice):
+    def forward(self, x):
+        h = self.a(x)
+        g = self.gelu(h)
+        h.mul_(0.5)  # fused, the consumer would apply the GELU to the changed h
+        return self.b(g)
+
+
+class GeluUnderNoGrad(GeluTwice):
+    def forward(self, x):  # a stop-gradient activation: fused, a gradient would pass through it
+        with torch.no_grad():
+            g = self.gelu(self.a(x))
+        return self.b(g)
+
+
+class GeluAlsoInAnotherMethod(GeluTwice):
+    def hidden(self, x):  # fused, the GELU would be an identity here
+        return self.gelu(self.a(x))
+
+    def forward(self, x):
+        return self.b(self.gelu(self.a(x)))
+
+
 class GeluStored(GeluTwice):
     def forward(self, x):
         g = self.gelu(self.a(x))
@@ -212,7 +235,8 @@ def test_stores_block_only_the_fusions_they_touch(monkeypatch):
 
 
 @pytest.mark.parametrize("cls", [GeluTwice, GeluAlsoResidual, GeluFunctional, GeluBranching, LinearTwice,
-                                 TrainOnlyDropout, GeluStored, GeluAppended, GeluDeque])
+                                 TrainOnlyDropout, GeluStored, GeluAppended, GeluDeque, GeluInputChangedInPlace,
+                                 GeluUnderNoGrad, GeluAlsoInAnotherMethod])
 def test_gelu_not_fused_where_unsafe(cls, monkeypatch):
     torch.manual_seed(0)
     model = cls()

@@ -96,6 +96,44 @@ class LnStored(LnAlsoResidual):
         return self.lin(h)
 
 
+class LnOptionalContext(LnAlsoResidual):
+    """Cross-attention whose context defaults to its own (normalized) input: fx reads the
+    argument as given, where `context is None` is False; called by default, the norm
+    also feeds the context's path."""
+
+    def __init__(self):
+        super().__init__()
+        self.ctx = nn.Linear(32, 32)
+
+    def forward(self, x, context=None):
+        h = self.ln(x)
+        context = h if context is None else context
+        return self.lin(h) + self.ctx(context)
+
+
+class LnUnderNoGrad(LnAlsoResidual):
+    def forward(self, x):  # a frozen feature norm: its parameters take no gradient
+        with torch.no_grad():
+            h = self.ln(x)
+        return self.lin(h)
+
+
+class LnInputChangedInPlace(LnAlsoResidual):
+    def forward(self, x):
+        x = x * 1.0
+        h = self.ln(x)
+        x[..., :16].mul_(-2.0)  # fused, the linear would normalize the changed x
+        return self.lin(h) + x
+
+
+class LnAlsoInAnotherMethod(LnAlsoResidual):
+    def features(self, x):  # fused, the norm would be a pass-through here
+        return self.ln(x)
+
+    def forward(self, x):
+        return self.lin(self.ln(x))
+
+
 class LnWithConstant(LnAlsoResidual):
     def forward(self, x):  # fx stores the constant on the module while it reads the forward
         return self.lin(self.ln(x)) * torch.tensor(2.0)
@@ -106,7 +144,8 @@ def test_layernorm_fused_beside_a_tensor_constant(monkeypatch):
     assert model.lin.fp8_ln_input is model.ln and "_tensor_constant0" not in model.__dict__
 
 
-@pytest.mark.parametrize("cls", [LnAlsoResidual, LnTwoDims, LnThenRelu, LnByKeyword, LnStored])
+@pytest.mark.parametrize("cls", [LnAlsoResidual, LnTwoDims, LnThenRelu, LnByKeyword, LnStored, LnOptionalContext,
+                                 LnUnderNoGrad, LnInputChangedInPlace, LnAlsoInAnotherMethod])
 def test_layernorm_not_fused_where_unsafe(cls, monkeypatch):
     torch.manual_seed(0)
     model = cls()

@@ -577,3 +577,10 @@ def test_report_counts_the_calls_that_fell_back(monkeypatch):
     model(torch.randn(16, 32))
     row = fp8ops.report(model, print_table=False)[0]
     assert row["runs"] == "not yet" and "1 calls ran nn.Linear's computation" in row["reason"]
+
+
+def test_a_converted_layer_takes_nn_linears_keyword(monkeypatch):
+    """nn.Linear's forward names its argument `input`: layer(input=x) keeps working."""
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    x = torch.randn(16, 32)
+    assert torch.equal(model[0](input=x), model[0](x))
