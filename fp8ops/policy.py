@@ -19,6 +19,7 @@ and keeps the faster.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -56,19 +57,31 @@ def _path() -> str:
 
 
 def _load() -> dict:
+    """The timings cached on disk: a file that cannot be read or is not fp8ops' (not a JSON
+    object of six positive timings per key) counts as empty, an entry that is not as none."""
     global _timings
     if _timings is None:
+        _timings = {}
         try:
             with open(_path()) as f:
-                _timings = {k: Timing(*map(float, v)) for k, v in json.load(f).items()}
-        except (OSError, ValueError, TypeError):
-            _timings = {}
+                data = json.load(f)
+        except (OSError, ValueError):
+            return _timings
+        for k, v in (data.items() if isinstance(data, dict) else ()):
+            try:
+                t = Timing(*map(float, v))
+            except (TypeError, ValueError):  # (an older fp8ops' (wins, speedup), or anything else)
+                continue
+            if all(x > 0 and math.isfinite(x) for x in t):  # (a 0 would divide by zero in the speedups)
+                _timings[k] = t
     return _timings
 
 
 def _save() -> None:
     try:
-        os.makedirs(os.path.dirname(_path()), exist_ok=True)
+        folder = os.path.dirname(_path())
+        if folder:  # (FP8OPS_POLICY_CACHE=policy.json: the working directory)
+            os.makedirs(folder, exist_ok=True)
         tmp = _path() + f".{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump({k: list(v) for k, v in _timings.items()}, f, indent=0, sort_keys=True)
@@ -78,17 +91,29 @@ def _save() -> None:
 
 
 # bumped when what is measured changes, so timings of an older fp8ops are not reused
-# (4: under tune_policy, version 3 timed its FP8 side on the BF16 path: every verdict BF16)
-_KEY_VERSION = 4
+# (4: under tune_policy, version 3 timed its FP8 side on the BF16 path: every verdict BF16;
+# 5: the key names the layer's recipe, format, fast accumulation and weight dtype, and the
+# sixteenth session's scale update and host path changed FP8's side)
+_KEY_VERSION = 5
 
 
 def key(device: torch.device, M: int, K: int, N: int, dtype: torch.dtype, bias: bool, gelu: bool = False,
-        swiglu: bool = False) -> str:
+        swiglu: bool = False, setup: str = "") -> str:
     """gelu, swiglu: the layer's input is a fused GELU's or SwiGLU's (Fp8Linear.fp8_gelu_input,
-    fp8_swiglu_input): timed with it on both sides."""
+    fp8_swiglu_input): timed with it on both sides. setup: what else changes the FP8 side's
+    cost (setup_of: recipe, format, fast accumulation, the weight's dtype)."""
     return (f"v{_KEY_VERSION}|{torch.cuda.get_device_name(device)}|torch{torch.__version__}|"
             f"{M}x{K}->{N}|{str(dtype).replace('torch.', '')}|bias{int(bias)}" + ("|gelu" if gelu else "")
-            + ("|swiglu" if swiglu else ""))
+            + ("|swiglu" if swiglu else "") + (f"|{setup}" if setup else ""))
+
+
+def setup_of(layer) -> str:
+    """The parts of a layer's configuration that change what its FP8 step costs: the
+    recipe (current scaling adds an amax pass per cast), the format, fast accumulation,
+    and the weight's dtype (an fp32 master weight is read twice as wide by its cast)."""
+    cfg = layer.fp8_config
+    return (f"{cfg.recipe}/{cfg.fp8_format}/acc{'fast' if cfg.fast_accum else 'full'}/"
+            f"w{str(layer.weight.dtype).replace('torch.', '')}")
 
 
 def cached(k: str) -> Timing | None:
@@ -207,10 +232,14 @@ def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
 
     dev = layer.weight.device
     gelu, swiglu = layer.fp8_gelu_input, layer.fp8_swiglu_input
-    k = key(dev, M, layer.in_features, layer.out_features, cdtype, layer.bias is not None, gelu, swiglu)
+    k = key(dev, M, layer.in_features, layer.out_features, cdtype, layer.bias is not None, gelu, swiglu,
+            setup_of(layer))
     # (the first forward may come under inference_mode, e.g. a validation sanity check:
-    # the timing layers and tensors below must be ordinary ones, which autograd takes)
-    with _lock, torch.inference_mode(False):
+    # the timing layers and tensors below must be ordinary ones, which autograd takes; and
+    # making them draws random numbers, which must not move the user's generators: the same
+    # seed gives the same run whether or not the timings were on disk)
+    rng_devices = [dev] if dev.type == "cuda" else []
+    with _lock, torch.inference_mode(False), torch.random.fork_rng(devices=rng_devices):
         hit = _load().get(k)
         if hit is not None:
             return hit

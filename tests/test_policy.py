@@ -74,6 +74,18 @@ def test_timings_cache_round_trip_and_old_files(tmp_path, monkeypatch):
     path.write_text(json.dumps({"v2|x": [True, 1.2]}))
     monkeypatch.setattr(policy, "_timings", None)
     assert policy.cached("v2|x") is None
+    # nor is a file that is JSON but not fp8ops' cache, or an entry with a zero timing
+    for text in ("[]", "null", "3", json.dumps({"z": [0, 1, 1, 1, 1, 1], "k": [1, 2, 3, 4, 5, 6]})):
+        path.write_text(text)
+        monkeypatch.setattr(policy, "_timings", None)
+        assert policy.cached("z") is None and policy.cached("k") == (T(1, 2, 3, 4, 5, 6) if "k" in text else None)
+    # a cache named without a folder is written to the working directory
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FP8OPS_POLICY_CACHE", "here.json")
+    monkeypatch.setattr(policy, "_timings", None)
+    policy._load()["k"] = T(1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
+    policy._save()
+    assert json.loads((tmp_path / "here.json").read_text()) == {"k": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]}
 
 
 # ------------------------------------------------ the trial's steps, on CPU with a simulated loop
@@ -235,9 +247,22 @@ def test_measure_times_both_ways(fresh_policy):
     # host's enqueue time neither
     for gpu, host, alone in ((t.gpu_bf16, t.host_bf16, t.alone_bf16), (t.gpu_fp8, t.host_fp8, t.alone_fp8)):
         assert gpu <= 1.5 * alone and host <= 1.5 * alone, t
-    assert policy.cached(policy.key(layer.weight.device, 2048, 1024, 1024, torch.bfloat16, True)) == t
+    k = policy.key(layer.weight.device, 2048, 1024, 1024, torch.bfloat16, True, setup=policy.setup_of(layer))
+    assert policy.cached(k) == t and k.endswith("|delayed/hybrid/accfast/wfloat32")
     # the sleep kernel's calibration: GPU clocks are 0.5-3 GHz (a timed first launch once made it 50 MHz)
     assert 5e5 < policy._cycles_per_ms() < 3e6
+
+
+@requires_fp8
+@pytest.mark.gpu
+@pytest.mark.fp8
+def test_measuring_leaves_the_random_generators_as_they_were(fresh_policy):
+    """The timing layers' init and inputs draw random numbers: the user's seeded run must be
+    the same whether the timings were on disk or not (dropout masks, data order)."""
+    layer = Fp8Linear(512, 512, device="cuda", config=Fp8Config(policy="auto"))
+    cpu, gpu = torch.get_rng_state(), torch.cuda.get_rng_state()
+    policy.measure(layer, 256, torch.bfloat16)
+    assert torch.equal(cpu, torch.get_rng_state()) and torch.equal(gpu, torch.cuda.get_rng_state())
 
 
 @requires_fp8
@@ -278,7 +303,8 @@ def test_first_forward_under_inference_mode_measures(fresh_policy, mode):
     with getattr(torch, mode)(), torch.autocast("cuda", dtype=torch.bfloat16):
         y = layer(x)
     assert y.shape == (2048, 1024) and torch.isfinite(y).all()
-    assert policy.cached(policy.key(layer.weight.device, 2048, 1024, 1024, torch.bfloat16, True)) is not None
+    assert policy.cached(policy.key(layer.weight.device, 2048, 1024, 1024, torch.bfloat16, True,
+                                    setup=policy.setup_of(layer))) is not None
     with torch.autocast("cuda", dtype=torch.bfloat16):
         layer(x).float().square().mean().backward()
     assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
