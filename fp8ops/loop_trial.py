@@ -32,6 +32,13 @@ One trial per device, for all the layers waiting on it:
     else BF16, for every layer that waited. Means, because only means cancel
     the drift; each side's longest step is left out of them if it is over
     OUTLIER x the median (an evaluation, a checkpoint save).
+Where an optimizer steps (fp8ops' step hook, update_scales, tells note_optimizer_step),
+a trial step is an optimizer step: the anchor's calls between two of them (gradient
+accumulation's micro-batches, a layer called several times, evaluation batches in
+between) are one step and take one path, so the optimizer step's own time falls once
+into every step and activation checkpointing recomputes each call on the path it took.
+A trial that met several anchor calls before the first optimizer step (micro-batches)
+restarts at it. In a loop without one, each anchor call is a step.
 A forward that runs inside a backward (activation checkpointing's recomputation)
 takes the path of its step and marks nothing. An anchor not seen for
 STALE_CALLS calls of the other waiting layers (its model is no longer called, or
@@ -70,20 +77,32 @@ def counted(fp8: bool) -> list[int]:
     return [s for s in range(1, DECIDE_AT) if (s - 1) % BLOCK and step_fp8(s) == fp8]
 
 
+# optimizer steps so far (update_scales calls note_optimizer_step): where the loop has them,
+# they delimit the trial's steps
+_optimizer_steps = 0
+
+
+def note_optimizer_step() -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
 class _Trial:
     def __init__(self) -> None:
         self.pending: dict[tuple, policy.Timing] = {}        # (id(layer), key) -> its timing
         self.decided: dict[tuple, tuple[bool, str]] = {}     # -> (FP8, why), until picked up
         self.anchor: tuple | None = None
-        self.marks: list[tuple[float, torch.cuda.Event]] = []  # (host s, event) at each anchor call
+        self.marks: list[tuple[float, torch.cuda.Event]] = []  # (host s, event) at each counted anchor call
         self.since_anchor = 0
+        self.at_step: int | None = None   # _optimizer_steps at the last mark
+        self.by_step = False               # steps are optimizer steps (one was seen during the trial)
 
     @property
     def fp8_now(self) -> bool:
         return step_fp8(len(self.marks) - 1)  # the anchor marked the current step
 
     def reset(self) -> None:
-        self.anchor, self.marks, self.since_anchor = None, [], 0
+        self.anchor, self.marks, self.since_anchor, self.at_step, self.by_step = None, [], 0, None, False
 
 
 _trials: dict[int, _Trial] = {}
@@ -113,6 +132,7 @@ def _mark(t: _Trial) -> None:
     ev = torch.cuda.Event(enable_timing=True)
     ev.record()
     t.marks.append((time.perf_counter(), ev))
+    t.at_step = _optimizer_steps
 
 
 def step_ms(marks: list, steps) -> list[float]:
@@ -167,29 +187,46 @@ def decision(layer, key, timing: policy.Timing) -> tuple[bool, str | None]:
         # a forward inside a backward: activation checkpointing's recomputation. It must take the
         # path the step's forward took (checkpoint checks the saved tensors match), and is no step
         return t.fp8_now, None
+    if t.by_step:
+        if _optimizer_steps == t.at_step:
+            return t.fp8_now, None  # the same optimizer step: one step, one path
+        # the first call of a waiting layer after an optimizer step starts the next step
+        return _next_step(t, lk)
     if t.anchor is None:
         t.anchor = lk
     if lk == t.anchor:
         t.since_anchor = 0
+        if t.marks and _optimizer_steps != t.at_step:
+            # an optimizer step: from here on the trial's steps are optimizer steps; calls
+            # before the first (micro-batches of one step) do not count: it restarts
+            t.by_step = True
+            if len(t.marks) > 1:
+                t.marks = []
+        return _next_step(t, lk)
+    t.since_anchor += 1
+    if t.since_anchor > STALE_CALLS:
+        t.reset()
+        t.anchor = lk
         _mark(t)
-        if len(t.marks) > DECIDE_AT:
-            t.marks[-1][1].synchronize()  # every mark's event has completed
-            fp8, why = choose(step_ms(t.marks, counted(False)), step_ms(t.marks, counted(True)))
-            from .policy_ranks import world  # noqa: PLC0415
-            _log.info("fp8ops policy auto: the trial in your loop chose %s for %d layers (%s)%s",
-                      "FP8" if fp8 else "BF16", len(t.pending), why,
-                      "; the ranks agree at the next optimizer step: FP8 only where every rank chose it"
-                      if world() > 1 else "")
-            for other, tm in t.pending.items():
-                t.decided[other] = (fp8, f"{why} ({len(t.pending)} layers waited on it; GPU "
-                                         f"{tm.gpu_speedup:.2f}x, alone {tm.alone_speedup:.2f}x)")
-            t.pending.clear()
-            t.reset()
-            return t.decided.pop(lk)
-    else:
-        t.since_anchor += 1
-        if t.since_anchor > STALE_CALLS:
-            t.reset()
-            t.anchor = lk
-            _mark(t)
     return t.fp8_now, None
+
+
+def _next_step(t: _Trial, lk: tuple) -> tuple[bool, str | None]:
+    """Mark the start of the trial's next step; at step DECIDE_AT, decide (one
+    synchronize) for every waiting layer."""
+    _mark(t)
+    if len(t.marks) <= DECIDE_AT:
+        return t.fp8_now, None
+    t.marks[-1][1].synchronize()  # every mark's event has completed
+    fp8, why = choose(step_ms(t.marks, counted(False)), step_ms(t.marks, counted(True)))
+    from .policy_ranks import world  # noqa: PLC0415
+    _log.info("fp8ops policy auto: the trial in your loop chose %s for %d layers (%s)%s",
+              "FP8" if fp8 else "BF16", len(t.pending), why,
+              "; the ranks agree at the next optimizer step: FP8 only where every rank chose it"
+              if world() > 1 else "")
+    for other, tm in t.pending.items():
+        t.decided[other] = (fp8, f"{why} ({len(t.pending)} layers waited on it; GPU "
+                                 f"{tm.gpu_speedup:.2f}x, alone {tm.alone_speedup:.2f}x)")
+    t.pending.clear()
+    t.reset()
+    return t.decided.pop(lk)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import _loader, ops, policy_ranks
+from . import _loader, loop_trial, ops, policy_ranks
 from .linear import _TRACED_CASTS, Fp8Linear
 
 # Every live Fp8Linear (weak: dead models are not kept alive). The optimizer
@@ -160,6 +160,7 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     """One optimizer step has happened for these layers."""
     global _updates
     _updates += 1
+    loop_trial.note_optimizer_step()  # (policy auto's trial counts its steps by these)
     # Every delayed layer whose interval is due is updated, also one that cast
     # nothing since the last update (policy "auto" chose BF16 for its shape, or
     # nothing called it): its row 0 holds 0, and its history window counts

@@ -156,6 +156,37 @@ def test_trial_runs_blocks_of_bf16_and_fp8_and_keeps_the_faster(monkeypatch, cap
     assert not t.pending and not t.decided and t.anchor is None
 
 
+@pytest.mark.parametrize("calls_per_step", [1, 3, 8])
+def test_trial_steps_are_optimizer_steps(monkeypatch, calls_per_step):
+    """Gradient accumulation (and a layer called several times per step): the calls between
+    two optimizer steps are one trial step on one path (activation checkpointing recomputes
+    each on the path it took), and the optimizer step's own time falls once into every
+    trial step. Per call FP8 is 5 % faster on the GPU; each optimizer step adds 3 ms. Counting
+    every call as a step, 8 micro-batches put both long steps on FP8's side and chose BF16."""
+    sim = _SimLoop(monkeypatch, {"bf16": 1.0, "fp8": 1.0}, {"bf16": 10.0, "fp8": 9.5})
+    a, b = _layer(), _layer()
+    verdict, steps = None, 0
+    while verdict is None and steps < 40:
+        paths = []
+        for _ in range(calls_per_step):
+            got = sim.step([a, b])
+            paths += [g[0] for g in got]
+            if got[0][1] is not None:  # decided (a layer asks no more: Fp8Linear keeps the verdict)
+                assert got[1] == got[0]
+                verdict = got[0][0]
+                break
+        if steps > 0:  # (before the first optimizer step the trial cannot know what a step is)
+            assert len(set(paths)) == 1, (steps, paths)
+        sim.t_host += 3.0
+        sim.t_gpu += 3.0
+        loop_trial.note_optimizer_step()
+        steps += 1
+    assert verdict is True
+    # the trial's steps 0..DECIDE_AT-1, decided at the call that starts step DECIDE_AT; with
+    # micro-batches the first optimizer step is spent learning what a step is (a restart)
+    assert steps == loop_trial.DECIDE_AT + 1 + (1 if calls_per_step > 1 else 0), steps
+
+
 def test_a_recomputed_forward_takes_its_steps_path_and_is_no_step(monkeypatch):
     """Activation checkpointing runs the forward again inside the backward: the
     same path as that step's forward (else checkpoint's saved tensors differ)."""
