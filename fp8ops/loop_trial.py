@@ -33,10 +33,11 @@ One trial per device, for all the layers waiting on it:
     the drift; each side's longest step is left out of them if it is over
     OUTLIER x the median (an evaluation, a checkpoint save).
 Where an optimizer steps (fp8ops' step hook, update_scales, tells note_optimizer_step),
-a trial step is an optimizer step: the anchor's calls between two of them (gradient
-accumulation's micro-batches, a layer called several times, evaluation batches in
-between) are one step and take one path, so the optimizer step's own time falls once
-into every step and activation checkpointing recomputes each call on the path it took.
+a trial step is an optimizer step: the first call of any waiting layer after one marks
+it, and the calls until the next (gradient accumulation's micro-batches, a layer called
+several times, other row-count buckets, evaluation batches in between) take its path, so
+the optimizer step's own time falls once into every step and activation checkpointing
+recomputes each call on the path it took.
 A trial that met several anchor calls before the first optimizer step (micro-batches)
 restarts at it. In a loop without one, each anchor call is a step.
 A forward that runs inside a backward (activation checkpointing's recomputation)
