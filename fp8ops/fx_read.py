@@ -97,6 +97,10 @@ _VIEW_METHODS = frozenset(("view", "reshape", "view_as", "transpose", "permute",
                            "unbind", "as_strided", "movedim", "contiguous"))
 
 
+_INPLACE_OPERATORS = frozenset(("iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow",
+                                "iand", "ior", "ixor", "ilshift", "irshift", "setitem"))
+
+
 def mutated_in_place(node: torch.fx.Node, depth: int = 4) -> bool:
     """Does the forward modify node's value in place (h.mul_(0.5), h += 1, x[..., :16].mul_(2)),
     itself or through a view of it? A fused activation or norm reads its input when the
@@ -108,10 +112,8 @@ def mutated_in_place(node: torch.fx.Node, depth: int = 4) -> bool:
         if user.op == "call_method" and name.endswith("_") and not name.startswith("__"):
             return True
         if user.op == "call_function" and getattr(user.target, "__module__", "") in ("_operator", "operator"):
-            if name.startswith("i") and name not in ("is_", "is_not", "index", "indexOf", "inv", "invert"):
-                return True   # h += 1 (operator.iadd), h *= 2, ...
-            if name in ("setitem",):
-                return True   # h[..., :16] = 0
+            if name in _INPLACE_OPERATORS:
+                return True   # h += 1 (operator.iadd), h[..., :16] = 0 (operator.setitem), ...
             if name == "getitem" and depth and mutated_in_place(user, depth - 1):
                 return True
         if user.op == "call_method" and name in _VIEW_METHODS and depth and mutated_in_place(user, depth - 1):

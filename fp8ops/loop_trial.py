@@ -78,14 +78,20 @@ def counted(fp8: bool) -> list[int]:
     return [s for s in range(1, DECIDE_AT) if (s - 1) % BLOCK and step_fp8(s) == fp8]
 
 
-# optimizer steps so far (update_scales calls note_optimizer_step): where the loop has them,
-# they delimit the trial's steps
+# optimizer steps so far, i.e. scale updates (update_scales calls note_optimizer_step; scaling.py
+# also reads this count for its once-per-step rule): where the loop has them, they delimit
+# the trial's steps
 _optimizer_steps = 0
 
 
-def note_optimizer_step() -> None:
+def note_optimizer_step() -> int:
     global _optimizer_steps
     _optimizer_steps += 1
+    return _optimizer_steps
+
+
+def optimizer_steps() -> int:
+    return _optimizer_steps
 
 
 class _Trial:

@@ -53,12 +53,10 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     for name, m in model.named_modules():
         if isinstance(m, Fp8Linear) and m.fp8_amax_history.is_meta:
             # a model built on the meta device: no scaling state until to_empty()
-            rows.append({"name": name or "<root>", "backend": "fp8ops", "runs": RUNS_NOT_YET,
-                         "reason": decisions.get(name, ("fp8ops", "converted"))[1] + "; on the meta device",
-                         "recipe": m.fp8_config.short_str(), "shape": f"{m.in_features}->{m.out_features}",
-                         "scale_x": None, "scale_w": None, "scale_g": None, "amax_x": None, "amax_w": None,
-                         "amax_g": None, "overflows": 0, "overflow_x": 0, "overflow_w": 0, "overflow_g": 0,
-                         "fallback_calls": m.fp8_fallback_calls})
+            rows.append(_row_without_state(name, "fp8ops", RUNS_NOT_YET,
+                                           decisions.get(name, ("fp8ops", "converted"))[1] + "; on the meta device",
+                                           m.fp8_config.short_str(), f"{m.in_features}->{m.out_features}",
+                                           m.fp8_fallback_calls))
         elif isinstance(m, Fp8Linear):
             h = m.fp8_amax_history.detach().float().cpu()
             # the newest completed step sits in the last row after a roll; before
@@ -98,16 +96,19 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
         elif isinstance(m, nn.Linear) or is_hf_conv1d(m):
             backend, reason = decisions.get(name, ("bf16", "not converted (convert() was not called on it)"))
             shape = f"{m.nx}->{m.nf}" if is_hf_conv1d(m) else f"{m.in_features}->{m.out_features}"
-            rows.append({"name": name or "<root>", "backend": "bf16", "runs": RUNS_BF16, "reason": reason,
-                         "recipe": None,
-                         "shape": shape,
-                         "scale_x": None, "scale_w": None, "scale_g": None,
-                         "amax_x": None, "amax_w": None, "amax_g": None,
-                         "overflows": 0, "overflow_x": 0, "overflow_w": 0, "overflow_g": 0,
-                         "fallback_calls": 0})
+            rows.append(_row_without_state(name, "bf16", RUNS_BF16, reason, None, shape, 0))
     if print_table:
         print(format_table(rows))
     return rows
+
+
+def _row_without_state(name: str, backend: str, runs: str, reason: str, recipe, shape: str,
+                       fallback_calls: int) -> dict:
+    """A report row with no scales or amaxes to show (a layer not converted, or on the meta device)."""
+    return {"name": name or "<root>", "backend": backend, "runs": runs, "reason": reason, "recipe": recipe,
+            "shape": shape, "scale_x": None, "scale_w": None, "scale_g": None, "amax_x": None, "amax_w": None,
+            "amax_g": None, "overflows": 0, "overflow_x": 0, "overflow_w": 0, "overflow_g": 0,
+            "fallback_calls": fallback_calls}
 
 
 def _f(v):

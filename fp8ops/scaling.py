@@ -52,14 +52,14 @@ def _layers_of(optimizer) -> list[Fp8Linear]:
                                             layer.__dict__.get("_fp8_copy", 0)))
 
 
-# update_scales calls so far; each layer keeps the count at its last update (_fp8_updated_at)
-# and each optimizer the count when its step began (_fp8ops_seen): an optimizer whose step
-# runs another hooked one (SAM's base optimizer) then skips the layers the inner one updated
-_updates = 0
+# update_scales calls so far (loop_trial keeps the count): each layer keeps the count at its
+# last update (_fp8_updated_at) and each optimizer the count when its step began
+# (_fp8ops_seen): an optimizer whose step runs another hooked one (SAM's base optimizer) then
+# skips the layers the inner one updated
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
-    optimizer.__dict__["_fp8ops_seen"] = _updates
+    optimizer.__dict__["_fp8ops_seen"] = loop_trial.optimizer_steps()
     # ZeroRedundancyOptimizer steps an inner optimizer that holds only this rank's shard of
     # the parameters: updating scales after it would update different layers on different
     # ranks (collectives that do not pair up: a hang). The outer one holds every parameter on
@@ -76,7 +76,7 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
         return
     layers = _layers_of(optimizer)
     seen = optimizer.__dict__.get("_fp8ops_seen")
-    if seen is not None and seen != _updates:
+    if seen is not None and seen != loop_trial.optimizer_steps():
         # an optimizer stepped inside this one's step has updated some layers: once per step
         layers = [layer for layer in layers if layer.__dict__.get("_fp8_updated_at", 0) <= seen]
     if layers:
@@ -158,9 +158,7 @@ def _fast_job(layer: Fp8Linear):
 
 def update_scales(layers: list[Fp8Linear], group=None) -> None:
     """One optimizer step has happened for these layers."""
-    global _updates
-    _updates += 1
-    loop_trial.note_optimizer_step()  # (policy auto's trial counts its steps by these)
+    serial = loop_trial.note_optimizer_step()  # (policy auto's trial counts its steps by these too)
     # Every delayed layer whose interval is due is updated, also one that cast
     # nothing since the last update (policy "auto" chose BF16 for its shape, or
     # nothing called it): its row 0 holds 0, and its history window counts
@@ -187,7 +185,7 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     for layer in layers:
         d = layer.__dict__
         d["fp8_step"] = d["fp8_step"] + 1  # not Module.__setattr__: per layer per step
-        d["_fp8_updated_at"] = _updates
+        d["_fp8_updated_at"] = serial
     # each layer: the scales of its 3 tensors, the history roll, and the count of
     # this step's NaN/inf amaxes (the scale was kept for those). CUDA layers: all
     # of a device's layers in one launch (32 per launch) through _C; others (CPU)
