@@ -447,6 +447,8 @@ class Fp8Linear(nn.Linear):
         # no cast and no load since the scaling state was made: the history is all 0 and the
         # scales 1, so a scale update would change nothing (update_scales skips it, one process)
         self._fp8_pristine = True
+        # policy "auto" settled BF16 for every shape since the last optimizer step: it rests then
+        self._fp8_rest_due = False
         self.fp8_on_cpu = False         # tests: run the FP8 path on CPU with the C reference kernels
         # the fused GELU (gelu_fusion.py). fp8_gelu_input: the layer computes
         # linear(gelu_tanh(x)), the GELU fused into x's cast on the FP8 path.
@@ -583,9 +585,9 @@ class Fp8Linear(nn.Linear):
             self.__dict__["_fp8_views_flat"] = (c, ptrs)
         return c
 
-    def _reset_fp8_state(self) -> None:
+    def _reset_fp8_state(self, keep_step: bool = False) -> None:
         """Fresh scaling state, as convert() made it: amax history 0, scales 1,
-        overflow counts 0, no steps seen (the buffers stay where they are)."""
+        overflow counts 0, no steps seen unless keep_step (the buffers stay where they are)."""
         bufs = self._buffers
         with torch.no_grad():
             bufs["fp8_amax_history"].zero_()
@@ -594,10 +596,12 @@ class Fp8Linear(nn.Linear):
             bufs["fp8_max"].copy_(torch.tensor([FP8_MAX[dt] for dt in self.fp8_dtypes], dtype=torch.float32))
             bufs["fp8_overflow_count"].zero_()
         d = self.__dict__
-        d["fp8_step"] = 0
+        if not keep_step:
+            d["fp8_step"] = 0
         d["_fp8_delayed_ready"] = False
         d["_fp8_cast_since_update"] = False
         d["_fp8_pristine"] = True
+        d["_fp8_rest_due"] = False
         d["_w_cache"] = None
         d["_fp8_si_version"] = None  # (written here: no broadcast, see scaling._check_not_broadcast)
 
@@ -680,6 +684,7 @@ class Fp8Linear(nn.Linear):
             wins, speedup = policy.verdict(t)
             if wins is not None:
                 policy_ranks.settled(self, k, wins, speedup)
+                self._fp8_note_verdict(wins)
                 return wins
             self._fp8_pending[k] = t
         if _POLICY_ONLY:
@@ -692,7 +697,15 @@ class Fp8Linear(nn.Linear):
                 return wins  # a step of the trial: BF16 or FP8, for every layer waiting on it alike
         del self._fp8_pending[k]
         policy_ranks.settled(self, k, wins, t.gpu_speedup if wins else t.alone_speedup, why)
+        self._fp8_note_verdict(wins)
         return wins
+
+    def _fp8_note_verdict(self, wins: bool) -> None:
+        """After a verdict: a layer now settled BF16 for every shape it met rests at the next
+        optimizer step (scaling.update_scales) if it had cast."""
+        d = self.__dict__
+        if not wins and not d["_fp8_pending"] and not any(w for w, _ in d["fp8_policy"].values()):
+            d["_fp8_rest_due"] = True
 
     def __getstate__(self):
         # the cached weight cast and views derive from this layer's tensors (a copy makes its
@@ -707,6 +720,7 @@ class Fp8Linear(nn.Linear):
         state.setdefault("fp8_swiglu_input", False)
         state.setdefault("_fp8_unagreed", set())  # (and from before the exchange at the step)
         state.setdefault("_fp8_pristine", False)  # (and from before the pristine skip: update it)
+        state.setdefault("_fp8_rest_due", False)
         state.setdefault("_fp8_serial", next(_SERIAL))
         state["_fp8_copy"] = next(_COPIES)
         state["_fp8_trace_key"] = f"{state['_fp8_serial']}.{state['_fp8_copy']}"

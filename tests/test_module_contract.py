@@ -19,7 +19,7 @@ from fp8ops import Fp8Config
 from fp8ops._reference import FP8_MAX, sqnr
 from fp8ops.linear import X, Fp8Linear
 
-from conftest import convert_as_on_fp8_gpu
+from conftest import FP8_DEVICES, convert_as_on_fp8_gpu
 
 
 def _mlp(seed=0):
@@ -307,6 +307,86 @@ def test_zero_redundancy_optimizer_before_its_inner_optimizer_exists():
     import fp8ops.scaling as scaling
     zero = object.__new__(ZeroRedundancyOptimizer)   # no inner optimizer yet
     scaling._before_optimizer_step(zero, (), {})
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_a_layer_settled_bf16_after_casting_rests(device, monkeypatch):
+    """Policy "auto" settled BF16 for every shape a layer met after the layer had cast (its
+    trial's FP8 steps): at the next optimizer step it rests as if never cast (history 0,
+    scales 1, its step count kept), and no update reaches it in the steps after (each cost
+    34 us of host time on an H200 host). A layer that casts again starts from current
+    scales: its next forward is bit for bit that of a fresh conversion of the same weights."""
+    import dataclasses  # noqa: PLC0415
+
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
+
+    from fp8ops import policy, scaling  # noqa: PLC0415
+
+    model = convert_as_on_fp8_gpu(_mlp().to(device), monkeypatch, device, amax_history_len=4)
+    layer = model[2]
+    layer.fp8_config = dataclasses.replace(layer.fp8_config, policy="auto")
+    key = (16, torch.float32)  # (rows bucket, compute dtype) of _train's batches
+    layer.fp8_policy[key] = (True, 1.5)
+    jobs = []
+    fast_job = scaling._fast_job
+
+    def counted_job(m):  # (the CUDA layers' update: a job of the many-layer launch)
+        job = fast_job(m)
+        if job is not None:
+            jobs.append(m)
+        return job
+    monkeypatch.setattr(scaling, "_fast_job", counted_job)
+
+    class Updates(TorchDispatchMode):  # (the CPU layers' update: one op per layer)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.fp8ops.amax_update.default and args[0] is layer.fp8_amax_history:
+                jobs.append(layer)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train(steps):
+        for _ in range(steps):
+            model(torch.randn(16, 32, generator=g).to(device)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    with Updates():
+        train(3)  # FP8: the layer casts and is updated
+        assert jobs.count(layer) == 3 and not layer._fp8_pristine
+        assert layer.fp8_amax_history.abs().sum() > 0
+        # a new verdict, BF16 (as a trial's would be; here by the two timings)
+        del layer.fp8_policy[key]
+        monkeypatch.setattr(policy, "measure", lambda *a: policy.Timing(1.0, 2.0, 1.0, 2.0, 0.1, 0.2))
+        if device == "cpu":  # (the CPU path does not ask the policy: asked here, then the plain path)
+            monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (no driver)
+            assert not layer._fp8_pays(16, torch.float32)
+            layer.fp8_on_cpu = False
+        train(1)  # BF16, then the step at which it rests
+        assert layer.fp8_policy[key][0] is False
+        assert layer._fp8_pristine and layer.fp8_step == 4
+        assert layer.fp8_amax_history.abs().sum() == 0 and layer.fp8_scale.tolist() == [1.0, 1.0, 1.0]
+        assert layer.fp8_scale_inv.tolist()[:3] == [1.0, 1.0, 1.0]
+        n = jobs.count(layer)
+        train(3)
+        assert jobs.count(layer) == n and layer.fp8_step == 7  # skipped, still counting steps
+    # cast again (a shape FP8 wins): as a fresh conversion of the same weights would
+    layer.fp8_policy[key] = (True, 1.5)
+    layer.fp8_on_cpu = device == "cpu"
+    fresh = convert_as_on_fp8_gpu(nn.Sequential(copy.deepcopy(layer_as_linear(layer))), monkeypatch, device)
+    h = torch.randn(16, 64, generator=g).to(device)
+    torch.testing.assert_close(layer(h), fresh(h), rtol=0, atol=0)
+    assert layer._fp8_cast_since_update
+
+
+def layer_as_linear(layer):
+    """An nn.Linear with a converted layer's parameters."""
+    lin = nn.Linear(layer.in_features, layer.out_features, device=layer.weight.device)
+    with torch.no_grad():
+        lin.weight.copy_(layer.weight)
+        lin.bias.copy_(layer.bias)
+    return lin
 
 
 def test_a_layer_that_never_cast_skips_its_scale_update_and_ends_as_if_updated(monkeypatch):
