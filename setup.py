@@ -6,11 +6,13 @@ and at import the real libtorch_cpu.so that `import torch` loaded satisfies it.
 Environment:
   FP8OPS_NO_CUDA=1          build CPU kernels only, even if nvcc is found
   FP8OPS_CUDA_ARCHS="89;90;100;120"   SM archs (add "a" for arch-specific, e.g. 90a);
-                            PTX of the last one is embedded for newer GPUs
+                            PTX of the last one is embedded for newer GPUs. Unset: those
+                            of the four this nvcc can build
   CUDA_HOME                 where to find nvcc / cudart (default: nvcc on PATH)
   DEBUG=1                   -O0 -g
 """
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -26,12 +28,60 @@ PY_LIMITED = "0x030A0000"  # CPython 3.10+
 
 
 def find_nvcc():
+    """(path of nvcc or None, why none)."""
     if os.environ.get("FP8OPS_NO_CUDA", "0") not in ("", "0"):
-        return None
+        return None, "FP8OPS_NO_CUDA was set at install time; unset it and reinstall for the CUDA kernels"
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-        return os.path.join(home, "bin", "nvcc")
-    return shutil.which("nvcc")
+        return os.path.join(home, "bin", "nvcc"), ""
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return nvcc, ""
+    return None, "nvcc was not found when fp8ops was installed; reinstall with the CUDA toolkit on PATH or CUDA_HOME set"
+
+
+def source_digest():
+    """Digest of the csrc/ sources: compiled into the build, compared by the Python package
+    with the sources beside it (a source checkout built before a `git pull`)."""
+    h = hashlib.sha256()  # (fp8ops/_loader.py's source_digest reads the same bytes in the same order)
+    for name in sorted(os.listdir("csrc")):
+        path = os.path.join("csrc", name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                h.update(name.encode() + b"\0" + f.read() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def cuda_archs(nvcc):
+    """The SM archs to compile: FP8OPS_CUDA_ARCHS (accepted as "89;90a", "8.9", "sm_90"), else
+    the default ones this nvcc knows (an older toolkit lacks sm_100 / sm_120)."""
+    given = os.environ.get("FP8OPS_CUDA_ARCHS", "").strip()
+    archs = []
+    for a in given.replace(",", ";").replace(" ", ";").split(";"):
+        a = a.strip().lower()
+        if not a:
+            continue
+        m = re.fullmatch(r"(?:sm_|compute_)?(\d+)\.?(\d*)([af]?)", a)
+        if not m:
+            raise SystemExit(f"FP8OPS_CUDA_ARCHS: {a!r} is not an SM arch; expected e.g. "
+                             f"FP8OPS_CUDA_ARCHS=\"89;90a;100\" (major and minor digits, optional a/f suffix)")
+        archs.append(m.group(1) + m.group(2) + m.group(3))
+    if archs:
+        return archs
+    try:
+        known = subprocess.check_output([nvcc, "--list-gpu-arch"], text=True).split()
+    except (OSError, subprocess.CalledProcessError):
+        return DEFAULT_ARCHS.split(";")
+    known = {k.split("_", 1)[1] for k in known if k.startswith("compute_")}
+    archs = [a for a in DEFAULT_ARCHS.split(";") if a in known]
+    dropped = [a for a in DEFAULT_ARCHS.split(";") if a not in known]
+    if dropped:
+        print(f"fp8ops: this nvcc cannot build sm_{', sm_'.join(dropped)}; building {', '.join(archs) or 'none'}",
+              flush=True)
+    if not archs:
+        raise SystemExit("fp8ops: this nvcc knows none of the FP8 archs (sm_89, sm_90, sm_100, sm_120): "
+                         "install CUDA 12.0 or newer, or build without CUDA (FP8OPS_NO_CUDA=1)")
+    return archs
 
 
 def run(cmd):
@@ -49,17 +99,20 @@ class BuildFp8ops(build_ext):
         os.makedirs(tmp, exist_ok=True)
         out = os.path.abspath(self.get_ext_fullpath(ext.name))
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        cc = os.environ.get("CC") or sysconfig.get_config_var("CC").split()[0] or "cc"
-        nvcc = find_nvcc()
+        cc = os.environ.get("CC") or ((sysconfig.get_config_var("CC") or "").split() or ["cc"])[0]
+        nvcc, no_cuda_reason = find_nvcc()
         cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
-        archs = [a.strip() for a in os.environ.get("FP8OPS_CUDA_ARCHS", DEFAULT_ARCHS).replace(",", ";").split(";") if a.strip()]
+        archs = cuda_archs(nvcc) if nvcc else []
         opt = ["-O0", "-g"] if debug else ["-O2"]
 
         cflags = ["-std=c11", "-fPIC", "-fexceptions", "-Wall", "-Wextra", *opt,
-                  f"-DPy_LIMITED_API={PY_LIMITED}", "-I" + sysconfig.get_paths()["include"], "-Icsrc"]
+                  f"-DPy_LIMITED_API={PY_LIMITED}", "-I" + sysconfig.get_paths()["include"], "-Icsrc",
+                  f'-DFP8OPS_SOURCE_DIGEST="{source_digest()}"']
         if nvcc:
             cflags += ["-DFP8OPS_WITH_CUDA", f'-DFP8OPS_CUDA_ARCHS="{" ".join(archs)} ptx"',
                        "-I" + os.path.join(cuda_home, "include")]
+        else:
+            cflags += [f'-DFP8OPS_NO_CUDA_REASON="{no_cuda_reason}"']
         objects = []
         for src in sorted(glob.glob("csrc/*.c")):
             if os.path.basename(src) in CUDA_ONLY_C and not nvcc:

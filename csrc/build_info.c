@@ -9,19 +9,29 @@
 #define FP8OPS_CUDA_ARCHS ""
 #endif
 
+#ifndef FP8OPS_NO_CUDA_REASON
+#define FP8OPS_NO_CUDA_REASON "nvcc was not found when fp8ops was installed"
+#endif
+#ifndef FP8OPS_SOURCE_DIGEST
+#define FP8OPS_SOURCE_DIGEST ""
+#endif
+
 const char* fp8ops_cuda_archs(void) { return FP8OPS_CUDA_ARCHS; }
+const char* fp8ops_source_digest(void) { return FP8OPS_SOURCE_DIGEST; }
 
 #ifdef FP8OPS_WITH_CUDA
 
 int fp8ops_built_with_cuda(void) { return 1; }
+const char* fp8ops_no_cuda_reason(void) { return ""; }
 
 #else /* CPU-only build */
 
 #define NO_CUDA(op)                                                                 \
-  fp8ops_set_error(FP8OPS_ERR_UNSUPPORTED, "%s: fp8ops was built without CUDA (nvcc was not " \
-                   "found at install time); reinstall with nvcc on PATH", op)
+  fp8ops_set_error(FP8OPS_ERR_UNSUPPORTED, "%s: fp8ops was built without CUDA (%s)", op, \
+                   FP8OPS_NO_CUDA_REASON)
 
 int fp8ops_built_with_cuda(void) { return 0; }
+const char* fp8ops_no_cuda_reason(void) { return FP8OPS_NO_CUDA_REASON; }
 int fp8ops_cublaslt_init(void) { return NO_CUDA("cuBLASLt"); }
 size_t fp8ops_gemm_workspace_bytes(void) { return 0; }
 int fp8ops_device_capability(int device, int* cc) {

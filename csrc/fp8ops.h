@@ -348,6 +348,11 @@ void fp8ops_mark_initialized(const void* ptr, size_t bytes, void* stream);
 int fp8ops_built_with_cuda(void);
 /* Space-separated list of the SM archs compiled in, e.g. "89 90a 100 120 ptx". */
 const char* fp8ops_cuda_archs(void);
+/* Why a build has no CUDA kernels (no nvcc found, or FP8OPS_NO_CUDA set); "" with CUDA. */
+const char* fp8ops_no_cuda_reason(void);
+/* A digest of the csrc/ sources this build was compiled from (setup.py), so that the Python
+ * package can tell a stale build of a source checkout from a current one. */
+const char* fp8ops_source_digest(void);
 /* Load cuBLASLt symbols from the copy already in the process (dlopen NOLOAD).
  * Returns FP8OPS_OK, or FP8OPS_ERR_UNSUPPORTED with a message. */
 int fp8ops_cublaslt_init(void);

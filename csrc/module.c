@@ -21,12 +21,12 @@ static char g_cuda_reason[512];
 /* _C.build_info() -> dict of facts for fp8ops.doctor */
 static PyObject* py_build_info(PyObject* self, PyObject* noargs) {
   (void)self; (void)noargs;
-  return Py_BuildValue("{s:i,s:s,s:i,s:s,s:s,s:K,s:s}", "built_with_cuda",
+  return Py_BuildValue("{s:i,s:s,s:i,s:s,s:s,s:K,s:s,s:s}", "built_with_cuda",
                        fp8ops_built_with_cuda(), "cuda_archs", fp8ops_cuda_archs(),
                        "cuda_kernels_registered", g_cuda_registered, "cuda_reason", g_cuda_reason,
                        "ops", fp8ops_op_names(), "torch_abi_version",
                        (unsigned long long)aoti_torch_abi_version(), "min_torch",
-                       FP8OPS_TORCH_MIN_VERSION);
+                       FP8OPS_TORCH_MIN_VERSION, "source_digest", fp8ops_source_digest());
 }
 
 /* _C.cublaslt_status() -> None if cuBLASLt is usable, else the reason */
@@ -124,8 +124,8 @@ PyMODINIT_FUNC PyInit__C(void) {
   if (!m) return NULL;
   int with_cuda = 0;
   if (!fp8ops_built_with_cuda()) {
-    snprintf(g_cuda_reason, sizeof g_cuda_reason,
-             "built without CUDA (nvcc was not found when fp8ops was installed)");
+    snprintf(g_cuda_reason, sizeof g_cuda_reason, "built without CUDA (%s)",
+             fp8ops_no_cuda_reason());
   } else {
     fp8ops_get_current_cuda_stream_fn fn = find_stream_getter();
     if (!fn) {

@@ -14,6 +14,7 @@ script uses it); a whole-model fallback is announced once, loudly.
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from typing import Callable
 
@@ -36,7 +37,7 @@ def fp8_supported_here(device: int | None = None) -> tuple[bool, str]:
         return False, f"fp8ops extension not loaded: {_loader.why_unavailable()}"
     info = _loader.build_info()
     if not info.get("built_with_cuda"):
-        return False, "fp8ops was built without CUDA (no nvcc at install time); reinstall with the CUDA toolkit on PATH"
+        return False, f"fp8ops was {info.get('cuda_reason') or 'built without CUDA'}"
     if not info.get("cuda_kernels_registered"):
         return False, f"fp8ops CUDA kernels not registered: {info.get('cuda_reason')}"
     if not torch.cuda.is_available():
@@ -46,10 +47,35 @@ def fp8_supported_here(device: int | None = None) -> tuple[bool, str]:
     if (major, minor) < (8, 9):
         name = torch.cuda.get_device_name(dev)
         return False, (f"{name} is sm_{major}{minor}; FP8 tensor cores need sm_89+ (Ada, Hopper, Blackwell)")
+    archs = info.get("cuda_archs", "")
+    if not runs_on(archs, major, minor):
+        return False, (f"{torch.cuda.get_device_name(dev)} is sm_{major}{minor}, and fp8ops was compiled for "
+                       f"{archs or 'no arch'} only; reinstall with FP8OPS_CUDA_ARCHS=\"{major}{minor}\"")
     status = _loader._C.cublaslt_status()
     if status is not None:
         return False, f"cuBLASLt unusable: {status}"
     return True, "ok"
+
+
+def runs_on(archs: str, major: int, minor: int) -> bool:
+    """Does a build for archs (build_info's "89 90a 100 120 ptx": cubins, then "ptx": the last
+    one's PTX) have code for an sm_<major><minor> GPU? A cubin runs on its own major at its
+    minor or above ("a": that exact GPU only); PTX is compiled by the driver for any GPU at
+    or above its arch."""
+    items = archs.split()
+    cubins = [a for a in items if a != "ptx"]
+    for a in cubins:
+        m = re.fullmatch(r"(\d+?)(\d)([af]?)", a)
+        if not m:
+            continue
+        a_major, a_minor, suffix = int(m.group(1)), int(m.group(2)), m.group(3)
+        if a_major == major and (a_minor == minor if suffix == "a" else a_minor <= minor):
+            return True
+    if "ptx" in items and cubins:
+        m = re.fullmatch(r"(\d+?)(\d)[af]?", cubins[-1])
+        if m and (major, minor) >= (int(m.group(1)), int(m.group(2))):
+            return True
+    return False
 
 
 # a forward set on the module object (accelerate's hooks wrap it so): it calls nn.Linear's own

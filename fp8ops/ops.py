@@ -696,4 +696,9 @@ def _register() -> None:
 
 
 if _loader.is_available():
-    _register()
+    try:
+        _register()
+    except (AttributeError, RuntimeError) as e:  # a build from other sources: an op missing
+        _loader.simulate_unavailable(
+            f"fp8ops' C extension does not match this fp8ops' Python code ({e}); reinstall fp8ops "
+            f"(`pip install --force-reinstall --no-cache-dir .`, or `pip install -e .` for a checkout)")

@@ -133,6 +133,8 @@ sys.meta_path.insert(0, _FailC())
 
 CUDA_BUILD = dict(built_with_cuda=1, cuda_kernels_registered=1, cuda_reason="", cuda_archs="89 90 100 120 ptx")
 SO_PATH = "/site-packages/fp8ops/_C.abi3.so"
+NO_NVCC = ("built without CUDA (nvcc was not found when fp8ops was installed; reinstall with the CUDA "
+           "toolkit on PATH or CUDA_HOME set)")  # (csrc/module.c with setup.py's reason)
 
 # name -> (pre-import code, post-import code, extra env)
 SCENARIOS = {
@@ -143,11 +145,12 @@ SCENARIOS = {
         cuda_reason="this torch has no CUDA (libtorch_cuda.so is not loaded)"), {}),
     "cpu_only_torch_cpu_build": (CPU_ONLY_TORCH, build_info_patch(
         built_with_cuda=0, cuda_kernels_registered=0, cuda_archs="",
-        cuda_reason="built without CUDA (nvcc was not found when fp8ops was installed)"), {}),
+        cuda_reason=NO_NVCC), {}),
     "sm80": (FAKE_GPU.format(major=8, minor=0, name="NVIDIA A100-SXM4-80GB"), build_info_patch(**CUDA_BUILD), {}),
     "no_nvcc_on_h100": (FAKE_GPU.format(major=9, minor=0, name="NVIDIA H100 80GB HBM3"), build_info_patch(
-        built_with_cuda=0, cuda_kernels_registered=0, cuda_archs="",
-        cuda_reason="built without CUDA (nvcc was not found when fp8ops was installed)"), {}),
+        built_with_cuda=0, cuda_kernels_registered=0, cuda_archs="", cuda_reason=NO_NVCC), {}),
+    # the default build on Jetson Thor: no sm_110 cubin, and the PTX is sm_120's
+    "sm110": (FAKE_GPU.format(major=11, minor=0, name="NVIDIA Thor"), build_info_patch(**CUDA_BUILD), {}),
     "torch_2.9.0": ("import torch\ntorch.__version__ = '2.9.0'\n", "", {}),
     "torch_2.9.1+cu128": ("import torch\ntorch.__version__ = '2.9.1+cu128'\n", "", {}),
     "torch_1.13.1": ("import torch\ntorch.__version__ = '1.13.1'\n", "", {}),
@@ -334,6 +337,116 @@ def test_built_without_nvcc_on_an_fp8_gpu(scenario):
     assert "GPU 0                        NVIDIA H100 80GB HBM3 (sm_90)" in doctor
 
 
+def test_gpu_arch_not_compiled_in(scenario):
+    """A GPU the build has no code for (sm_110 against 89 90 100 120 + PTX 120) falls back at
+    convert, naming the archs and the remedy, instead of failing at the first kernel."""
+    res = scenario("sm110")
+    assert_falls_back(res, ["NVIDIA Thor is sm_110", "compiled for 89 90 100 120 ptx only",
+                            'FP8OPS_CUDA_ARCHS="110"'])
+
+
+@pytest.mark.parametrize("archs,sm,ok", [
+    ("89 90 100 120 ptx", (8, 9), True), ("89 90 100 120 ptx", (9, 0), True),
+    ("89 90 100 120 ptx", (10, 3), True), ("89 90 100 120 ptx", (12, 1), True),
+    ("89 90 100 120 ptx", (11, 0), False), ("89 90 100 120 ptx", (8, 6), False),
+    ("89 90 100 120 ptx", (13, 0), True),  # the PTX, compiled by the driver
+    ("90 ptx", (8, 9), False), ("90a ptx", (9, 0), True), ("90a", (10, 0), False),
+    ("100a 120", (10, 3), False), ("89", (8, 9), True), ("", (9, 0), False)])
+def test_runs_on(archs, sm, ok):
+    from fp8ops.conversion import runs_on  # noqa: PLC0415
+    assert runs_on(archs, *sm) is ok
+
+
+def test_a_build_from_other_sources_is_not_used(tmp_path, monkeypatch):
+    """A source checkout whose csrc/ changed since its build (`git pull` after `pip install -e .`):
+    the extension is not used (every layer falls back), and the reason says to rebuild. The
+    digest is setup.py's: the same files give the same one."""
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "setup.py").write_text("")
+    (tmp_path / "csrc" / "ops.c").write_text("int x;\n")
+    monkeypatch.setattr(_loader, "_source_checkout", lambda: str(tmp_path))
+    built = _loader.source_digest(str(tmp_path))
+
+    class Build:
+        @staticmethod
+        def build_info():
+            return {"source_digest": built}
+    assert _loader._stale(Build) is None
+    (tmp_path / "csrc" / "ops.c").write_text("int y;\n")
+    why = _loader._stale(Build)
+    assert why and "built from other sources" in why and "pip install -e ." in why and str(tmp_path) in why
+    # the digest setup.py compiles in, for these files
+    setup_src = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    fn = setup_src[setup_src.index("def source_digest"):setup_src.index("def cuda_archs")]
+    ns: dict = {"hashlib": __import__("hashlib"), "os": os}
+    exec(fn, ns)  # noqa: S102 -- setup.py's own function, run on tmp_path's csrc
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        assert ns["source_digest"]() == _loader.source_digest(str(tmp_path))
+    finally:
+        os.chdir(cwd)
+
+
+def test_not_built_in_a_source_checkout_says_so(monkeypatch):
+    monkeypatch.setattr(_loader, "_source_checkout", lambda: "/home/me/fp8ops")
+    why = _loader._explain(ModuleNotFoundError("No module named 'fp8ops._C'"))
+    assert "source checkout (/home/me/fp8ops)" in why and "pip install -e ." in why
+
+
+def test_ops_missing_from_the_build_fall_back(tmp_path):
+    """An extension that lacks an op this Python code registers (a build of older sources):
+    import works, the extension counts as not loaded, and the reason says to reinstall."""
+    pre = """
+import torch
+_real = torch.library.register_fake
+def register_fake(name, *a, **k):
+    if name == "fp8ops::swiglu":
+        raise RuntimeError("operator fp8ops::swiglu does not exist")
+    return _real(name, *a, **k)
+torch.library.register_fake = register_fake
+"""
+    post = """
+import json
+print("ENV-RESULT " + json.dumps({"available": fp8ops.is_available(), "why": fp8ops.why_unavailable(),
+                                  "supported": fp8ops.fp8_supported_here()}))
+"""
+    res = run_child("\n".join([pre, "import fp8ops", post]), tmp_path, [str(PKG_DIR.parent)])
+    assert res["available"] is False
+    assert "does not match this fp8ops' Python code" in res["why"] and "fp8ops::swiglu" in res["why"]
+    assert res["supported"][0] is False
+
+
+def test_sdist_has_every_source(tmp_path):
+    """The sdist (what `python -m build` builds the wheel from) carries csrc/ whole: the
+    headers and CUDA sources too, not only the C files setup.py names."""
+    repo = Path(__file__).resolve().parents[1]
+    pytest.importorskip("setuptools")
+    p = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path),
+                        "sdist", "--dist-dir", str(tmp_path)], cwd=repo, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    import tarfile  # noqa: PLC0415
+    (sdist,) = tmp_path.glob("*.tar.gz")
+    with tarfile.open(sdist) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    want = {f"csrc/{f.name}" for f in (repo / "csrc").iterdir() if f.is_file()}
+    assert want <= names, sorted(want - names)
+
+
+@pytest.mark.parametrize("archs", ["sm_9x", "90;ampere"])
+def test_bad_cuda_archs_are_refused_by_name(tmp_path, archs):
+    repo = Path(__file__).resolve().parents[1]
+    if not (shutil.which("nvcc") or os.environ.get("CUDA_HOME")):
+        pytest.skip("no nvcc: the archs are not read")
+    env = dict(os.environ, FP8OPS_CUDA_ARCHS=archs)
+    env.pop("FP8OPS_NO_CUDA", None)
+    p = subprocess.run([sys.executable, "setup.py", "build_ext", "-b", str(tmp_path / "b"), "-t", str(tmp_path / "t")],
+                       cwd=repo, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode != 0
+    assert "FP8OPS_CUDA_ARCHS:" in p.stderr + p.stdout and "is not an SM arch" in p.stderr + p.stdout
+
+
 def test_registration_matches_build_info():
     """Real, for this build: CPU and fake kernels always; CUDA kernels exactly
     when build_info says they are registered (never for a build without nvcc)."""
@@ -439,7 +552,10 @@ def test_op_call_without_extension_says_why(scenario):
 
 def test_extension_not_built(scenario):
     res = scenario("not_built")
-    assert_extension_unavailable(res, ["is not built", "pip install ."])
+    if _loader._source_checkout():  # (the package under test is an in-place build of a checkout)
+        assert_extension_unavailable(res, ["is not built", "source checkout", "pip install -e ."])
+    else:
+        assert_extension_unavailable(res, ["is not built", "pip install ."])
 
 
 @pytest.mark.parametrize("name,why", [
