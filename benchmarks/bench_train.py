@@ -123,6 +123,43 @@ def build(variant: str, GPT, GPTConfig, lm_filter, mcfg: dict, args, fp8ops, exa
     return model, call, opt, cfg, note
 
 
+def settled_check(model, call, GPT, cfg, batch) -> dict:
+    """After the warm-up (policy auto settled, compiled code built): one forward + backward of
+    the variant on batch against BF16 eager from the same weights. The warm-up losses cannot
+    show a broken FP8 path: policy auto's trial starts with BF16 steps, and with random tokens
+    the loss barely moves. Gradients are compared as one vector (SQNR, dB) and per parameter
+    (the lowest); the model's own gradients are left cleared."""
+    idx, tgt = batch
+    ref = GPT(cfg).to(DEVICE)
+    ref.load_state_dict({k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()})
+    losses, grads = [], []
+    for m, fn in ((model, call), (ref, ref)):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            _, loss = fn(idx, tgt)
+        loss.backward()
+        losses.append(float(loss))
+        grads.append({n.replace("_orig_mod.", ""): p.grad for n, p in m.named_parameters() if p.grad is not None})
+    signal = noise = 0.0
+    per_param = []
+    for n, g_ref in grads[1].items():
+        g = grads[0].get(n)
+        s_n = float(g_ref.float().square().sum())
+        e_n = float((g_ref.float() - g.float()).square().sum()) if g is not None else s_n
+        signal, noise = signal + s_n, noise + e_n
+        if s_n > 0:
+            per_param.append((10 * math.log10(s_n / e_n) if e_n > 0 else math.inf, n))
+    model.zero_grad(set_to_none=True)
+    del ref, grads
+    worst = min(per_param) if per_param else (math.inf, "")
+    return {"loss": losses[0], "loss_bf16": losses[1],
+            "grad_sqnr_db": 10 * math.log10(signal / noise) if noise > 0 else math.inf,
+            "min_param_sqnr_db": worst[0], "min_param": worst[1]}
+
+
+SETTLED_MIN_SQNR_DB = 10.0  # FP8 against BF16 gradients of a whole model: 20-30 dB; a broken path ~0
+
+
 def graph_breaks() -> int:
     """torch.compile graph breaks so far in this process (dynamo's counter)."""
     try:
@@ -270,6 +307,19 @@ def main() -> int:
                         # how each decision beyond the two timings was reached, per layer timing:
                         # the trial's step times (loop_trial), or tune_policy's GPU-bound verdict
                         row["policy_trials"] = sorted(whys)
+                # the settled path against BF16 from the same weights
+                chk = settled_check(model, call, GPT, cfg, batches[0])
+                row["settled_check"] = chk
+                chk_ok = chk["grad_sqnr_db"] >= SETTLED_MIN_SQNR_DB and \
+                    abs(chk["loss"] - chk["loss_bf16"]) <= 0.02 * abs(chk["loss_bf16"])
+                print(f"  {v}: after the warm-up, one step against BF16 from the same weights: loss "
+                      f"{chk['loss']:.4f} vs {chk['loss_bf16']:.4f}, gradients {chk['grad_sqnr_db']:.1f} dB "
+                      f"(lowest {chk['min_param_sqnr_db']:.1f} dB, {chk['min_param']})"
+                      + ("" if chk_ok else f"  VALIDATION FAILED (needs >= {SETTLED_MIN_SQNR_DB} dB, loss within 2 %)"),
+                      flush=True)
+                if not chk_ok:
+                    row["valid"] = False
+                    failures.append(f"{mname} {v}: settled path vs BF16: {chk}")
                 # timed steps
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
