@@ -29,7 +29,8 @@ def smooth(values, window):
 
 
 def label_of(path, metrics):
-    return f"{Path(path).parent.name or path} ({metrics.get('backend', '?')})"
+    """The run's directory and what ran (fp8_ran: converted is not running FP8 under policy auto)."""
+    return f"{Path(path).parent.name or path} ({metrics.get('fp8_ran') or metrics.get('backend', '?')})"
 
 
 def rel(a, b):
@@ -49,8 +50,11 @@ def main(argv=None):
 
     runs = []
     for path in args.metrics:
-        with open(path) as f:
-            runs.append((path, json.load(f)))
+        try:
+            with open(path) as f:
+                runs.append((path, json.load(f)))
+        except (OSError, ValueError) as e:
+            p.error(f"{path}: {e} (a metrics.json that train_fp8.py wrote)")
 
     # --- numbers -----------------------------------------------------------------------------------
     base = runs[0][1]
@@ -62,9 +66,9 @@ def main(argv=None):
         btr, bva = base.get("final_train_loss"), base.get("final_val_loss")
         btps = base.get("mean_tokens_per_s")
         print(f"{label_of(path, m):<{width}}  {m.get('last_step', 0):>6}  "
-              f"{tr if tr is None else format(tr, '.4f'):>8}  "
+              f"{'-' if tr is None else format(tr, '.4f'):>8}  "
               f"{rel(btr, tr) if None not in (btr, tr) else '-':>9}  "
-              f"{va if va is None else format(va, '.4f'):>8}  "
+              f"{'-' if va is None else format(va, '.4f'):>8}  "
               f"{rel(bva, va) if None not in (bva, va) else '-':>9}  "
               f"{'-' if tps is None else format(tps, ',.0f'):>10}  "
               f"{rel(btps, tps) if None not in (btps, tps) else '-':>9}")

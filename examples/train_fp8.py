@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import shutil
+import shlex
 import signal
 import sys
 import sysconfig
@@ -133,8 +134,24 @@ def parse_args(argv=None):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1 (got {getattr(args, name)})")
     if args.data and not Path(args.data).is_file():
-        p.error(f"--data {args.data}: no such file (a plain-text file to train on; leave it out for the "
+        what = "is a directory" if Path(args.data).is_dir() else \
+            ("is not a regular file" if Path(args.data).exists() else "no such file")
+        p.error(f"--data {args.data}: {what} (a plain-text file to train on; leave it out for the "
                 "embedded default corpus)")
+    for name, ok, want in (("lr", args.lr > 0 and math.isfinite(args.lr), "a positive number"),
+                           ("min_lr", args.min_lr is None or (args.min_lr >= 0 and math.isfinite(args.min_lr)),
+                            "a number >= 0"),
+                           ("warmup_steps", args.warmup_steps is None or args.warmup_steps >= 0, "at least 0"),
+                           ("dropout", 0 <= args.dropout < 1 if args.dropout is not None else True, "in [0, 1)"),
+                           ("weight_decay", args.weight_decay >= 0, "at least 0"),
+                           ("grad_clip", args.grad_clip >= 0, "at least 0 (0 disables)"),
+                           ("max_time_min", args.max_time_min is None or args.max_time_min > 0, "positive")):
+        if not ok:
+            p.error(f"--{name} must be {want} (got {getattr(args, name)})")
+    if args.n_embd is not None and args.n_head is not None and args.n_embd % args.n_head:
+        p.error(f"--n_embd {args.n_embd} must be a multiple of --n_head {args.n_head}")
+    if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        p.error(f"--out_dir {args.out_dir}: a file is there; name a directory")
     if args.resume and args.resume != "auto" and not Path(args.resume).is_file():
         p.error(f"--resume {args.resume}: no such file (a ckpt_*.pt this script wrote, or auto)")
     return args
@@ -173,12 +190,14 @@ def load_data(args, device, block_size):
         desc = args.data
     else:
         raw, desc = default_corpus()
+    need = 10 * (block_size + 2)  # (10 % of it validates: more than block_size + 1 bytes)
+    if len(raw) < need:
+        raise SystemExit(f"--data {desc}: {len(raw):,} bytes; with a context of {block_size} (--block_size) "
+                         f"it needs at least {need:,} (10 % of it is the validation split): use a larger "
+                         f"file or a smaller --block_size")
     tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     n_train = int(0.9 * len(tokens))
     train, val = tokens[:n_train], tokens[n_train:]
-    if len(val) <= block_size + 1:
-        raise SystemExit(f"corpus too small: {len(tokens)} bytes leaves {len(val)} for validation; "
-                         f"need more than block_size + 1 = {block_size + 1}")
     # The whole corpus lives on the device: a batch is then one gather, with no host transfer.
     size = f"{len(tokens) / 1e6:.1f} MB" if len(tokens) >= 100_000 else f"{len(tokens):,} bytes"
     return train.to(device), val.to(device), f"{desc}: {size}, 90/10 split"
@@ -198,10 +217,60 @@ def save_atomic(obj, path, json_text=False):
     """Write to a temporary file, then rename: an interrupted save never corrupts the old file."""
     tmp = path.with_name(path.name + ".tmp")
     if json_text:
-        tmp.write_text(json.dumps(obj, indent=1))
+        tmp.write_text(json.dumps(_json_safe(obj), indent=1, allow_nan=False))
     else:
         torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def _json_safe(obj):
+    """obj with NaN and inf as null: JSON has no such numbers (json.dumps would write NaN, which
+    strict parsers refuse)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+# the flags that make up a run's recipe: a resume that changes one of them says so
+RECIPE_FLAGS = ("steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "batch_size",
+                "grad_accum", "data", "seed", "use_fp8", "fp8_backend", "fp8_fallback", "fp8_recipe",
+                "fp8_format", "fp8_margin", "fp8_interval", "fp8_amax_history_len",
+                "fp8_amax_compute_algo", "fp8_policy")
+# model-shape flags: a resume takes the checkpoint's shape
+SHAPE_FLAGS = ("model", "arch", "n_layer", "n_head", "n_embd", "block_size", "dropout")
+
+
+def resume_differences(args, saved: dict) -> list[str]:
+    """One line per recipe flag of this invocation that differs from the checkpoint's run, and
+    per model-shape flag given that the checkpoint overrides."""
+    lines = []
+    for name in RECIPE_FLAGS:
+        if name in saved and getattr(args, name) != saved[name]:
+            lines.append(f"--{name} {getattr(args, name)} (the checkpoint's run: {saved[name]})")
+    for name in SHAPE_FLAGS:
+        if getattr(args, name) is not None and name in saved and getattr(args, name) != saved[name]:
+            lines.append(f"--{name} {getattr(args, name)} ignored: the model keeps the checkpoint's shape")
+    return lines
+
+
+def continue_command(argv) -> str:
+    """This invocation's flags with --resume auto: continuing it keeps its recipe."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--resume":
+            skip = True
+            continue
+        if a.startswith("--resume="):
+            continue
+        out.append(shlex.quote(a))
+    return "python examples/train_fp8.py " + " ".join(out + ["--resume", "auto"])
 
 
 def find_resume(args):
@@ -334,11 +403,16 @@ def main(argv=None):
                              f"({type(e).__name__}: {str(e)[:200]})") from None
         print(f"resume: {resume_path} (step {ckpt['step']}, trained with "
               f"{ckpt.get('fp8_backend', 'bf16')}); model shape from the checkpoint")
+        for line in resume_differences(args, ckpt.get("args") or {}):
+            print(f"resume: {line}")
     else:
         preset = args.model or ("small" if device.type == "cuda" else "tiny")
-        cfg = GPTConfig.preset(preset, n_layer=args.n_layer, n_head=args.n_head,
-                               n_embd=args.n_embd, block_size=args.block_size,
-                               dropout=args.dropout, arch=args.arch)
+        try:
+            cfg = GPTConfig.preset(preset, n_layer=args.n_layer, n_head=args.n_head,
+                                   n_embd=args.n_embd, block_size=args.block_size,
+                                   dropout=args.dropout, arch=args.arch)
+        except ValueError as e:  # (e.g. a width the heads do not divide)
+            raise SystemExit(f"model flags (--model {preset}): {e}") from None
     # The same seed gives FP8 and BF16 runs identical initial weights, so their curves compare.
     torch.manual_seed(args.seed)
     model = GPT(cfg)
@@ -485,7 +559,7 @@ def main(argv=None):
         print(f"training steps {start_step}..{args.steps}: {tokens_per_step:,} tokens per step; "
               f"writing to {out_dir}")
     stopper = StopOnInterrupt(log)
-    step, stop_reason = start_step, None
+    step, stop_reason, diverged = start_step, None, None
     pending = []                     # (step, loss tensor): read back at log steps, not every step
     run_tok_s = []                   # tokens/s of this run's log windows
     window_t0, window_steps = time.perf_counter(), 0
@@ -538,6 +612,13 @@ def main(argv=None):
                 tok_s = window_steps * tokens_per_step / (time.perf_counter() - window_t0)
                 flush_losses()
                 loss_now = metrics["train_loss"][-1]
+                if not math.isfinite(loss_now):
+                    # (every rank has the same mean: all stop here together)
+                    diverged = (f"the training loss is {loss_now} at step {step}: training diverged; "
+                                f"nothing is saved from here (the last checkpoint is step "
+                                f"{last_saved or start_step}). Lower --lr, keep --grad_clip on, or "
+                                f"lengthen --warmup_steps")
+                    break
                 metrics["tokens_per_s_steps"].append(step)
                 metrics["tokens_per_s"].append(tok_s)
                 run_tok_s.append(tok_s)
@@ -592,13 +673,16 @@ def main(argv=None):
     # (a resume with nothing to train leaves the finished run's checkpoint and metrics.json as they
     # are: rewritten, they would carry this invocation's flags, e.g. BF16 without --use_fp8)
     trained = step > start_step
-    if trained and last_saved != step:
+    if trained and last_saved != step and not diverged:
         checkpoint(step, "ckpt_latest.pt")
     summary = write_metrics(step, save=trained)
     if writer is not None:
         writer.close()
 
     minutes = (time.time() - t_start) / 60
+    if diverged:
+        print(f"stopped at step {step} of {args.steps}: {diverged}")
+        return 1
     if stop_reason:
         print(f"stopped at step {step} of {args.steps}: {stop_reason}")
     print(f"\nsummary ({minutes:.1f} min)")
@@ -614,7 +698,7 @@ def main(argv=None):
     print(f"  FP8             {summary['fp8_ran']}")
     saved = sorted(p.name for p in out_dir.glob("ckpt_*.pt"))
     print(f"  checkpoints     {out_dir}/ {', '.join(saved)}")
-    print(f"  continue with   --resume auto --out_dir {out_dir}")
+    print(f"  continue with   {continue_command(sys.argv[1:] if argv is None else argv)}")
     if writer is not None:
         print(f"  TensorBoard     tensorboard --logdir {out_dir / 'tb'}")
     print(f"  metrics         {out_dir / 'metrics.json'} (compare runs: examples/plot_curves.py)")

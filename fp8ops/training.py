@@ -126,7 +126,8 @@ def prepare_model(model, args, logger=print, module_filter_fn=None, precision="B
     through `logger`.
 
     Returns (model, info) with info keys:
-      backend      what runs: "fp8ops", "torchao", "te" or "bf16"
+      backend      what runs: "fp8ops", "torchao", "te" or "bf16" (no FP8 backend: the layers run
+                   in `precision`, which the summary names, e.g. "fp32 (no CUDA GPU ...)")
       requested    the backend asked for, or None without --use_fp8
       fp8_layers   number of linear layers that run FP8
       linear_layers  number of nn.Linear layers the model had
@@ -142,7 +143,7 @@ def prepare_model(model, args, logger=print, module_filter_fn=None, precision="B
 
     if not getattr(args, "use_fp8", False):
         info["reason"] = "FP8 not requested"
-        info["summary"] = "bf16 (FP8 not requested)"
+        info["summary"] = f"{precision.lower()} (FP8 not requested)"
         hint = "add --use_fp8 to train in FP8"
         if backend not in ("fp8ops", "bf16"):
             hint = f"--fp8_backend {backend} has no effect without --use_fp8"
@@ -150,22 +151,24 @@ def prepare_model(model, args, logger=print, module_filter_fn=None, precision="B
         return model, info
     if backend == "bf16":
         info["reason"] = "--fp8_backend bf16"
-        info["summary"] = "bf16 (--fp8_backend bf16)"
+        info["summary"] = f"{precision.lower()} (--fp8_backend bf16)"
         logger(f"FP8: off, training in {precision} (--fp8_backend bf16)")
         return model, info
 
     info["requested"] = backend
-    if args.fp8_format == "e5m2" and backend != "fp8ops":
-        # torchao and Transformer Engine have no all-E5M2 recipe (no FP8 tensor core multiplies
-        # E5M2 by E5M2; fp8ops emulates those GEMMs). Keep the format closest to it.
-        logger(f"FP8: --fp8_format e5m2 is not available with --fp8_backend {backend}; "
-               "using hybrid: E4M3 forward, E5M2 gradients")
-        args = argparse.Namespace(**{**vars(args), "fp8_format": "hybrid"})
     if backend == "fp8ops":
         return _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision)
+    backend_args = args
+    if args.fp8_format == "e5m2":
+        # torchao and Transformer Engine have no all-E5M2 recipe (no FP8 tensor core multiplies
+        # E5M2 by E5M2; fp8ops emulates those GEMMs). Keep the format closest to it (for that
+        # backend only: a fallback to fp8ops keeps e5m2).
+        logger(f"FP8: --fp8_format e5m2 is not available with --fp8_backend {backend}; "
+               "using hybrid: E4M3 forward, E5M2 gradients")
+        backend_args = argparse.Namespace(**{**vars(args), "fp8_format": "hybrid"})
 
     prepare = _prepare_torchao if backend == "torchao" else _prepare_te
-    reason = prepare(model, args, logger, module_filter_fn, info)
+    reason = prepare(model, backend_args, logger, module_filter_fn, info)
     if reason is None:
         return info.pop("model", model), info
 
@@ -174,10 +177,11 @@ def prepare_model(model, args, logger=print, module_filter_fn=None, precision="B
     if not reason.startswith(name):
         reason = f"{name} cannot run here: {reason}"
     if getattr(args, "fp8_fallback", "bf16") == "fp8ops":
-        logger(f"FP8: {reason}; falling back to fp8ops (--fp8_fallback fp8ops)")
+        logger(f"FP8: {reason}; falling back to fp8ops (--fp8_fallback fp8ops"
+               + (", which keeps --fp8_format e5m2)" if args.fp8_format == "e5m2" else ")"))
         return _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision)
     info["reason"] = reason
-    info["summary"] = f"bf16 ({reason})"
+    info["summary"] = f"{precision.lower()} ({reason})"
     logger(f"FP8: off, continuing in {precision}: {reason}")
     return model, info
 
@@ -192,7 +196,7 @@ def _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision):
     if convert is None:
         # Only while the package is half-installed; a normal import always has convert.
         reason = "fp8ops.convert_to_fp8_training is not available in this install"
-        info.update(reason=reason, summary=f"bf16 ({reason})")
+        info.update(reason=reason, summary=f"{precision.lower()} ({reason})")
         logger(f"FP8: off, continuing in {precision}: {reason}")
         return model, info
 
@@ -225,7 +229,7 @@ def _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision):
 
     if n_fp8 == 0:
         reason = _why_no_fp8(fp8ops, bf16_reasons)
-        info.update(backend="bf16", reason=reason, summary=f"bf16 (fp8ops: {reason})")
+        info.update(backend="bf16", reason=reason, summary=f"{precision.lower()} (fp8ops: {reason})")
         logger(f"FP8: off, continuing in {precision}: {reason}")
         return model, info
 

@@ -431,6 +431,102 @@ def test_example_refuses_bad_arguments_before_building_anything(argv, said):
     assert r.returncode == 2 and said in r.stderr, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--lr", "-1"], "--lr must be a positive number (got -1.0)"),
+    (["--lr", "nan"], "--lr must be a positive number (got nan)"),
+    (["--dropout", "2"], "--dropout must be in [0, 1) (got 2.0)"),
+    (["--warmup_steps", "-5"], "--warmup_steps must be at least 0 (got -5)"),
+    (["--n_embd", "128", "--n_head", "3"], "--n_embd 128 must be a multiple of --n_head 3"),
+    (["--data", "/"], "--data /: is a directory")])
+def test_example_names_the_bad_flag(argv, said, capsys):
+    """Flags torch would refuse later with a traceback (AdamW, nn.Dropout, the model) are
+    refused at parse time, by name."""
+    import train_fp8
+    with pytest.raises(SystemExit) as e:
+        train_fp8.parse_args(["--steps", "2", *argv])
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_run_without_fp8_is_named_by_its_precision():
+    """An FP32 run (the CPU) is not labelled bf16: the summary, which the example writes to
+    metrics.json and its plots, names the precision the layers run in."""
+    _, info = prepare_model(nn.Sequential(nn.Linear(32, 32)), parse(), logger=lambda m: None, precision="FP32")
+    assert info["backend"] == "bf16" and info["summary"] == "fp32 (FP8 not requested)"
+    _, info = prepare_model(nn.Sequential(nn.Linear(32, 32)), parse("--use_fp8", "--fp8_backend", "bf16"),
+                            logger=lambda m: None, precision="FP32")
+    assert info["summary"] == "fp32 (--fp8_backend bf16)"
+
+
+def test_fallback_to_fp8ops_keeps_the_e5m2_format():
+    """--fp8_format e5m2 is downgraded to hybrid for torchao / Transformer Engine only: their
+    fallback to fp8ops (which emulates all-E5M2 GEMMs) keeps e5m2."""
+    parser = argparse.ArgumentParser()
+    fp8ops.add_fp8_args(parser)
+    args = parser.parse_args(["--use_fp8", "--fp8_backend", "te", "--fp8_fallback", "fp8ops",
+                              "--fp8_format", "e5m2"])
+    said = []
+    _, info = fp8ops.prepare_model(nn.Sequential(nn.Linear(32, 32)), args, logger=said.append)
+    assert info["config"] is not None and info["config"].fp8_format == "e5m2", (info, said)
+    assert any("which keeps --fp8_format e5m2" in s for s in said), said
+
+
+def test_example_refuses_a_corpus_too_small_for_the_context(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    r = run_example(*SMALL_RUN, "--steps", "2", "--device", "cpu", "--out_dir", str(tmp_path), "--data", str(empty))
+    assert r.returncode == 1 and "0 bytes; with a context of 64 (--block_size) it needs at least 660" in r.stderr, \
+        r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path):
+    """A loss that is NaN or inf at a log step stops the run (exit 1) with the remedy; no
+    checkpoint is written from the diverged weights, and metrics.json stays valid JSON (null
+    for the non-finite losses)."""
+    r = run_example(*SMALL_RUN, "--steps", "40", "--device", "cpu", "--out_dir", str(tmp_path), "--no-tensorboard",
+                    "--lr", "1e4", "--grad_clip", "0", "--warmup_steps", "0", "--eval_every", "1000",
+                    "--save_every", "1000")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "training diverged" in r.stdout and "Lower --lr" in r.stdout, r.stdout
+    assert not (tmp_path / "ckpt_latest.pt").exists()
+
+    def no_constants(name):
+        raise AssertionError(f"metrics.json holds {name}")
+    m = json.loads((tmp_path / "metrics.json").read_text(), parse_constant=no_constants)
+    assert m["train_loss"][-1] is None and m["last_step"] < 40
+
+
+def test_resume_names_the_flags_that_differ_and_the_summary_repeats_the_run(tmp_path):
+    """The summary's "continue with" line is this run's command with --resume auto; a resume
+    with other recipe flags (here the default --lr) or model-shape flags says which."""
+    common = [*SMALL_RUN, "--device", "cpu", "--out_dir", str(tmp_path), "--no-tensorboard", "--save_every", "2"]
+    r = run_example(*common, "--steps", "2", "--lr", "1e-3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if "continue with" in ln)
+    assert "--lr 1e-3" in line and line.endswith("--resume auto"), line
+    r = run_example(*common, "--steps", "3", "--resume", "auto", "--n_layer", "4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resume: --lr 0.0006 (the checkpoint's run: 0.001)" in r.stdout, r.stdout
+    assert "resume: --steps 3 (the checkpoint's run: 2)" in r.stdout
+    assert "resume: --n_layer 4 ignored: the model keeps the checkpoint's shape" in r.stdout
+
+
+def test_plot_curves_takes_a_run_stopped_before_its_first_evaluation(tmp_path, capsys):
+    sys.path.insert(0, str(EXAMPLES))
+    import plot_curves
+    runs = []
+    for name, val, ran in (("a", 2.5, "bf16 (no FP8)"), ("b", None, "fp8ops (0 of 8 converted layers ran FP8)")):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.json").write_text(json.dumps({
+            "steps": [1, 2], "train_loss": [3.0, 2.9], "val_steps": [2] if val else [], "val_loss": [val] if val else [],
+            "final_train_loss": 2.9, "final_val_loss": val, "backend": "fp8ops", "fp8_ran": ran, "last_step": 2}))
+        runs.append(str(d / "metrics.json"))
+    plot_curves.main([*runs, "-o", str(tmp_path / "c.png")])
+    out = capsys.readouterr().out
+    assert "b (fp8ops (0 of 8 converted layers ran FP8))" in out  # what ran, not only what was converted
+
+
 def test_resume_from_a_file_that_is_no_checkpoint_says_so(tmp_path):
     bad = tmp_path / "notes.pt"
     torch.save({"hello": 1}, bad)
