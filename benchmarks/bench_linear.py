@@ -445,11 +445,15 @@ def main() -> int:
         tgt = TARGETS.get((M, K, N))
         if tgt and row["fp8ops_speedup"] is not None:
             vd = "PASS" if row["fp8ops_speedup"] >= tgt else "MISS"
+            if vd == "PASS" and not row_valid.get("fp8ops", {}).get("ok", True):
+                vd = "INVALID"  # fast, but its outputs did not match BF16's: no target is met so
             verdicts.append(vd)
             result["targets"].append({"what": f"fp8ops eager vs BF16 eager at {M}x{K}->{N} >= {tgt}x",
                                       "value": row["fp8ops_speedup"], "verdict": vd})
         if row["fp8ops_ms"] and row["fp8ops_compiled_ms"]:
             vd = "PASS" if row["fp8ops_compiled_ms"] <= row["fp8ops_ms"] * (1 + COMPILE_TOLERANCE) else "MISS"
+            if vd == "PASS" and not row_valid.get("fp8ops_compiled", {}).get("ok", True):
+                vd = "INVALID"
             verdicts.append("c:" + vd)
             result["targets"].append({"what": f"fp8ops compiled >= fp8ops eager at {M}x{K}->{N} "
                                               f"(within {COMPILE_TOLERANCE:.0%})",

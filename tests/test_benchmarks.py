@@ -85,7 +85,24 @@ def test_bench_linear_runs_every_fp8ops_variant_and_reports(bench_linear, tmp_pa
         assert row["validation"]["bf16_compiled"]["sqnr_y"] > 100   # the same BF16 math, compiled
     compiled = [t for t in result["targets"] if t["what"].startswith("fp8ops compiled >= fp8ops eager")]
     assert len(compiled) == 2 and all(t["bf16_compiled_vs_eager"] > 0 for t in compiled)
+    assert all(t["verdict"] in ("PASS", "MISS") for t in compiled)
     assert "BF16 compiled vs eager:" in printed and "bf16 cmp x" in printed
+
+
+def test_bench_linear_meets_no_target_with_outputs_that_do_not_match(bench_linear, tmp_path, monkeypatch):
+    """A variant whose validation failed (here: the bound raised out of FP8's reach) is timed and
+    marked, and its targets read INVALID where the time alone would pass."""
+    out = tmp_path / "linear.json"
+    monkeypatch.setattr(bench_linear, "SQNR_Y", 1000.0)
+    monkeypatch.setattr(bench_linear, "COMPILE_TOLERANCE", 100.0)  # (the time alone passes)
+    monkeypatch.setattr(sys, "argv", [
+        "bench_linear.py", "--shapes", "64x64x64", "--variants", "bf16,fp8ops,fp8ops_compiled", "--no-ceiling",
+        "--reps", "2", "--rounds", "1", "--warmup", "3", "--json", str(out)])
+    assert bench_linear.main() == 1  # (a validation failure is the script's failure)
+    result = json.loads(out.read_text())
+    assert result["validation_failures"]
+    (t,) = [t for t in result["targets"] if t["what"].startswith("fp8ops compiled >= fp8ops eager")]
+    assert t["verdict"] == "INVALID"
 
 
 def _convert_model_on_cpu(model, config=None, module_filter_fn=None):
@@ -126,3 +143,32 @@ def test_bench_train_runs_a_tiny_gpt_in_fp8_and_validates_it(monkeypatch, tmp_pa
     assert fp8["warmup_losses"] != rows["bf16"]["warmup_losses"]   # FP8 numerics, not the BF16 path again
     assert any(t["what"].startswith("small: fp8ops vs bf16 tokens/s") for t in result["targets"])
     assert "small |  fp8ops" in capsys.readouterr().out
+    # after the warm-up, the settled path against BF16 from the same weights: FP8's rounding, not BF16's bits
+    assert 10 < fp8["settled_check"]["grad_sqnr_db"] < 60, fp8["settled_check"]
+    assert rows["bf16"]["settled_check"]["grad_sqnr_db"] > 100
+
+
+def test_bench_train_marks_a_variant_whose_settled_path_disagrees(monkeypatch, tmp_path):
+    """The settled check fails the row (and lists it) where the gradients do not match BF16's
+    to the bound; here the bound is raised out of FP8's reach."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = importlib.import_module("bench_train")
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "MODELS", {"small": dict(cfg=dict(n_layer=1, n_head=2, n_embd=64, block_size=32),
+                                                        batch=2)})
+    monkeypatch.setattr(bench, "VOCAB", 256)
+    monkeypatch.setattr(bench, "start", lambda path: {"gpu": "none (CPU test)"})
+    monkeypatch.setattr(bench, "SETTLED_MIN_SQNR_DB", 100.0)
+    for name, stub in (("Event", _HostEvent), ("synchronize", lambda *a, **k: None),
+                       ("reset_peak_memory_stats", lambda *a, **k: None), ("max_memory_allocated", lambda *a, **k: 1)):
+        monkeypatch.setattr(torch.cuda, name, stub)
+    import fp8ops
+    monkeypatch.setattr(fp8ops, "convert", _convert_model_on_cpu)
+    out = tmp_path / "train.json"
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "bf16,fp8ops",
+                                      "--steps", "2", "--warmup", "2", "--fp8-policy", "always", "--json", str(out)])
+    assert bench.main() == 1  # (a validation failure is the script's failure)
+    result = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert rows["bf16"]["valid"] and not rows["fp8ops"]["valid"]
+    assert any("settled path vs BF16" in f for f in result["validation_failures"])

@@ -373,6 +373,7 @@ def test_a_layer_settled_bf16_after_casting_rests(device, monkeypatch):
         assert jobs.count(layer) == n and layer.fp8_step == 7  # skipped, still counting steps
     # cast again (a shape FP8 wins): as a fresh conversion of the same weights would
     layer.fp8_policy[key] = (True, 1.5)
+    layer.__dict__["_fp8_bf16_key"] = None  # (the BF16 shortcut of the last call: what settled() clears)
     layer.fp8_on_cpu = device == "cpu"
     fresh = convert_as_on_fp8_gpu(nn.Sequential(copy.deepcopy(layer_as_linear(layer))), monkeypatch, device)
     h = torch.randn(16, 64, generator=g).to(device)

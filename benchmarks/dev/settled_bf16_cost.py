@@ -1,5 +1,6 @@
 """Host time of a layer policy "auto" settled BF16 after it had cast (its trial's FP8
-steps), against nn.Linear and against a layer that never cast, at a shape small enough
+steps), rested (scaling.update_scales) or not, against nn.Linear and against a layer that
+never cast, at a shape small enough
 that the host sets the pace (fwd + bwd under bf16 autocast, + fp8ops.step where named);
 then cProfile of the after-trial layer's iterations.
     python benchmarks/dev/settled_bf16_cost.py [--shape 256x256x256] [--rounds 8] [--reps 200]
@@ -14,6 +15,7 @@ import time
 import torch
 
 import fp8ops
+from fp8ops import policy
 from layer_iteration import layer_and_batch, make_iteration as make  # this folder
 
 ap = argparse.ArgumentParser()
@@ -26,22 +28,32 @@ args = ap.parse_args()
 key = (M, torch.bfloat16)
 
 
-def settled_bf16(cast_first: bool):
+def settled_bf16(cast_first: bool, rest: bool = True):
     layer = fp8ops.convert(copy.deepcopy(base), config=fp8ops.Fp8Config(policy="auto"))
+    it = make(layer, x, g, True)
     if cast_first:  # FP8 steps first, as a trial's FP8 blocks run them
         layer.fp8_policy[key] = (True, 1.0)
-        it = make(layer, x, g, True)
         for _ in range(5):
             it()
-    layer.fp8_policy[key] = (False, 1.0)
-    layer.__dict__["_fp8_bf16_key"] = None
+        del layer.fp8_policy[key]
+    if rest:
+        # the verdict BF16 through the layer's own decision (as a trial's or both timings'
+        # would come), so that it rests at the next optimizer step
+        measure = policy.measure
+        policy.measure = lambda *a: policy.Timing(1.0, 2.0, 1.0, 2.0, 0.1, 0.2)
+        it()
+        policy.measure = measure
+    else:  # the verdict set by hand: no decision, so no rest (the update runs every step)
+        layer.fp8_policy[key] = (False, 1.0)
+        layer.__dict__["_fp8_bf16_key"] = None
     return layer
 
 
-never, after = settled_bf16(False), settled_bf16(True)
+never, after, kept = settled_bf16(False), settled_bf16(True), settled_bf16(True, rest=False)
 fns = {"nn.Linear": make(copy.deepcopy(base), x, g, False),
        "BF16, never cast, + step": make(never, x, g, True),
-       "BF16 after FP8 steps, + step": make(after, x, g, True),
+       "BF16 after FP8 steps, rested, + step": make(after, x, g, True),
+       "BF16 after FP8 steps, not rested, + step": make(kept, x, g, True),
        "BF16 after FP8 steps, no step": make(after, x, g, False)}
 host = {k: [] for k in fns}
 for _ in range(args.rounds):
@@ -56,8 +68,9 @@ for _ in range(args.rounds):
         torch.cuda.synchronize()
 for k, v in host.items():
     print(f"  {k:32} host {statistics.median(v):7.1f} us per iteration (rounds {min(v):.1f}-{max(v):.1f})")
-print(f"  pristine: never {never._fp8_pristine}, after {after._fp8_pristine}", flush=True)
-for k in ("nn.Linear", "BF16 after FP8 steps, + step"):
+print(f"  pristine (rests, so no update): never cast {never._fp8_pristine}, rested {after._fp8_pristine}, "
+      f"not rested {kept._fp8_pristine}", flush=True)
+for k in ("nn.Linear", "BF16 after FP8 steps, not rested, + step"):
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.reps):
