@@ -54,12 +54,19 @@ def _layers_of(optimizer) -> list[Fp8Linear]:
 
 # update_scales calls so far (loop_trial keeps the count): each layer keeps the count at its
 # last update (_fp8_updated_at) and each optimizer the count when its step began
-# (_fp8ops_seen): an optimizer whose step runs another hooked one (SAM's base optimizer) then
-# skips the layers the inner one updated
+# (_fp8ops_seen, kept while the step is open): an optimizer whose step runs another hooked
+# one (SAM's base optimizer) then skips the layers the inner one updated
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
-    optimizer.__dict__["_fp8ops_seen"] = loop_trial.optimizer_steps()
+    d = optimizer.__dict__
+    if not d.get("_fp8ops_open"):
+        d["_fp8ops_seen"] = loop_trial.optimizer_steps()
+        d["_fp8ops_open"] = True
+    # else this optimizer's step is still open: a subclass's step calling super().step() (the
+    # hooks fire around both), maybe after stepping an inner optimizer: the count at the
+    # outermost start stays, so the layers that inner one updated are skipped. (A step that
+    # raised leaves it open too; its next post-step hook closes it.)
     # ZeroRedundancyOptimizer steps an inner optimizer that holds only this rank's shard of
     # the parameters: updating scales after it would update different layers on different
     # ranks (collectives that do not pair up: a hang). The outer one holds every parameter on
@@ -72,15 +79,16 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
-    if optimizer.__dict__.get("_fp8ops_inner"):
-        return
-    layers = _layers_of(optimizer)
-    seen = optimizer.__dict__.get("_fp8ops_seen")
-    if seen is not None and seen != loop_trial.optimizer_steps():
-        # an optimizer stepped inside this one's step has updated some layers: once per step
-        layers = [layer for layer in layers if layer.__dict__.get("_fp8_updated_at", 0) <= seen]
-    if layers:
-        update_scales(layers)
+    d = optimizer.__dict__
+    if not d.get("_fp8ops_inner"):
+        layers = _layers_of(optimizer)
+        seen = d.get("_fp8ops_seen")
+        if seen is not None and seen != loop_trial.optimizer_steps():
+            # an optimizer stepped inside this one's step has updated some layers: once per step
+            layers = [layer for layer in layers if layer.__dict__.get("_fp8_updated_at", 0) <= seen]
+        if layers:
+            update_scales(layers)
+    d["_fp8ops_open"] = False
 
 
 def _reduce_amax(layers: list[Fp8Linear], group=None, flag: float | None = None):

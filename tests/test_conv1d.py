@@ -119,4 +119,5 @@ def test_without_a_gpu_the_report_lists_every_conv1d():
     with pytest.warns(UserWarning, match="FP8 is OFF"):
         fp8ops.convert(model)
     rows = fp8ops.report(model, print_table=False)
-    assert len(rows) == 9 and all(r["backend"] == "bf16" and "no CUDA GPU" in r["reason"] for r in rows)
+    why = fp8ops.fp8_supported_here()[1]  # (no GPU; or a build without nvcc says that first)
+    assert len(rows) == 9 and all(r["backend"] == "bf16" and why in r["reason"] for r in rows)

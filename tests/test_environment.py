@@ -291,6 +291,30 @@ def test_gpu_below_sm89(scenario):
     assert "GPU 0                        NVIDIA A100-SXM4-80GB (sm_80)" in res["doctor"]
 
 
+@pytest.mark.parametrize("cc,gpu", [((8, 9), "NVIDIA L40S"), ((9, 0), "NVIDIA H100 80GB HBM3"),
+                                    ((12, 0), "NVIDIA RTX PRO 6000")])
+def test_fp8_gpus_are_accepted_unless_cublaslt_is_unusable(monkeypatch, cc, gpu):
+    """sm_89 (Ada) and up with a CUDA build for them: FP8 runs; with cuBLASLt unusable, not."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cc)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: gpu)
+    monkeypatch.setattr(_loader, "build_info", lambda: {**BUILD, **CUDA_BUILD})
+    if not _loader.is_available():
+        pytest.skip(f"the extension did not load: {_loader.why_unavailable()}")
+
+    class C:  # the loaded module's cuBLASLt probe, answered here
+        status = None
+
+        @staticmethod
+        def cublaslt_status():
+            return C.status
+    monkeypatch.setattr(_loader, "_C", C)
+    assert fp8ops.fp8_supported_here() == (True, "ok")
+    C.status = "libcublasLt.so.13 not loaded"
+    assert fp8ops.fp8_supported_here() == (False, "cuBLASLt unusable: libcublasLt.so.13 not loaded")
+
+
 @pytest.mark.parametrize("cc,gpu", [((8, 6), "NVIDIA GeForce RTX 3090"), ((7, 5), "Tesla T4"),
                                     ((8, 0), "NVIDIA A100-SXM4-80GB")])
 def test_gpu_below_sm89_in_process(monkeypatch, capsys, cc, gpu):

@@ -309,6 +309,24 @@ def test_zero_redundancy_optimizer_before_its_inner_optimizer_exists():
     scaling._before_optimizer_step(zero, (), {})
 
 
+def test_subclasses_and_float64_linears_stay_with_their_reason(monkeypatch):
+    """nn.MultiheadAttention's out_proj (a subclass of nn.Linear) and a float64 linear are not
+    converted (from_linear would not make them what they are); convert goes on and the report
+    names why."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(32, 2, batch_first=True)
+            self.wide = nn.Linear(32, 32).double()
+            self.fc = nn.Linear(32, 32)
+    model = convert_as_on_fp8_gpu(Model(), monkeypatch)
+    assert type(model.attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+    assert type(model.wide) is nn.Linear and type(model.fc).__name__ == "Fp8Linear"
+    reasons = {r["name"]: r["reason"] for r in fp8ops.report(model, print_table=False)}
+    assert "is a subclass of nn.Linear" in reasons["attn.out_proj"]
+    assert "weight dtype torch.float64" in reasons["wide"]
+
+
 @pytest.mark.parametrize("device", FP8_DEVICES)
 def test_a_layer_settled_bf16_after_casting_rests(device, monkeypatch):
     """Policy "auto" settled BF16 for every shape a layer met after the layer had cast (its

@@ -29,6 +29,12 @@ def test_verdict_where_both_timings_agree_and_where_they_do_not():
     wins, speedup = policy.verdict(gpu_only())
     assert wins is None and speedup == pytest.approx(1.5)                     # the caller's loop decides
     assert policy.verdict(T(1.2, 1.0, 1.25, 1.0, 0.1, 0.1))[0] is None        # a small gain: a trial too
+    # the speedup it reports is the timing alone's where both agree (the two differ here)
+    assert policy.verdict(T(1.6, 1.0, 1.4, 1.0, 0.1, 0.1)) == (True, 1.6)
+    assert policy.verdict(T(0.7, 1.0, 0.9, 1.0, 0.1, 0.1)) == (False, 0.7)
+    # at the thresholds: 1.3x both ways is FP8, 1.03x both ways needs a trial
+    assert policy.verdict(T(1.3, 1.0, 1.3, 1.0, 0.1, 0.1))[0] is True
+    assert policy.verdict(T(1.03, 1.0, 1.03, 1.0, 0.1, 0.1))[0] is None
 
 
 def test_choose_needs_a_gain_beyond_noise():
