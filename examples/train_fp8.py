@@ -204,7 +204,8 @@ def load_data(args, device, block_size):
 
 
 def get_batch(data, batch_size, block_size, generator):
-    ix = torch.randint(len(data) - block_size - 1, (batch_size, 1), generator=generator,
+    # windows of block_size + 1 bytes: starts 0 .. len - block_size - 1, the last byte a target too
+    ix = torch.randint(len(data) - block_size, (batch_size, 1), generator=generator,
                        device=data.device)
     chunk = data[ix + torch.arange(block_size + 1, device=data.device)].long()
     return chunk[:, :-1], chunk[:, 1:]

@@ -470,6 +470,17 @@ def test_fallback_to_fp8ops_keeps_the_e5m2_format():
     assert any("which keeps --fp8_format e5m2" in s for s in said), said
 
 
+def test_batches_reach_every_window_of_the_data():
+    """Every window of block_size + 1 bytes can be drawn, the last one too (its last byte is a
+    target like any other)."""
+    import train_fp8
+    data = torch.arange(10, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(0)
+    x, y = train_fp8.get_batch(data, 400, 4, g)
+    assert set(x[:, 0].tolist()) == set(range(6)) and int(y.max()) == 9
+    assert torch.equal(y[:, :-1], x[:, 1:])
+
+
 def test_example_refuses_a_corpus_too_small_for_the_context(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
