@@ -116,11 +116,12 @@ def _convert_model_on_cpu(model, config=None, module_filter_fn=None):
     return model
 
 
-def test_bench_train_runs_a_tiny_gpt_in_fp8_and_validates_it(monkeypatch, tmp_path, capsys):
+def _bench_train_on_cpu(monkeypatch, n_layer: int):
+    """bench_train with a tiny GPT on the CPU kernels, CUDA's timing and memory calls stood in."""
     monkeypatch.syspath_prepend(str(BENCH))
     bench = importlib.import_module("bench_train")
     monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "MODELS", {"small": dict(cfg=dict(n_layer=2, n_head=2, n_embd=64, block_size=32),
+    monkeypatch.setattr(bench, "MODELS", {"small": dict(cfg=dict(n_layer=n_layer, n_head=2, n_embd=64, block_size=32),
                                                         batch=2)})
     monkeypatch.setattr(bench, "VOCAB", 256)
     monkeypatch.setattr(bench, "start", lambda path: {"gpu": "none (CPU test)"})
@@ -129,6 +130,11 @@ def test_bench_train_runs_a_tiny_gpt_in_fp8_and_validates_it(monkeypatch, tmp_pa
         monkeypatch.setattr(torch.cuda, name, stub)
     import fp8ops
     monkeypatch.setattr(fp8ops, "convert", _convert_model_on_cpu)
+    return bench
+
+
+def test_bench_train_runs_a_tiny_gpt_in_fp8_and_validates_it(monkeypatch, tmp_path, capsys):
+    bench = _bench_train_on_cpu(monkeypatch, n_layer=2)
     out = tmp_path / "train.json"
     monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "bf16,fp8ops",
                                       "--steps", "3", "--warmup", "4", "--fp8-policy", "always",
@@ -151,19 +157,8 @@ def test_bench_train_runs_a_tiny_gpt_in_fp8_and_validates_it(monkeypatch, tmp_pa
 def test_bench_train_marks_a_variant_whose_settled_path_disagrees(monkeypatch, tmp_path):
     """The settled check fails the row (and lists it) where the gradients do not match BF16's
     to the bound; here the bound is raised out of FP8's reach."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    bench = importlib.import_module("bench_train")
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "MODELS", {"small": dict(cfg=dict(n_layer=1, n_head=2, n_embd=64, block_size=32),
-                                                        batch=2)})
-    monkeypatch.setattr(bench, "VOCAB", 256)
-    monkeypatch.setattr(bench, "start", lambda path: {"gpu": "none (CPU test)"})
+    bench = _bench_train_on_cpu(monkeypatch, n_layer=1)
     monkeypatch.setattr(bench, "SETTLED_MIN_SQNR_DB", 100.0)
-    for name, stub in (("Event", _HostEvent), ("synchronize", lambda *a, **k: None),
-                       ("reset_peak_memory_stats", lambda *a, **k: None), ("max_memory_allocated", lambda *a, **k: 1)):
-        monkeypatch.setattr(torch.cuda, name, stub)
-    import fp8ops
-    monkeypatch.setattr(fp8ops, "convert", _convert_model_on_cpu)
     out = tmp_path / "train.json"
     monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "bf16,fp8ops",
                                       "--steps", "2", "--warmup", "2", "--fp8-policy", "always", "--json", str(out)])
