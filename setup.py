@@ -25,6 +25,7 @@ from setuptools.command.build_ext import build_ext
 DEFAULT_ARCHS = "89;90;100;120"
 CUDA_ONLY_C = {"gemm_cuda.c", "sanitizer_marks.c"}  # host C files that need the CUDA headers
 PY_LIMITED = "0x030A0000"  # CPython 3.10+
+SOURCE_SUFFIXES = (".c", ".h", ".cu", ".cuh")  # what the digest reads (not an editor's swap file)
 
 
 def find_nvcc():
@@ -46,7 +47,7 @@ def source_digest():
     h = hashlib.sha256()  # (fp8ops/_loader.py's source_digest reads the same bytes in the same order)
     for name in sorted(os.listdir("csrc")):
         path = os.path.join("csrc", name)
-        if os.path.isfile(path):
+        if os.path.isfile(path) and name.endswith(SOURCE_SUFFIXES):
             with open(path, "rb") as f:
                 h.update(name.encode() + b"\0" + f.read() + b"\0")
     return h.hexdigest()[:16]

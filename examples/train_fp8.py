@@ -358,6 +358,17 @@ _FP8OPS_LOG = _ToLog()
 
 
 def main(argv=None):
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # (the training loop handles its own Ctrl-C: it saves; this is one during start-up,
+        # e.g. while the corpus loads or the model compiles, or during the final save)
+        print("\ninterrupted (Ctrl-C) outside the training steps; checkpoints, if any, are as the last "
+              "complete save left them", file=sys.stderr)
+        return 130
+
+
+def _main(argv=None):
     args = parse_args(argv)
     t_start = time.time()
     out_dir = Path(args.out_dir)

@@ -59,7 +59,7 @@ def source_digest(root: str) -> str:
     csrc = os.path.join(root, "csrc")
     for name in sorted(os.listdir(csrc)):
         path = os.path.join(csrc, name)
-        if os.path.isfile(path):
+        if os.path.isfile(path) and name.endswith((".c", ".h", ".cu", ".cuh")):
             with open(path, "rb") as f:
                 h.update(name.encode() + b"\0" + f.read() + b"\0")
     return h.hexdigest()[:16]

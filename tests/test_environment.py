@@ -396,14 +396,18 @@ def test_a_build_from_other_sources_is_not_used(tmp_path, monkeypatch):
         def build_info():
             return {"source_digest": built}
     assert _loader._stale(Build) is None
+    (tmp_path / "csrc" / ".ops.c.swp").write_text("an editor's file")  # not a source: no change
+    assert _loader._stale(Build) is None
     (tmp_path / "csrc" / "ops.c").write_text("int y;\n")
     why = _loader._stale(Build)
     assert why and "built from other sources" in why and "pip install -e ." in why and str(tmp_path) in why
     # the digest setup.py compiles in, for these files
     setup_src = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
     fn = setup_src[setup_src.index("def source_digest"):setup_src.index("def cuda_archs")]
+    suffixes = next(ln for ln in setup_src.splitlines() if ln.startswith("SOURCE_SUFFIXES ="))
     ns: dict = {"hashlib": __import__("hashlib"), "os": os}
-    exec(fn, ns)  # noqa: S102 -- setup.py's own function, run on tmp_path's csrc
+    exec(suffixes + "\n" + fn, ns)  # noqa: S102 -- setup.py's own function, run on tmp_path's csrc
+    (tmp_path / "csrc" / "load.cuh").write_text("// a header\n")
     cwd = os.getcwd()
     try:
         os.chdir(tmp_path)

@@ -470,6 +470,17 @@ def test_fallback_to_fp8ops_keeps_the_e5m2_format():
     assert any("which keeps --fp8_format e5m2" in s for s in said), said
 
 
+def test_ctrl_c_during_start_up_exits_without_a_traceback(monkeypatch, tmp_path, capsys):
+    import train_fp8
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_fp8, "load_data", interrupted)
+    code = train_fp8.main([*SMALL_RUN, "--steps", "2", "--device", "cpu", "--out_dir", str(tmp_path),
+                           "--no-tensorboard"])
+    assert code == 130 and "interrupted (Ctrl-C) outside the training steps" in capsys.readouterr().err
+
+
 def test_batches_reach_every_window_of_the_data():
     """Every window of block_size + 1 bytes can be drawn, the last one too (its last byte is a
     target like any other)."""
