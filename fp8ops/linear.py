@@ -78,6 +78,12 @@ def _cast_traced(key: str) -> bool:
 _cast_traced._dynamo_marked_constant = True
 
 
+def _settled_bf16(d: dict) -> bool:
+    """Has policy "auto" settled BF16 for every shape this layer (its __dict__) met?"""
+    return (d["fp8_config"].policy == "auto" and not d["_fp8_pending"] and bool(d["fp8_policy"])
+            and not any(wins for wins, _ in d["fp8_policy"].values()))
+
+
 def _padded(scale_inv: torch.Tensor) -> torch.Tensor:
     """scale_inv [3] as a view with stride 4 into fresh storage: every entry
     16-byte aligned, which cuBLASLt wants of the GEMMs' scale pointers (an
@@ -703,9 +709,8 @@ class Fp8Linear(nn.Linear):
     def _fp8_note_verdict(self, wins: bool) -> None:
         """After a verdict: a layer now settled BF16 for every shape it met rests at the next
         optimizer step (scaling.update_scales) if it had cast."""
-        d = self.__dict__
-        if not wins and not d["_fp8_pending"] and not any(w for w, _ in d["fp8_policy"].values()):
-            d["_fp8_rest_due"] = True
+        if not wins and _settled_bf16(self.__dict__):
+            self.__dict__["_fp8_rest_due"] = True
 
     def __getstate__(self):
         # the cached weight cast and views derive from this layer's tensors (a copy makes its
@@ -809,7 +814,7 @@ class Fp8Linear(nn.Linear):
                 return self._plain_forward(x)
             ac = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
             d["_fp8_bf16_key"] = (x.shape, x.dtype, x.device, ac)
-            if not d["_fp8_pending"] and not any(wins for wins, _ in d["fp8_policy"].values()):
+            if _settled_bf16(d):
                 # BF16 for every shape it met: the trial's last FP8 weight cast (the weight's size
                 # again in FP8, twice) would stay allocated until the next FP8 call, i.e. forever
                 d["_w_cache"] = None

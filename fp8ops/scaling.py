@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import _loader, loop_trial, ops, policy_ranks
-from .linear import _TRACED_CASTS, Fp8Linear
+from .linear import _TRACED_CASTS, Fp8Linear, _settled_bf16
 
 # Every live Fp8Linear (weak: dead models are not kept alive). The optimizer
 # hook matches layers by the identity of their *current* weight Parameter, so
@@ -162,12 +162,6 @@ def _fast_job(layer: Fp8Linear):
     cfg = layer.__dict__["fp8_config"]
     return dev.index, (h.data_ptr(), s.data_ptr(), si.data_ptr(), m.data_ptr(), o.data_ptr(), n, h.shape[0],
                        si.stride(0), float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo])
-
-
-def _settled_bf16(d: dict) -> bool:
-    """Has policy "auto" settled BF16 for every shape this layer (its __dict__) met?"""
-    return (d["fp8_config"].policy == "auto" and not d["_fp8_pending"] and bool(d["fp8_policy"])
-            and not any(wins for wins, _ in d["fp8_policy"].values()))
 
 
 def update_scales(layers: list[Fp8Linear], group=None) -> None:
