@@ -1,12 +1,18 @@
 """`python -m fp8ops`: the doctor. Says what is installed, what loaded, and
-whether FP8 can run here -- and if not, why and what to do."""
+whether FP8 can run here -- and if not, why and what to do. It exits 0 either
+way (running in BF16 is fp8ops' fallback, not an error); with --check it exits 1
+where FP8 cannot run, for scripts: `python -m fp8ops --check && ...`."""
 from __future__ import annotations
 
+import argparse
 import platform
 import sys
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fp8ops", description="fp8ops doctor: what is installed, what loaded, and whether FP8 can run here")
+    ap.add_argument("--check", action="store_true", help="exit 1 where FP8 cannot run here (default: exit 0)")
+    args = ap.parse_args(argv)
     import torch
 
     import fp8ops
@@ -40,6 +46,7 @@ def main() -> int:
     line("FP8 can run here", "yes" if ok else f"no: {reason}")
     if not ok:
         print("  -> fp8ops.convert(model) will keep every layer in BF16/FP32 and say so.")
+        return 1 if args.check else 0
     return 0
 
 

@@ -344,9 +344,10 @@ def test_gpu_below_sm89_in_process(monkeypatch, capsys, cc, gpu):
     assert torch.equal(model(x), before(x))
     assert all(r["backend"] == "bf16" and r["reason"] == reason for r in fp8ops.report(model, print_table=False))
     capsys.readouterr()
-    assert main() == 0
+    assert main([]) == 0
     out = capsys.readouterr().out
     assert f"GPU 0                        {gpu} ({sm})" in out and f"no: {reason}" in out
+    assert main(["--check"]) == 1  # for scripts: FP8 cannot run here
 
 
 # ========================================================= built without nvcc
@@ -507,6 +508,9 @@ def test_doctor_real(tmp_path):
         assert f"CUDA kernels registered      {BUILD['cuda_reason']}" in out
     ok, reason = fp8ops.fp8_supported_here()
     assert ("FP8 can run here             yes" in out) if ok else (f"FP8 can run here             no: {reason}" in out)
+    p = subprocess.run([sys.executable, "-m", "fp8ops", "--check"], cwd=tmp_path,
+                       env=child_env([str(PKG_DIR.parent)]), capture_output=True, text=True, timeout=120)
+    assert p.returncode == (0 if ok else 1), p.stdout + p.stderr
 
 
 # ============================================================ torch too old
