@@ -573,6 +573,7 @@ def _main(argv=None):
     stopper = StopOnInterrupt(log)
     step, stop_reason, diverged = start_step, None, None
     pending = []                     # (step, loss tensor): read back at log steps, not every step
+    tb_from = len(metrics["steps"])  # metrics' first step not yet in TensorBoard's train/loss
     run_tok_s = []                   # tokens/s of this run's log windows
     window_t0, window_steps = time.perf_counter(), 0
     last_saved = None
@@ -637,7 +638,10 @@ def _main(argv=None):
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss_now:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
                 if writer is not None:
-                    writer.add_scalar("train/loss", loss_now, step)
+                    # every step's loss, as metrics.json has them (the bar shows the last)
+                    for s_, l_ in zip(metrics["steps"][tb_from:], metrics["train_loss"][tb_from:]):
+                        writer.add_scalar("train/loss", l_, s_)
+                    tb_from = len(metrics["steps"])
                     writer.add_scalar("lr", lr, step)
                     writer.add_scalar("tokens_per_s", tok_s, step)
                     if grad_norm is not None:

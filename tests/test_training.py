@@ -419,7 +419,11 @@ def test_resume_keeps_the_checkpoint_steps_tensorboard_points(tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
-    assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6, 8]
+    # every step's training loss, the values metrics.json holds (not only the log steps' last)
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    train = acc.Scalars("train/loss")
+    assert [e.step for e in train] == m["steps"] == list(range(1, 9))
+    assert [e.value for e in train] == pytest.approx(m["train_loss"], rel=1e-6)
     assert [e.step for e in acc.Scalars("val/loss")] == [2, 4, 6, 8]
 
 
