@@ -577,6 +577,7 @@ def _main(argv=None):
     run_tok_s = []                   # tokens/s of this run's log windows
     window_t0, window_steps = time.perf_counter(), 0
     last_saved = None
+    best_saved = None                # the step ckpt_best.pt holds, if this run wrote it
     model.train()
     # fp8ops says when policy auto's trial settles (its first steps run the undecided layers in
     # BF16 and FP8 in turns): through the same printer as the step lines, for this loop only
@@ -663,6 +664,7 @@ def _main(argv=None):
                 if best:
                     best_val = val
                     checkpoint(step, "ckpt_best.pt")
+                    best_saved = step
                 log(f"step {step}: train loss {final_train_loss(metrics):.4f}, "
                     f"val loss {val:.4f}{' (best)' if best else ''}, lr {lr:.2e}")
                 write_metrics(step)
@@ -675,7 +677,8 @@ def _main(argv=None):
         if bar is not None:
             bar.close()
         print(f"\naborted during step {step + 1}; last checkpoint: "
-              f"{'step %d' % last_saved if last_saved else 'none from this run'}")
+              f"{'step %d (ckpt_latest.pt)' % last_saved if last_saved else 'none from this run'}"
+              + (f"; best: step {best_saved} (ckpt_best.pt)" if best_saved else ""))
         return 130
     finally:
         stopper.restore()

@@ -485,6 +485,26 @@ def test_ctrl_c_during_start_up_exits_without_a_traceback(monkeypatch, tmp_path,
     assert code == 130 and "interrupted (Ctrl-C) outside the training steps" in capsys.readouterr().err
 
 
+def test_an_abort_names_the_checkpoints_it_leaves(monkeypatch, tmp_path, capsys):
+    """The second Ctrl-C (a KeyboardInterrupt inside a step) saves nothing and says which
+    checkpoints there are: the latest (none here) and the best, which an evaluation wrote."""
+    import train_fp8
+    lr_at = train_fp8.lr_at
+
+    def interrupted_at_step_5(step, args):
+        if step == 4:  # (lr_at takes the 0-based step: this is the fifth)
+            raise KeyboardInterrupt
+        return lr_at(step, args)
+    monkeypatch.setattr(train_fp8, "lr_at", interrupted_at_step_5)
+    code = train_fp8.main([*SMALL_RUN, "--steps", "20", "--eval_every", "2", "--save_every", "100",
+                           "--device", "cpu", "--out_dir", str(tmp_path), "--no-tensorboard"])
+    out = capsys.readouterr().out
+    best = torch.load(tmp_path / "ckpt_best.pt", map_location="cpu", weights_only=True)["step"]
+    assert code == 130 and not (tmp_path / "ckpt_latest.pt").exists(), out
+    assert (f"aborted during step 5; last checkpoint: none from this run; best: step {best} (ckpt_best.pt)"
+            in out), out
+
+
 def test_batches_reach_every_window_of_the_data():
     """Every window of block_size + 1 bytes can be drawn, the last one too (its last byte is a
     target like any other)."""
