@@ -716,11 +716,13 @@ def _main(argv=None):
               "(without warm-up, evaluation and checkpoint time)")
     print(f"  FP8             {summary['fp8_ran']}")
     saved = sorted(p.name for p in out_dir.glob("ckpt_*.pt"))
-    print(f"  checkpoints     {out_dir}/ {', '.join(saved)}")
+    # (a run stopped before its first step wrote nothing: no paths to files that do not exist)
+    print(f"  checkpoints     {out_dir}/ {', '.join(saved)}" if saved else "  checkpoints     none")
     print(f"  continue with   {continue_command(sys.argv[1:] if argv is None else argv)}")
-    if writer is not None:
+    if writer is not None and trained:
         print(f"  TensorBoard     tensorboard --logdir {out_dir / 'tb'}")
-    print(f"  metrics         {out_dir / 'metrics.json'} (compare runs: examples/plot_curves.py)")
+    if (out_dir / "metrics.json").exists():
+        print(f"  metrics         {out_dir / 'metrics.json'} (compare runs: examples/plot_curves.py)")
     report = getattr(fp8ops, "report", None)
     if report is not None:
         print()

@@ -505,6 +505,16 @@ def test_an_abort_names_the_checkpoints_it_leaves(monkeypatch, tmp_path, capsys)
             in out), out
 
 
+def test_a_run_stopped_before_its_first_step_names_no_files(tmp_path, capsys):
+    import train_fp8
+    code = train_fp8.main([*SMALL_RUN, "--steps", "5", "--max_time_min", "1e-9", "--device", "cpu",
+                           "--out_dir", str(tmp_path), "--tensorboard"])
+    out = capsys.readouterr().out
+    assert code == 0 and "stopped at step 0 of 5: --max_time_min 1e-09 reached" in out, out
+    assert "  checkpoints     none" in out and "metrics.json" not in out and "tensorboard --logdir" not in out
+    assert not list(tmp_path.glob("ckpt_*.pt")) and not (tmp_path / "metrics.json").exists()
+
+
 def test_batches_reach_every_window_of_the_data():
     """Every window of block_size + 1 bytes can be drawn, the last one too (its last byte is a
     target like any other)."""
