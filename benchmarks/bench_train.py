@@ -31,6 +31,10 @@ Memory: fp8ops saves x8^T (FP8) instead of x (BF16) for wgrad, so activations sh
 Timing: warm-up steps (compile happens there), then N timed steps back to back between two CUDA
 events (tokens/s = tokens / elapsed) plus per-step events (median step ms). Peak memory =
 torch.cuda.max_memory_allocated over the timed steps (stats reset after warm-up).
+--repeats R runs every variant R times, each from a fresh build, in alternating order
+(A B C, C B A, A B C, ...; torchao always last, see below), so a drift of the GPU's speed over
+the run (clocks, power) does not favour the variants that run first. Each ratio is taken
+within one repeat (both sides from the same pass); the targets use the median ratio.
 Validation (once, in the warm-up): every variant's first loss (same init, same batch) within 1 %
 of BF16 eager's and its last warm-up loss within 3 %; all losses finite.
 """
@@ -138,7 +142,7 @@ def settled_check(model, call, GPT, cfg, batch) -> dict:
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             _, loss = fn(idx, tgt)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         grads.append({n.replace("_orig_mod.", ""): p.grad for n, p in m.named_parameters() if p.grad is not None})
     signal = noise = 0.0
     per_param = []
@@ -177,6 +181,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=None, help="override the batch size (all models)")
     ap.add_argument("--batch-1b", type=int, default=None, help="override the 1b models' batch size (1b, llama1b)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every variant this many times, in alternating order; ratios within a repeat, "
+                         "targets on their median")
     ap.add_argument("--warmup", type=int, default=28, help="warm-up steps: compile, and policy auto's trial (26 steps)")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--compile-scope", choices=("blocks", "model"), default="blocks",
@@ -194,6 +201,8 @@ def main() -> int:
     for v in variants:
         if v not in VARIANTS:
             ap.error(f"unknown variant {v!r}; choose from {VARIANTS}")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1 (got {args.repeats})")
     if "bf16" not in variants:
         variants.insert(0, "bf16")  # the reference of the validation
     # torchao last: from 0.18 its convert patches inductor's min/max codegen for the process
@@ -230,8 +239,13 @@ def main() -> int:
                     torch.randint(0, VOCAB, (B, T), generator=gen).to(DEVICE)) for _ in range(4)]
         ref_losses = None
         print(f"\n== {mname}: {mcfg}, batch {B}, {B * T} tokens/step", flush=True)
-        for v in variants:
-            row = {"model": mname, "variant": v, "batch": B, "seq": T, "tokens_per_step": B * T}
+        plain = [v for v in variants if not v.startswith("torchao")]
+        passes = [(r, (plain if r % 2 == 0 else plain[::-1]) + [v for v in variants if v not in plain])
+                  for r in range(args.repeats)]
+        for r, v in [(r, v) for r, order in passes for v in order]:
+            if args.repeats > 1 and v == passes[r][1][0]:
+                print(f"  -- repeat {r + 1} of {args.repeats}: {', '.join(passes[r][1])}", flush=True)
+            row = {"model": mname, "variant": v, "repeat": r, "batch": B, "seq": T, "tokens_per_step": B * T}
             model = call = opt = None
             try:
                 torch._dynamo.reset()
@@ -259,10 +273,11 @@ def main() -> int:
                     if row["graph_breaks"]:
                         row["note"] += f"; {row['graph_breaks']} graph break(s)"
                 # validation against BF16 eager's losses (same init, same batches)
-                if v == "bf16":
+                is_ref = v == "bf16" and ref_losses is None  # (later repeats of bf16 are checked against it too)
+                if is_ref:
                     ref_losses = losses
                 ok = all(math.isfinite(x) for x in losses)
-                if ref_losses is not None and v != "bf16":
+                if ref_losses is not None and not is_ref:
                     # the first 4 steps: later, a loss spike of either run (seen at step 10 of BF16 1B)
                     # would compare trajectories, not numerics
                     k = min(len(losses), 4) - 1
@@ -351,27 +366,30 @@ def main() -> int:
             gc.collect()
             torch.cuda.empty_cache()
 
-    # ---- ratios and targets
-    by = {(r["model"], r["variant"]): r for r in result["rows"] if "tokens_per_s" in r}
+    # ---- ratios (within one repeat) and targets (their median)
+    by = {(r["model"], r["variant"], r["repeat"]): r for r in result["rows"] if "tokens_per_s" in r}
     for r in result["rows"]:
-        base = by.get((r["model"], "bf16_compiled" if r["variant"].endswith("compiled") else "bf16"))
+        base = by.get((r["model"], "bf16_compiled" if r["variant"].endswith("compiled") else "bf16", r["repeat"]))
         if "tokens_per_s" in r and base:
             r["speedup_vs_bf16_same_mode"] = r["tokens_per_s"] / base["tokens_per_s"]
             r["mem_vs_bf16_same_mode"] = r["peak_mem_gib"] / base["peak_mem_gib"]
-        if "tokens_per_s" in r and ("bf16" in [k[1] for k in by if k[0] == r["model"]]):
-            r["speedup_vs_bf16_eager"] = r["tokens_per_s"] / by[(r["model"], "bf16")]["tokens_per_s"]
+        eager = by.get((r["model"], "bf16", r["repeat"]))
+        if "tokens_per_s" in r and eager:
+            r["speedup_vs_bf16_eager"] = r["tokens_per_s"] / eager["tokens_per_s"]
     for mname in models:
         for fv, bv in (("fp8ops", "bf16"), ("fp8ops_compiled", "bf16_compiled")):
-            f, b = by.get((mname, fv)), by.get((mname, bv))
-            if not (f and b) or mname not in TARGETS:
+            pairs = [(by[(mname, fv, r)], by[(mname, bv, r)]) for r in range(args.repeats)
+                     if (mname, fv, r) in by and (mname, bv, r) in by]
+            if not pairs or mname not in TARGETS:
                 continue
             tgt = TARGETS[mname]
-            sp = f["tokens_per_s"] / b["tokens_per_s"]
+            sps = [f["tokens_per_s"] / b["tokens_per_s"] for f, b in pairs]
+            mems = [f["peak_mem_gib"] / b["peak_mem_gib"] for f, b in pairs]
+            sp, mem = statistics.median(sps), statistics.median(mems)
             result["targets"].append({"what": f"{mname}: {fv} vs {bv} tokens/s >= {tgt}x", "value": sp,
-                                      "verdict": "PASS" if sp >= tgt else "MISS"})
-            result["targets"].append({"what": f"{mname}: {fv} peak memory < {bv}'s",
-                                      "value": f["peak_mem_gib"] / b["peak_mem_gib"],
-                                      "verdict": "PASS" if f["peak_mem_gib"] < b["peak_mem_gib"] else "MISS"})
+                                      "per_repeat": sps, "verdict": "PASS" if sp >= tgt else "MISS"})
+            result["targets"].append({"what": f"{mname}: {fv} peak memory < {bv}'s", "value": mem,
+                                      "per_repeat": mems, "verdict": "PASS" if mem < 1 else "MISS"})
     write_json(args.json, result)
 
     print()
@@ -380,16 +398,19 @@ def main() -> int:
     for f in failures:
         print(f"validation failed: {f}")
     for tg in result["targets"]:
-        print(f"target: {tg['what']}: {tg['value']:.3f} -> {tg['verdict']}")
+        print(f"target: {tg['what']}: {tg['value']:.3f}"
+              + (f" (median of {', '.join(f'{x:.3f}' for x in tg['per_repeat'])})" if len(tg["per_repeat"]) > 1 else "")
+              + f" -> {tg['verdict']}")
     hdr = ["model", "variant", "batch", "tokens/s", "ms/step", "vs bf16 (same mode)", "vs bf16 eager",
            "peak GiB", "mem vs bf16", "model TF/s", "note"]
     rows = []
     for r in result["rows"]:
+        name = r["variant"] + (f" #{r['repeat'] + 1}" if args.repeats > 1 else "")
         if "tokens_per_s" not in r:
-            rows.append([r["model"], r["variant"], r["batch"], "-", "-", "-", "-", "-", "-", "-",
+            rows.append([r["model"], name, r["batch"], "-", "-", "-", "-", "-", "-", "-",
                          r.get("error", "")[:60]])
             continue
-        rows.append([r["model"], r["variant"] + ("" if r.get("valid", True) else "!"), r["batch"],
+        rows.append([r["model"], name + ("" if r.get("valid", True) else "!"), r["batch"],
                      f"{r['tokens_per_s']:,.0f}", f"{r['step_ms_median']:.1f}",
                      f"{r['speedup_vs_bf16_same_mode']:.3f}x" if "speedup_vs_bf16_same_mode" in r else "-",
                      f"{r['speedup_vs_bf16_eager']:.3f}x" if "speedup_vs_bf16_eager" in r else "-",

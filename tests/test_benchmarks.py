@@ -154,6 +154,36 @@ def test_bench_train_runs_a_tiny_gpt_in_fp8_and_validates_it(monkeypatch, tmp_pa
     assert rows["bf16"]["settled_check"]["grad_sqnr_db"] > 100
 
 
+def test_bench_train_repeats_in_alternating_order_and_pairs_ratios_within_a_repeat(monkeypatch, tmp_path, capsys):
+    """--repeats 2: every variant twice, from fresh builds, the second pass in reverse order; each
+    ratio pairs rows of one pass, and the target is the median of those ratios."""
+    bench = _bench_train_on_cpu(monkeypatch, n_layer=1)
+    out = tmp_path / "train.json"
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "bf16,fp8ops",
+                                      "--steps", "2", "--warmup", "2", "--fp8-policy", "always",
+                                      "--repeats", "2", "--json", str(out)])
+    assert bench.main() == 0
+    result = json.loads(out.read_text())
+    assert [(r["variant"], r["repeat"]) for r in result["rows"]] == \
+        [("bf16", 0), ("fp8ops", 0), ("fp8ops", 1), ("bf16", 1)]
+    assert all(r["valid"] for r in result["rows"]) and not result["validation_failures"]
+    by = {(r["variant"], r["repeat"]): r for r in result["rows"]}
+    per = [by[("fp8ops", i)]["tokens_per_s"] / by[("bf16", i)]["tokens_per_s"] for i in (0, 1)]
+    assert [by[("fp8ops", i)]["speedup_vs_bf16_same_mode"] for i in (0, 1)] == pytest.approx(per)
+    tokens = next(t for t in result["targets"] if t["what"].startswith("small: fp8ops vs bf16 tokens/s"))
+    assert tokens["per_repeat"] == pytest.approx(per) and tokens["value"] == pytest.approx(sum(per) / 2)
+    text = capsys.readouterr().out
+    assert "-- repeat 2 of 2: fp8ops, bf16" in text and "fp8ops #2" in text and "(median of " in text
+
+
+def test_bench_train_refuses_zero_repeats(monkeypatch):
+    bench = _bench_train_on_cpu(monkeypatch, n_layer=1)
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--repeats", "0"])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2
+
+
 def test_bench_train_marks_a_variant_whose_settled_path_disagrees(monkeypatch, tmp_path):
     """The settled check fails the row (and lists it) where the gradients do not match BF16's
     to the bound; here the bound is raised out of FP8's reach."""
