@@ -41,7 +41,12 @@ recomputes each call on the path it took.
 A trial that met several anchor calls before the first optimizer step (micro-batches)
 restarts at it. In a loop without one, each anchor call is a step.
 A forward that runs inside a backward (activation checkpointing's recomputation)
-takes the path of its step and marks nothing. An anchor not seen for
+takes the path of its step and marks nothing. So does a forward without autograd (no_grad,
+inference_mode) before the process's first optimizer step: an evaluation before training
+(nanoGPT evaluates at iteration 0, 400 batches) would otherwise be the whole trial, timing
+forward-only steps for a verdict that then holds for training. A loop that only ever
+evaluates (inference) is let through after EVAL_ONLY_CALLS such calls of one layer with no
+training call between them: its calls are then the steps. An anchor not seen for
 STALE_CALLS calls of the other waiting layers (its model is no longer called, or
 was freed) restarts the trial with the next caller. Every step of this depends
 on this rank's call sequence only and issues no collective: data-parallel ranks
@@ -64,6 +69,7 @@ DECIDE_AT = 1 + BLOCK * len(SCHEDULE)      # the anchor's call that starts this 
 STEP_GAIN = 1.005        # FP8 must shorten the step by 0.5 % (timing noise): else the plain path
 OUTLIER = 1.5            # a step this many times the median is not a training step like the others
 STALE_CALLS = 1024       # calls of other waiting layers without the anchor: a new trial
+EVAL_ONLY_CALLS = 4096   # no-autograd calls of one layer, no training call between: an inference loop
 
 _log = logging.getLogger("fp8ops")
 
@@ -103,6 +109,7 @@ class _Trial:
         self.since_anchor = 0
         self.at_step: int | None = None   # _optimizer_steps at the last mark
         self.by_step = False               # steps are optimizer steps (one was seen during the trial)
+        self.eval_calls: dict[tuple, int] = {}  # (id(layer), key) -> no-autograd calls since a training call
 
     @property
     def fp8_now(self) -> bool:
@@ -110,6 +117,7 @@ class _Trial:
 
     def reset(self) -> None:
         self.anchor, self.marks, self.since_anchor, self.at_step, self.by_step = None, [], 0, None, False
+        self.eval_calls = {}
 
 
 _trials: dict[int, _Trial] = {}
@@ -194,6 +202,14 @@ def decision(layer, key, timing: policy.Timing) -> tuple[bool, str | None]:
         # a forward inside a backward: activation checkpointing's recomputation. It must take the
         # path the step's forward took (checkpoint checks the saved tensors match), and is no step
         return t.fp8_now, None
+    if _optimizer_steps == 0:
+        if not torch.is_grad_enabled():
+            # an evaluation before the first optimizer step: no trial step (see the docstring)
+            n = t.eval_calls[lk] = t.eval_calls.get(lk, 0) + 1
+            if n <= EVAL_ONLY_CALLS:
+                return t.fp8_now, None
+        elif t.eval_calls:
+            t.eval_calls = {}  # training calls: the evaluation before them was one
     if t.by_step:
         if _optimizer_steps == t.at_step:
             return t.fp8_now, None  # the same optimizer step: one step, one path

@@ -193,6 +193,56 @@ def test_trial_steps_are_optimizer_steps(monkeypatch, calls_per_step):
     assert steps == loop_trial.DECIDE_AT + 1 + (1 if calls_per_step > 1 else 0), steps
 
 
+def test_an_evaluation_before_training_is_no_trial_step(monkeypatch):
+    """nanoGPT evaluates at iteration 0 (200 batches per split, under no_grad) before its first
+    optimizer step: those forwards must not be the trial's steps (the verdict would be timed on
+    forward-only steps and then hold for training). They run BF16 and mark nothing; the trial
+    starts with training's first forward."""
+    monkeypatch.setattr(loop_trial, "_optimizer_steps", 0)
+    sim = _SimLoop(monkeypatch, {"bf16": 5.0, "fp8": 6.0}, {"bf16": 10.0, "fp8": 9.0})
+    a, b = _layer(), _layer()
+    with torch.no_grad():
+        for _ in range(400):
+            assert sim.step([a, b]) == [(False, None), (False, None)]
+    t = loop_trial._trials[0]
+    assert t.marks == [] and t.anchor is None and len(t.pending) == 2
+    verdict, steps = None, 0
+    while verdict is None and steps < 40:
+        got = sim.step([a, b])
+        if got[0][1] is not None:
+            verdict = got[0][0]
+        loop_trial.note_optimizer_step()
+        steps += 1
+    assert verdict is True and steps == loop_trial.DECIDE_AT + 1, steps
+
+
+def test_a_loop_that_only_evaluates_gets_its_trial(monkeypatch):
+    """Inference only (no optimizer, no autograd): after EVAL_ONLY_CALLS calls of a layer its
+    calls are the trial's steps; a training call between evaluations restarts that count."""
+    monkeypatch.setattr(loop_trial, "_optimizer_steps", 0)
+    monkeypatch.setattr(loop_trial, "EVAL_ONLY_CALLS", 5)
+    sim = _SimLoop(monkeypatch, {"bf16": 5.0, "fp8": 6.0}, {"bf16": 10.0, "fp8": 9.0})
+    a = _layer()
+    with torch.no_grad():
+        for _ in range(4):
+            sim.step([a])
+    sim.step([a])                     # a training call: the evaluation before it was one
+    with torch.no_grad():
+        for _ in range(5):
+            sim.step([a])
+    t = loop_trial._trials[0]
+    assert len(t.marks) == 1          # the training call's, none of the nine evaluation calls
+    with torch.no_grad():
+        calls, verdict = 0, None
+        while verdict is None and calls < 100:
+            got = sim.step([a])[0]
+            calls += 1
+            if got[1] is not None:
+                verdict = got[0]
+    # the sixth call in a row is let through; the marks restart with it (a new anchor step count)
+    assert verdict is True and calls <= loop_trial.DECIDE_AT + 1, calls
+
+
 def test_a_recomputed_forward_takes_its_steps_path_and_is_no_step(monkeypatch):
     """Activation checkpointing runs the forward again inside the backward: the
     same path as that step's forward (else checkpoint's saved tensors differ)."""
