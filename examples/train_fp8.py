@@ -696,6 +696,9 @@ def _main(argv=None):
         checkpoint(step, "ckpt_latest.pt")
     summary = write_metrics(step, save=trained)
     if writer is not None:
+        if not diverged:  # the steps after the last log step (a stop between two)
+            for s_, l_ in zip(metrics["steps"][tb_from:], metrics["train_loss"][tb_from:]):
+                writer.add_scalar("train/loss", l_, s_)
         writer.close()
 
     minutes = (time.time() - t_start) / 60

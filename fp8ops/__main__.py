@@ -10,7 +10,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fp8ops", description="fp8ops doctor: what is installed, what loaded, and whether FP8 can run here")
+    ap = argparse.ArgumentParser(
+        prog="python -m fp8ops",
+        description="fp8ops doctor: what is installed, what loaded, and whether FP8 can run here")
     ap.add_argument("--check", action="store_true", help="exit 1 where FP8 cannot run here (default: exit 0)")
     args = ap.parse_args(argv)
     import torch

@@ -136,7 +136,7 @@ def forget(layer, key=None) -> None:
     def mine(lk):
         return lk[0] == id(layer) and (key is None or lk[1] == key)
     for t in _trials.values():
-        for d in (t.pending, t.decided):
+        for d in (t.pending, t.decided, t.eval_calls):
             for lk in [lk for lk in d if mine(lk)]:
                 del d[lk]
         if t.anchor is not None and mine(t.anchor):

@@ -206,6 +206,12 @@ def test_an_evaluation_before_training_is_no_trial_step(monkeypatch):
             assert sim.step([a, b]) == [(False, None), (False, None)]
     t = loop_trial._trials[0]
     assert t.marks == [] and t.anchor is None and len(t.pending) == 2
+    assert sorted(t.eval_calls.values()) == [400, 400]
+    c = _layer()
+    with torch.no_grad():
+        sim.step([c])
+    loop_trial.forget(c)                             # (a layer moved or freed leaves nothing behind)
+    assert len(t.eval_calls) == 2 and len(t.pending) == 2
     verdict, steps = None, 0
     while verdict is None and steps < 40:
         got = sim.step([a, b])

@@ -515,6 +515,34 @@ def test_a_run_stopped_before_its_first_step_names_no_files(tmp_path, capsys):
     assert not list(tmp_path.glob("ckpt_*.pt")) and not (tmp_path / "metrics.json").exists()
 
 
+def test_tensorboard_gets_the_steps_after_the_last_log_step(monkeypatch, tmp_path):
+    """A run stopped between two log steps (Ctrl-C, --max_time_min) still writes every step's
+    training loss to TensorBoard, as metrics.json has it."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    import train_fp8
+
+    class StopBeforeStep6:
+        def __init__(self, log):
+            self.asked = 0
+
+        @property
+        def requested(self):  # asked once before each step
+            self.asked += 1
+            return self.asked > 5
+
+        def restore(self):
+            pass
+    monkeypatch.setattr(train_fp8, "StopOnInterrupt", StopBeforeStep6)
+    code = train_fp8.main([*SMALL_RUN, "--steps", "20", "--log_every", "2", "--eval_every", "100",
+                           "--device", "cpu", "--out_dir", str(tmp_path), "--tensorboard"])
+    assert code == 130
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == m["steps"] == [1, 2, 3, 4, 5]
+
+
 def test_batches_reach_every_window_of_the_data():
     """Every window of block_size + 1 bytes can be drawn, the last one too (its last byte is a
     target like any other)."""
