@@ -442,6 +442,17 @@ def _prepare_te(model, args, logger, module_filter_fn, info):
     eligible = _eligible(module_filter_fn)
     swaps = [(fqn, m) for fqn, m in model.named_modules()
              if type(m) is nn.Linear and eligible(m, fqn)]
+    # te.Linear makes its own parameters: a weight tied to another (a GPT's lm_head and its token
+    # embedding) would come apart and the two train separately. Such a layer stays as it is.
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    tied = {fqn: [n for n in owners[id(m.weight)] if n != (f"{fqn}.weight" if fqn else "weight")]
+            for fqn, m in swaps if len(owners.get(id(m.weight), ())) > 1}
+    for fqn, others in tied.items():
+        logger(f"FP8: {fqn} stays an nn.Linear (not FP8): its weight is tied to {', '.join(others)}, "
+               "and te.Linear, which makes its own, would untie them")
+    swaps = [(fqn, m) for fqn, m in swaps if fqn not in tied]
     if not swaps:
         return ("no linear layer is eligible (in/out features multiples of 16, accepted by "
                 "module_filter_fn)")

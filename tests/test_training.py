@@ -318,6 +318,13 @@ def test_prepare_model_te_plumbing(monkeypatch):
     with info["autocast"]():
         pass
     assert entered[0].amax_history_len == 16 and entered[0].fp8_format is Format.HYBRID
+    # without the filter the tied lm_head is still kept: te.Linear would untie it from the embedding
+    model, lines = tiny_gpt(), []
+    model, info = prepare_model(model, parse("--use_fp8", "--fp8_backend", "te"), logger=lines.append)
+    assert info["fp8_layers"] == 8 and type(model.lm_head) is nn.Linear
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert ("FP8: lm_head stays an nn.Linear (not FP8): its weight is tied to transformer.wte.weight, "
+            "and te.Linear, which makes its own, would untie them") in lines, lines
     # a model that is one nn.Linear: the swapped layer is what comes back
     root, info = prepare_model(nn.Linear(32, 64), parse("--use_fp8", "--fp8_backend", "te"), logger=lines.append)
     assert type(root) is Linear and info["backend"] == "te" and "model" not in info
