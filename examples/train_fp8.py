@@ -696,9 +696,9 @@ def _main(argv=None):
         checkpoint(step, "ckpt_latest.pt")
     summary = write_metrics(step, save=trained)
     if writer is not None:
-        if not diverged:  # the steps after the last log step (a stop between two)
-            for s_, l_ in zip(metrics["steps"][tb_from:], metrics["train_loss"][tb_from:]):
-                writer.add_scalar("train/loss", l_, s_)
+        # the steps after the last log step (a stop between two, or the divergence's window)
+        for s_, l_ in zip(metrics["steps"][tb_from:], metrics["train_loss"][tb_from:]):
+            writer.add_scalar("train/loss", l_, s_)
         writer.close()
 
     minutes = (time.time() - t_start) / 60
@@ -718,13 +718,16 @@ def _main(argv=None):
         print(f"  tokens/s        {summary['mean_tokens_per_s']:,.0f} "
               "(without warm-up, evaluation and checkpoint time)")
     print(f"  FP8             {summary['fp8_ran']}")
-    saved = sorted(p.name for p in out_dir.glob("ckpt_*.pt"))
-    # (a run stopped before its first step wrote nothing: no paths to files that do not exist)
+    # (a new run stopped before its first step wrote nothing: no paths to files that are not
+    # its own, which may be an earlier run's in the same directory)
+    ours = trained or start_step > 0
+    saved = sorted(p.name for p in out_dir.glob("ckpt_*.pt")) if ours else []
     print(f"  checkpoints     {out_dir}/ {', '.join(saved)}" if saved else "  checkpoints     none")
-    print(f"  continue with   {continue_command(sys.argv[1:] if argv is None else argv)}")
+    if ours:
+        print(f"  continue with   {continue_command(sys.argv[1:] if argv is None else argv)}")
     if writer is not None and trained:
         print(f"  TensorBoard     tensorboard --logdir {out_dir / 'tb'}")
-    if (out_dir / "metrics.json").exists():
+    if ours and (out_dir / "metrics.json").exists():
         print(f"  metrics         {out_dir / 'metrics.json'} (compare runs: examples/plot_curves.py)")
     report = getattr(fp8ops, "report", None)
     if report is not None:

@@ -11,7 +11,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m fp8ops",
+        prog="fp8ops-doctor" if sys.argv[0].endswith("fp8ops-doctor") else "python -m fp8ops",  # (the entry point)
         description="fp8ops doctor: what is installed, what loaded, and whether FP8 can run here")
     ap.add_argument("--check", action="store_true", help="exit 1 where FP8 cannot run here (default: exit 0)")
     args = ap.parse_args(argv)

@@ -42,11 +42,15 @@ A trial that met several anchor calls before the first optimizer step (micro-bat
 restarts at it. In a loop without one, each anchor call is a step.
 A forward that runs inside a backward (activation checkpointing's recomputation)
 takes the path of its step and marks nothing. So does a forward without autograd (no_grad,
-inference_mode) before the process's first optimizer step: an evaluation before training
-(nanoGPT evaluates at iteration 0, 400 batches) would otherwise be the whole trial, timing
-forward-only steps for a verdict that then holds for training. A loop that only ever
-evaluates (inference) is let through after EVAL_ONLY_CALLS such calls of one layer with no
-training call between them: its calls are then the steps. An anchor not seen for
+inference_mode) of a layer with a trainable weight before the process's first optimizer step:
+an evaluation before training (nanoGPT evaluates at iteration 0, 400 batches) would otherwise
+be the whole trial, timing forward-only steps for a verdict that then holds for training.
+(Reentrant activation checkpointing also runs its forward without autograd; that is a training
+forward, which the rule then treats alike until the first optimizer step: its recomputation
+takes the same path. A frozen layer, whose weight no optimizer steps, is not held back: for it
+the first optimizer step may never come.) A loop that only ever evaluates (inference) is let
+through after EVAL_ONLY_CALLS such calls of one layer with no training call between them: its
+calls are then the steps. An anchor not seen for
 STALE_CALLS calls of the other waiting layers (its model is no longer called, or
 was freed) restarts the trial with the next caller. Every step of this depends
 on this rank's call sequence only and issues no collective: data-parallel ranks
@@ -116,8 +120,8 @@ class _Trial:
         return step_fp8(len(self.marks) - 1)  # the anchor marked the current step
 
     def reset(self) -> None:
+        # (eval_calls stays: an inference loop whose anchor went stale keeps its count)
         self.anchor, self.marks, self.since_anchor, self.at_step, self.by_step = None, [], 0, None, False
-        self.eval_calls = {}
 
 
 _trials: dict[int, _Trial] = {}
@@ -203,7 +207,7 @@ def decision(layer, key, timing: policy.Timing) -> tuple[bool, str | None]:
         # path the step's forward took (checkpoint checks the saved tensors match), and is no step
         return t.fp8_now, None
     if _optimizer_steps == 0:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and layer.weight.requires_grad:
             # an evaluation before the first optimizer step: no trial step (see the docstring)
             n = t.eval_calls[lk] = t.eval_calls.get(lk, 0) + 1
             if n <= EVAL_ONLY_CALLS:

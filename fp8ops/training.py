@@ -447,15 +447,17 @@ def _prepare_te(model, args, logger, module_filter_fn, info):
     owners: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name)
-    tied = {fqn: [n for n in owners[id(m.weight)] if n != (f"{fqn}.weight" if fqn else "weight")]
-            for fqn, m in swaps if len(owners.get(id(m.weight), ())) > 1}
+    def tied_to(fqn, m):
+        own = {f"{fqn}.{n}" if fqn else n for n in ("weight", "bias")}
+        return [n for p in (m.weight, m.bias) if p is not None for n in owners[id(p)] if n not in own]
+    tied = {fqn: others for fqn, m in swaps if (others := tied_to(fqn, m))}
     for fqn, others in tied.items():
-        logger(f"FP8: {fqn} stays an nn.Linear (not FP8): its weight is tied to {', '.join(others)}, "
+        logger(f"FP8: {fqn} stays an nn.Linear (not FP8): its parameters are tied to {', '.join(others)}, "
                "and te.Linear, which makes its own, would untie them")
     swaps = [(fqn, m) for fqn, m in swaps if fqn not in tied]
     if not swaps:
         return ("no linear layer is eligible (in/out features multiples of 16, accepted by "
-                "module_filter_fn)")
+                "module_filter_fn" + (", parameters not tied to others: " + ", ".join(tied) if tied else "") + ")")
     for fqn, old in swaps:
         new = te.Linear(old.in_features, old.out_features, bias=old.bias is not None,
                         params_dtype=old.weight.dtype, device=old.weight.device)

@@ -131,8 +131,9 @@ class _SimLoop:
         return got
 
 
-def _layer():
-    return types.SimpleNamespace(weight=types.SimpleNamespace(device=torch.device("cuda", 0)))
+def _layer(trainable: bool = True):
+    return types.SimpleNamespace(weight=types.SimpleNamespace(device=torch.device("cuda", 0),
+                                                              requires_grad=trainable))
 
 
 @pytest.mark.parametrize("host, gpu, fp8", [
@@ -245,8 +246,61 @@ def test_a_loop_that_only_evaluates_gets_its_trial(monkeypatch):
             calls += 1
             if got[1] is not None:
                 verdict = got[0]
-    # the sixth call in a row is let through; the marks restart with it (a new anchor step count)
-    assert verdict is True and calls <= loop_trial.DECIDE_AT + 1, calls
+    # the sixth call in a row is let through and marks step 1 (the training call marked step 0)
+    assert verdict is True and calls == loop_trial.DECIDE_AT, calls
+
+
+def test_reentrant_checkpointing_recomputes_on_its_forwards_path(monkeypatch):
+    """Reentrant activation checkpointing runs a block's forward without autograd (as an
+    evaluation does) and recomputes it in the backward: both must take one path in every step,
+    also while the no-autograd rule holds (before the first optimizer step)."""
+    monkeypatch.setattr(loop_trial, "_optimizer_steps", 0)
+    sim = _SimLoop(monkeypatch, {"bf16": 5.0, "fp8": 6.0}, {"bf16": 10.0, "fp8": 9.0})
+    block, head = _layer(), _layer()          # the checkpointed block's layer, then the lm_head
+    verdict, steps = None, 0
+    while verdict is None and steps < 40:
+        with torch.no_grad():
+            fwd = loop_trial.decision(block, KEY, gpu_only())
+        got = sim.step([head])[0]
+        seen = []
+        x = torch.ones(2, requires_grad=True)
+        y = x * 2
+        y.register_hook(lambda g: seen.append(loop_trial.decision(block, KEY, gpu_only())))
+        y.sum().backward()                    # the recomputation, inside the backward
+        if fwd[1] is None and seen[0][1] is None:
+            assert seen[0][0] == fwd[0], steps
+        if got[1] is not None:
+            verdict = got[0]
+        loop_trial.note_optimizer_step()
+        steps += 1
+    assert verdict is True
+
+
+def test_a_frozen_layer_is_not_held_back_by_the_evaluation_rule(monkeypatch):
+    """A layer no optimizer steps (a frozen base under LoRA) may never see an optimizer step:
+    its calls without autograd count as the trial's steps, as before the rule."""
+    monkeypatch.setattr(loop_trial, "_optimizer_steps", 0)
+    sim = _SimLoop(monkeypatch, {"bf16": 5.0, "fp8": 6.0}, {"bf16": 10.0, "fp8": 9.0})
+    frozen = _layer(trainable=False)
+    with torch.no_grad():
+        for _ in range(3):
+            sim.step([frozen])
+    assert len(loop_trial._trials[0].marks) == 3
+
+
+def test_a_stale_anchor_in_an_inference_loop_keeps_its_evaluation_count(monkeypatch):
+    monkeypatch.setattr(loop_trial, "_optimizer_steps", 0)
+    monkeypatch.setattr(loop_trial, "EVAL_ONLY_CALLS", 2)
+    sim = _SimLoop(monkeypatch, {"bf16": 5.0, "fp8": 6.0}, {"bf16": 10.0, "fp8": 9.0})
+    a = _layer()
+    with torch.no_grad():
+        for _ in range(4):
+            sim.step([a])
+        t = loop_trial._trials[0]
+        assert len(t.marks) == 2
+        t.reset()                             # (as a stale anchor resets it)
+        sim.step([a])
+    assert len(t.marks) == 1                  # marked at once: not held back for another 2 calls
 
 
 def test_a_recomputed_forward_takes_its_steps_path_and_is_no_step(monkeypatch):

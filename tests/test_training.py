@@ -323,8 +323,13 @@ def test_prepare_model_te_plumbing(monkeypatch):
     model, info = prepare_model(model, parse("--use_fp8", "--fp8_backend", "te"), logger=lines.append)
     assert info["fp8_layers"] == 8 and type(model.lm_head) is nn.Linear
     assert model.lm_head.weight is model.transformer.wte.weight
-    assert ("FP8: lm_head stays an nn.Linear (not FP8): its weight is tied to transformer.wte.weight, "
+    assert ("FP8: lm_head stays an nn.Linear (not FP8): its parameters are tied to transformer.wte.weight, "
             "and te.Linear, which makes its own, would untie them") in lines, lines
+    # where the tied layer was the only one eligible, the reason says so
+    model, lines = tiny_gpt(), []
+    model, info = prepare_model(model, parse("--use_fp8", "--fp8_backend", "te"), logger=lines.append,
+                                module_filter_fn=lambda m, fqn: fqn == "lm_head")
+    assert info["fp8_layers"] == 0 and "parameters not tied to others: lm_head" in info["reason"], info
     # a model that is one nn.Linear: the swapped layer is what comes back
     root, info = prepare_model(nn.Linear(32, 64), parse("--use_fp8", "--fp8_backend", "te"), logger=lines.append)
     assert type(root) is Linear and info["backend"] == "te" and "model" not in info
@@ -513,13 +518,18 @@ def test_an_abort_names_the_checkpoints_it_leaves(monkeypatch, tmp_path, capsys)
 
 
 def test_a_run_stopped_before_its_first_step_names_no_files(tmp_path, capsys):
+    """It wrote nothing: no paths to files that do not exist, nor to an earlier run's files in
+    the same directory, nor a "continue with" that would resume that earlier run."""
     import train_fp8
+    (tmp_path / "ckpt_step100.pt").write_bytes(b"an earlier run's")
     code = train_fp8.main([*SMALL_RUN, "--steps", "5", "--max_time_min", "1e-9", "--device", "cpu",
                            "--out_dir", str(tmp_path), "--tensorboard"])
     out = capsys.readouterr().out
     assert code == 0 and "stopped at step 0 of 5: --max_time_min 1e-09 reached" in out, out
-    assert "  checkpoints     none" in out and "metrics.json" not in out and "tensorboard --logdir" not in out
-    assert not list(tmp_path.glob("ckpt_*.pt")) and not (tmp_path / "metrics.json").exists()
+    assert "  checkpoints     none" in out and "ckpt_step100" not in out and "continue with" not in out
+    assert "metrics.json" not in out and "tensorboard --logdir" not in out
+    assert [p.name for p in tmp_path.glob("ckpt_*.pt")] == ["ckpt_step100.pt"]
+    assert not (tmp_path / "metrics.json").exists()
 
 
 def test_tensorboard_gets_the_steps_after_the_last_log_step(monkeypatch, tmp_path):
