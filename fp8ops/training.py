@@ -447,6 +447,7 @@ def _prepare_te(model, args, logger, module_filter_fn, info):
     owners: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name)
+
     def tied_to(fqn, m):
         own = {f"{fqn}.{n}" if fqn else n for n in ("weight", "bias")}
         return [n for p in (m.weight, m.bias) if p is not None for n in owners[id(p)] if n not in own]
