@@ -11,6 +11,10 @@ training without gradient accumulation). Variants:
                     layer that has nothing for it to fuse (the yardstick for fp8ops_compiled)
   fp8ops            fp8ops.convert(layer, config=Fp8Config(policy="always")): delayed scaling, hybrid
   fp8ops_compiled   torch.compile of the converted layer
+  bf16_graphs,      torch.compile(mode="reduce-overhead") of nn.Linear / the converted layer:
+  fp8ops_graphs     inductor replays each step's kernels as CUDA graphs, so the host's per-call
+                    cost is gone and the ratio is the GPU's (cudagraph_mark_step_begin() starts
+                    each iteration; a graph torch skipped is reported per shape)
   torchao_compiled  torchao.float8.convert_to_float8_training (tensorwise dynamic) + torch.compile
   torchao           the same without compile
 GEMM ceiling: the three GEMMs of fwd+bwd on operands already cast (torch._scaled_mm: fwd e4m3 with
@@ -62,7 +66,8 @@ QUICK_SHAPES = "16384x4096x14336,16384x4096x4096,16384x768x3072,16384x3072x768,4
 TARGETS = {(16384, 4096, 14336): 1.75, (16384, 4096, 4096): 1.65, (16384, 768, 3072): 1.3,
            (16384, 3072, 768): 1.3, (4096, 4096, 4096): 1.4}
 COMPILE_TOLERANCE = 0.02  # fp8ops compiled counts as ">= eager" within 2 % timing noise
-VARIANTS = ("bf16", "bf16_compiled", "fp8ops", "fp8ops_compiled", "fp8ops_auto", "torchao_compiled", "torchao")
+VARIANTS = ("bf16", "bf16_compiled", "fp8ops", "fp8ops_compiled", "fp8ops_auto", "bf16_graphs", "fp8ops_graphs",
+            "torchao_compiled", "torchao")
 SQNR_Y, SQNR_GRAD = 25.0, 20.0
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -141,11 +146,18 @@ def torchao_convert():
         return None, f"torchao not importable ({type(e).__name__}: {e}); torchao columns skipped"
 
 
+def compiled_as(name: str, mod: nn.Module) -> nn.Module:
+    """The variant's module: torch.compile'd ("_compiled"), with CUDA graphs ("_graphs"), or as is."""
+    if name.endswith("_graphs"):
+        return torch.compile(mod, mode="reduce-overhead")
+    return torch.compile(mod) if name.endswith("_compiled") else mod
+
+
 def build_variant(name: str, base: nn.Module, args, fp8ops, ao_convert):
     """(module to call, the Fp8Linear to step or None)."""
     mod = copy.deepcopy(base)
     if name.startswith("bf16"):
-        return (torch.compile(mod) if name.endswith("compiled") else mod), None
+        return compiled_as(name, mod), None
     if name.startswith("fp8ops"):
         # fp8ops_auto: the default policy users get (a shape FP8 does not speed up runs BF16)
         cfg = fp8ops.Fp8Config(policy="auto" if name == "fp8ops_auto" else "always", recipe=args.recipe)
@@ -154,15 +166,18 @@ def build_variant(name: str, base: nn.Module, args, fp8ops, ao_convert):
             raise RuntimeError(f"fp8ops.convert left the layer unconverted: "
                                f"{getattr(mod, '_fp8ops_decisions', {})}")
         layer = mod
-        return (torch.compile(mod) if name.endswith("compiled") else mod), layer
+        return compiled_as(name, mod), layer
     mod = ao_convert(mod)
-    return (torch.compile(mod) if name.endswith("compiled") else mod), None
+    return compiled_as(name, mod), None
 
 
-def make_step(mod, fp8_layer, x, g, fp8ops, autocast_dtype):
+def make_step(mod, fp8_layer, x, g, fp8ops, autocast_dtype, graphs: bool = False):
     params = list(mod.parameters())
 
     def step():
+        if graphs:
+            # a new iteration: the graphs' outputs of the last one (y, the grads) may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         x.grad = None
         for p in params:
             p.grad = None
@@ -252,7 +267,7 @@ def run_profile(args, fns: dict, shape, out_dir: str) -> dict:
 
 def write_plot(path: str, result: dict) -> None:
     rows = result["rows"]
-    series = [v for v in ("fp8ops", "fp8ops_compiled", "fp8ops_auto", "torchao_compiled", "torchao")
+    series = [v for v in ("fp8ops", "fp8ops_compiled", "fp8ops_auto", "fp8ops_graphs", "torchao_compiled", "torchao")
               if any(r.get(f"{v}_speedup") for r in rows)]
     labels = [f"{r['M']}x{r['K']}\n->{r['N']}" for r in rows]
     try:
@@ -376,12 +391,12 @@ def main() -> int:
         base = nn.Linear(K, N, bias=args.bias, device=DEVICE, dtype=master)
         x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16) * 1e-3  # gradients are small
-        steps, errors, row_valid, ref, breaks, verdicts = {}, {}, {}, None, {}, {}
+        steps, errors, row_valid, ref, breaks, verdicts, skipped = {}, {}, {}, None, {}, {}, {}
         for v in variants:  # bf16 first (the reference); torchao last (it patches inductor, see docstring)
             try:
-                gb0 = graph_breaks()
+                gb0, skips0 = graph_breaks(), cudagraph_skips()
                 mod, layer = build_variant(v, base, args, fp8ops, ao_convert)
-                fn = make_step(mod, layer, x, g, fp8ops, torch.bfloat16)
+                fn = make_step(mod, layer, x, g, fp8ops, torch.bfloat16, graphs=v.endswith("_graphs"))
                 outs = None
                 n_warm = max(3, args.warmup)
                 for i in range(n_warm):
@@ -391,7 +406,8 @@ def main() -> int:
                         # auto's trial has settled by then; its first steps run BF16 whatever it chooses).
                         # The weights never change here (no optimizer), so BF16's reference is the same
                         # in every iteration
-                        outs = (y.detach().float(), x.grad.detach().float(), mod_weight(mod).grad.detach().float())
+                        # (copies: a CUDA graph's next replay overwrites its outputs)
+                        outs = tuple(t.detach().float().clone() for t in (y, x.grad, mod_weight(mod).grad))
                     del y
                 torch.cuda.synchronize()
                 steps[v] = fn
@@ -399,9 +415,13 @@ def main() -> int:
                     for k, (wins, speedup) in getattr(m, "fp8_policy", {}).items():
                         verdicts[v] = {"rows": k[0], "fp8": bool(wins), "measured_speedup": speedup,
                                        "loop_trial": m.fp8_policy_why.get(k)}
-                if v.endswith("compiled") and graph_breaks() > gb0:
+                if v.endswith(("_compiled", "_graphs")) and graph_breaks() > gb0:
                     breaks[v] = graph_breaks() - gb0
                     print(f"  note: {v} {M}x{K}->{N}: {breaks[v]} torch.compile graph break(s)")
+                if v.endswith("_graphs") and cudagraph_skips() > skips0:
+                    # (its time is then torch.compile's without graphs: said, not hidden)
+                    skipped[v] = cudagraph_skips() - skips0
+                    print(f"  note: {v} {M}x{K}->{N}: torch skipped CUDA graphs {skipped[v]} time(s)")
                 # ---- validation against BF16 eager (same weights, same x and g)
                 if v == "bf16":
                     ref = outs
@@ -432,7 +452,8 @@ def main() -> int:
         t = bench_interleaved(fns, args.reps, args.rounds, timing=args.timing)
         flop = 6.0 * M * N * K
         row = {"M": M, "K": K, "N": N, "bias": args.bias, "master": args.master, "errors": errors,
-               "validation": row_valid, "graph_breaks": breaks, "policy_verdicts": verdicts}
+               "validation": row_valid, "graph_breaks": breaks, "cudagraph_skips": skipped,
+               "policy_verdicts": verdicts}
         for v in VARIANTS:
             ms = t.get(v)
             row[f"{v}_ms"] = ms
@@ -461,6 +482,19 @@ def main() -> int:
                                       # the same ratio for BF16: torch.compile's own per-call cost
                                       "bf16_compiled_vs_eager": (row["bf16_ms"] / row["bf16_compiled_ms"]
                                                                  if row["bf16_compiled_ms"] else None)})
+        if row["fp8ops_ms"] and row["fp8ops_graphs_ms"]:
+            # the same question for torch.compile's CUDA-graph mode (no verdict if torch skipped the graphs)
+            vd = "PASS" if row["fp8ops_graphs_ms"] <= row["fp8ops_ms"] * (1 + COMPILE_TOLERANCE) else "MISS"
+            if "fp8ops_graphs" in skipped:
+                vd = "NO-GRAPHS"
+            elif vd == "PASS" and not row_valid.get("fp8ops_graphs", {}).get("ok", True):
+                vd = "INVALID"
+            verdicts.append("g:" + vd)
+            result["targets"].append({"what": f"fp8ops graphs (compile mode=reduce-overhead) >= fp8ops eager at "
+                                              f"{M}x{K}->{N} (within {COMPILE_TOLERANCE:.0%})",
+                                      "value": row["fp8ops_ms"] / row["fp8ops_graphs_ms"], "verdict": vd,
+                                      "bf16_graphs_vs_eager": (row["bf16_ms"] / row["bf16_graphs_ms"]
+                                                               if row["bf16_graphs_ms"] else None)})
         row["target"] = " ".join(verdicts)
         result["rows"].append(row)
         write_json(args.json, result)
@@ -481,7 +515,7 @@ def main() -> int:
         for v in wanted:
             try:
                 mod, layer = build_variant(v, base, args, fp8ops, ao_convert)
-                pf[v] = make_step(mod, layer, x, g, fp8ops, torch.bfloat16)
+                pf[v] = make_step(mod, layer, x, g, fp8ops, torch.bfloat16, graphs=v.endswith("_graphs"))
             except Exception as e:  # noqa: BLE001
                 print(f"note: cannot profile {v}: {type(e).__name__}: {e}")
         result["profile"] = run_profile(args, pf, (M, K, N), args.profile_dir)
@@ -501,12 +535,14 @@ def main() -> int:
     for f in result["validation_failures"]:
         print(f"validation failed: {f}")
     for tg in result["targets"]:
-        ctx = tg.get("bf16_compiled_vs_eager")
+        ctx, gctx = tg.get("bf16_compiled_vs_eager"), tg.get("bf16_graphs_vs_eager")
         print(f"target: {tg['what']}: {tg['value']:.2f}x -> {tg['verdict']}"
-              + (f"  (BF16 compiled vs eager: {ctx:.2f}x)" if ctx else ""))
+              + (f"  (BF16 compiled vs eager: {ctx:.2f}x)" if ctx else "")
+              + (f"  (BF16 graphs vs eager: {gctx:.2f}x)" if gctx else ""))
     shown = [v for v in VARIANTS if v in variants]
     short = {"bf16": "bf16", "bf16_compiled": "bf16 cmp", "fp8ops": "fp8ops", "fp8ops_compiled": "fp8ops cmp",
-             "fp8ops_auto": "fp8ops auto", "torchao_compiled": "ao cmp", "torchao": "ao eager"}
+             "fp8ops_auto": "fp8ops auto", "bf16_graphs": "bf16 graphs", "fp8ops_graphs": "fp8ops graphs",
+             "torchao_compiled": "ao cmp", "torchao": "ao eager"}
     hdr = ["shape MxK->N"] + [f"{short[v]} ms" for v in shown] + \
           [f"{short[v]} x" for v in shown if v != "bf16"] + ["fp8ops TF/s", "GEMM ceil x", "target"]
     rows = []
@@ -524,7 +560,7 @@ def main() -> int:
                                   f"bias={args.bias}; x = speedup vs BF16 eager; TF/s = 6MNK / time; "
                                   + (f"median over {args.rounds} rounds of {args.reps // args.rounds} iterations back to back"
                                    if args.timing == "loop" else f"median of {args.reps} iterations in bursts")
-                                  + "; target c: = compiled >= eager")))
+                                  + "; target c: = compiled >= eager, g: = graphs >= eager")))
     failed = bool(result["validation_failures"]) or any(r["errors"] for r in result["rows"])
     return 1 if failed else 0
 
@@ -534,6 +570,15 @@ def graph_breaks() -> int:
     try:
         from torch._dynamo.utils import counters
         return sum(counters["graph_break"].values())
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def cudagraph_skips() -> int:
+    """How often inductor ran a graph without CUDA graphs so far in this process."""
+    try:
+        from torch._dynamo.utils import counters
+        return counters["inductor"]["cudagraph_skips"]
     except Exception:  # noqa: BLE001
         return 0
 

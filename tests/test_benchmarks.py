@@ -89,6 +89,28 @@ def test_bench_linear_runs_every_fp8ops_variant_and_reports(bench_linear, tmp_pa
     assert "BF16 compiled vs eager:" in printed and "bf16 cmp x" in printed
 
 
+def test_bench_linear_graph_variants_report_what_torch_skipped(bench_linear, tmp_path, monkeypatch, capsys):
+    """The CUDA-graph variants (compile mode="reduce-overhead") run, validate, and get the
+    graphs-vs-eager entry; on the CPU torch runs them without CUDA graphs, which the row and
+    the verdict say (never a graphs number that had no graphs)."""
+    out = tmp_path / "linear.json"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_linear.py", "--shapes", "64x64x64", "--variants", "bf16,fp8ops,bf16_graphs,fp8ops_graphs",
+        "--no-ceiling", "--reps", "2", "--rounds", "1", "--warmup", "3", "--json", str(out)])
+    assert bench_linear.main() == 0
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert not row["errors"], row["errors"]
+    assert row["fp8ops_graphs_ms"] > 0 and row["bf16_graphs_ms"] > 0
+    assert 20 < row["validation"]["fp8ops_graphs"]["sqnr_y"] < 40
+    assert row["validation"]["bf16_graphs"]["sqnr_y"] > 100
+    assert row["cudagraph_skips"].get("fp8ops_graphs", 0) > 0   # CPU tensors: no CUDA graphs
+    (t,) = [t for t in result["targets"] if t["what"].startswith("fp8ops graphs")]
+    assert t["verdict"] == "NO-GRAPHS" and t["bf16_graphs_vs_eager"] > 0
+    printed = capsys.readouterr().out
+    assert "torch skipped CUDA graphs" in printed and "fp8ops graphs x" in printed
+
+
 def test_bench_linear_meets_no_target_with_outputs_that_do_not_match(bench_linear, tmp_path, monkeypatch):
     """A variant whose validation failed (here: the bound raised out of FP8's reach) is timed and
     marked, and its targets read INVALID where the time alone would pass."""
