@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sysconfig
 
+import setuptools
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
@@ -166,6 +167,18 @@ class BuildFp8ops(build_ext):
         return stub_dir
 
 
+def require_setuptools(version: str, minimum=(77, 0)) -> None:
+    """pyproject.toml gives the license as an SPDX string, which setuptools < 77 rejects with a
+    schema dump that names no remedy (the TOML-table form stops building after Feb 2027)."""
+    found = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    if found < minimum:
+        raise SystemExit(
+            f"fp8ops: building needs setuptools >= {minimum[0]}, found {version} (pyproject.toml's license "
+            f"is an SPDX expression). Run `python -m pip install -U 'setuptools>={minimum[0]}'`, or build "
+            f"with plain `pip install .`, whose isolated build fetches it.")
+
+
+require_setuptools(setuptools.__version__)
 setup(
     ext_modules=[Extension("fp8ops._C", sources=sorted(glob.glob("csrc/*.c")), py_limited_api=True)],
     cmdclass={"build_ext": BuildFp8ops},

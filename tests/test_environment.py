@@ -463,6 +463,19 @@ def test_sdist_has_every_source(tmp_path):
     assert want <= names, sorted(want - names)
 
 
+def test_an_old_setuptools_is_refused_with_the_remedy():
+    """setup.py under a setuptools too old for pyproject.toml's SPDX license: a message that
+    names the version found and the command that fixes it, not setuptools' schema dump."""
+    repo = Path(__file__).resolve().parents[1]
+    pytest.importorskip("setuptools")
+    code = ("import runpy, sys, setuptools; setuptools.__version__ = '65.5.0'; "
+            "sys.argv = ['setup.py', '--version']; runpy.run_path('setup.py', run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    out = p.stdout + p.stderr
+    assert "needs setuptools >= 77, found 65.5.0" in out and "pip install -U 'setuptools>=77'" in out, out
+
+
 @pytest.mark.parametrize("archs", ["sm_9x", "90;ampere"])
 def test_bad_cuda_archs_are_refused_by_name(tmp_path, archs):
     repo = Path(__file__).resolve().parents[1]
