@@ -238,6 +238,39 @@ def test_report_shows_no_amax_where_a_one_row_history_kept_none(monkeypatch, cap
     assert fp8ops.report(model, print_table=False)[0]["amax_x"] > 0
 
 
+def _train_then_shrink_grads(model, big_steps=3, small_steps=3):
+    """Steps whose gradients then fall 10^4-fold (the loss scaled down), the weights unchanged."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    for k in range(big_steps + small_steps):
+        (model(x) * (1.0 if k < big_steps else 1e-4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_report_shows_the_range_a_shrunken_gradient_fills_and_says_why(monkeypatch, capsys):
+    """Delayed scaling keeps the largest amax of its history: after the gradients fall 10^4-fold
+    the scale still fits the old ones, and the report shows the gradient filling ~1e-4 of E5M2's
+    range, with a note naming the lowest layer and what follows a falling gradient; x and w,
+    unchanged, fill all of theirs. Current scaling, and a history the large amaxes have left,
+    fill the whole range again, and no note is printed."""
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    _train_then_shrink_grads(model)
+    rows = fp8ops.report(model)
+    out = capsys.readouterr().out
+    for r in rows:
+        assert r["range_x"] == pytest.approx(1.0) and r["range_w"] == pytest.approx(1.0)
+        assert 0.5e-4 < r["range_g"] < 2e-4, r["range_g"]
+    assert "range x/w/g" in out and "2 layer(s) filled under 1/256 of the gradient's FP8 range" in out
+    assert 'recipe="current"' in out
+    for cfg in ({"recipe": "current"}, {"amax_history_len": 2}):
+        model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, **cfg)
+        _train_then_shrink_grads(model)
+        rows = fp8ops.report(model)
+        assert all(r["range_g"] > 0.5 for r in rows), (cfg, [r["range_g"] for r in rows])
+        assert "filled under" not in capsys.readouterr().out
+
+
 def test_no_grad_calls_reuse_a_training_cast_but_never_store_one(monkeypatch):
     """The weight-cast cache: a call under no_grad reuses the cast a training call of the same
     step stored (reentrant checkpointing's first forward), and stores none itself."""
