@@ -171,11 +171,13 @@ def require_setuptools(version: str, minimum=(77, 0)) -> None:
     """pyproject.toml gives the license as an SPDX string, which setuptools < 77 rejects with a
     schema dump that names no remedy (the TOML-table form stops building after Feb 2027)."""
     found = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    found += (0,) * (2 - len(found))  # ("77" is 77.0)
     if found < minimum:
         raise SystemExit(
             f"fp8ops: building needs setuptools >= {minimum[0]}, found {version} (pyproject.toml's license "
-            f"is an SPDX expression). Run `python -m pip install -U 'setuptools>={minimum[0]}'`, or build "
-            f"with plain `pip install .`, whose isolated build fetches it.")
+            f"is an SPDX expression). Run `python -m pip install 'setuptools>={minimum[0]},<82'` (torch 2.11 "
+            f"requires setuptools < 82; keep your torch's bound), or build with plain `pip install .`, whose "
+            f"isolated build fetches it.")
 
 
 require_setuptools(setuptools.__version__)

@@ -42,12 +42,16 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     recipe, scale_x/w/g, amax_x/w/g (the latest completed step's amaxes; None
     under delayed scaling with amax_history_len=1 once a step has completed,
     since a one-row history keeps none),
-    range_x/w/g (the share of the FP8 format's range the latest step's amax
-    fills at the scale now set, amax * scale / fp8_max: 1 the whole range, below
-    1 unused range at the top, e.g. 0.001 ~10 binades; under delayed scaling it
-    falls where the tensor shrank below the history's maximum, and a gradient far
-    below it loses its smallest values, which flush to zero; the printed table
-    ends with grad_range_note's line where a gradient filled under 1/256 of it),
+    range_x/w/g (the share of the FP8 format's range the latest amax fills at the
+    scale now set, amax * scale / fp8_max * 2**margin: 1 as full as the margin
+    allows, below 1 unused range at the top, e.g. 0.001 ~10 binades; under
+    delayed scaling with amax_compute_algo "max" it falls where the tensor shrank
+    below the history's maximum, and a gradient far below it loses its smallest
+    values, which flush to zero: the printed table then ends with
+    grad_range_note's line. "Latest" is the last update's window: one optimizer
+    step, or `interval` of them. None before delayed scaling's first update,
+    where amax_*'s are None, and for a tensor whose latest amax was 0 or not
+    finite; scale_from_history_max says which rows the note reads),
     overflows (amaxes that were NaN/inf, the scale kept each time: per
     optimizer step and tensor under delayed scaling, per cast under current)
     and overflow_x/w/g (the same by tensor), fallback_calls (eager calls that ran
@@ -71,7 +75,14 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
             kept = h.shape[0] > 1 or m.fp8_step == 0 or m.fp8_config.recipe != "delayed"
             s = m.fp8_scale.detach().float().cpu()
             fp8_max = m.fp8_max.detach().float().cpu()
-            used = [float(last[c] * s[c] / fp8_max[c]) if kept and last[c] > 0 else None for c in (X, W, G)]
+            cfg = m.fp8_config
+            delayed = cfg.recipe == "delayed"
+            # the range is that of the scale now set against the amaxes shown: under delayed
+            # scaling only after its first update (before it, each cast used its own current
+            # scale while row 0 took the running maximum); 1 = as full as the margin allows
+            shown = kept and (m._fp8_delayed_ready or not delayed)
+            used = [float(last[c] * s[c] / fp8_max[c] * 2.0 ** cfg.margin) if shown and last[c] > 0 else None
+                    for c in (X, W, G)]
             ovf = m.fp8_overflow_count.detach().cpu().reshape(-1)
             rows.append({
                 "name": name or "<root>", "backend": "fp8ops", "runs": runs_now(m),
@@ -82,6 +93,7 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                 "amax_x": float(last[X]) if kept else None, "amax_w": float(last[W]) if kept else None,
                 "amax_g": float(last[G]) if kept else None,
                 "range_x": used[0], "range_w": used[1], "range_g": used[2],
+                "scale_from_history_max": delayed and cfg.amax_compute_algo == "max",
                 "overflows": int(ovf.sum()), "overflow_x": int(ovf[X]), "overflow_w": int(ovf[W]),
                 "overflow_g": int(ovf[G]), "fallback_calls": m.fp8_fallback_calls,
             })
@@ -116,7 +128,8 @@ def _row_without_state(name: str, backend: str, runs: str, reason: str, recipe, 
     """A report row with no scales or amaxes to show (a layer not converted, or on the meta device)."""
     return {"name": name or "<root>", "backend": backend, "runs": runs, "reason": reason, "recipe": recipe,
             "shape": shape, "scale_x": None, "scale_w": None, "scale_g": None, "amax_x": None, "amax_w": None,
-            "amax_g": None, "range_x": None, "range_w": None, "range_g": None, "overflows": 0, "overflow_x": 0, "overflow_w": 0, "overflow_g": 0,
+            "amax_g": None, "range_x": None, "range_w": None, "range_g": None, "scale_from_history_max": None,
+            "overflows": 0, "overflow_x": 0, "overflow_w": 0, "overflow_g": 0,
             "fallback_calls": fallback_calls}
 
 
@@ -129,12 +142,13 @@ def grad_range_note(rows: list[dict]) -> str | None:
     """A line for the layers whose gradient (dy) filled less than GRAD_RANGE_LOW of E5M2's range
     in the latest step: their delayed scale still holds a larger gradient of up to
     amax_history_len steps ago, and the smallest gradient values flush to zero."""
-    low = [r for r in rows if r.get("range_g") is not None and r["range_g"] < GRAD_RANGE_LOW]
+    low = [r for r in rows if r.get("scale_from_history_max") and r.get("range_g") is not None
+           and r["range_g"] < GRAD_RANGE_LOW]
     if not low:
         return None
     worst = min(low, key=lambda r: r["range_g"])
-    return (f"note: {len(low)} layer(s) filled under 1/{round(1 / GRAD_RANGE_LOW)} of the gradient's FP8 range in "
-            f"the last step (lowest {worst['range_g']:.2g}, {worst['name']}): the gradients shrank below the "
+    return (f"note: the output gradients (dy) of {len(low)} layer(s) filled under 1/{round(1 / GRAD_RANGE_LOW)} of "
+            f"their FP8 range in the last step (lowest {worst['range_g']:.2g}, {worst['name']}): the gradients shrank below the "
             "amax history's maximum, which sets the delayed scale, so their smallest values flush to zero until "
             "the larger amaxes leave the history. Fp8Config(recipe=\"current\") or a shorter amax_history_len "
             "follows a falling gradient")
@@ -162,7 +176,7 @@ def headline(rows: list[dict]) -> str:
 def format_table(rows: list[dict]) -> str:
     lines = [f"fp8ops report: {headline(rows)}"]
     hdr = (f"{'layer':<32} {'shape':>11} {'backend':>7} {'runs':>13} {'scale x/w/g':>26} {'amax x/w/g':>26} "
-           f"{'range x/w/g':>20} {'ovf':>4}  reason")
+           f"{'range x/w/g':>23} {'ovf':>4}  reason")
     lines += [hdr, "-" * len(hdr)]
     for r in rows:
         fp8 = r["backend"] == "fp8ops"
@@ -170,7 +184,7 @@ def format_table(rows: list[dict]) -> str:
         amaxes = "/".join(_f(r[k]) for k in ("amax_x", "amax_w", "amax_g")) if fp8 else "-"
         used = "/".join(_f2(r.get(k)) for k in ("range_x", "range_w", "range_g")) if fp8 else "-"
         lines.append(f"{r['name'][:32]:<32} {r['shape']:>11} {r['backend']:>7} {r['runs']:>13} {scales:>26} "
-                     f"{amaxes:>26} {used:>20} {r['overflows']:>4}  {r['reason']}")
+                     f"{amaxes:>26} {used:>23} {r['overflows']:>4}  {r['reason']}")
     note = grad_range_note(rows)
     if note:
         lines.append(note)

@@ -261,7 +261,7 @@ def test_report_shows_the_range_a_shrunken_gradient_fills_and_says_why(monkeypat
     for r in rows:
         assert r["range_x"] == pytest.approx(1.0) and r["range_w"] == pytest.approx(1.0)
         assert 0.5e-4 < r["range_g"] < 2e-4, r["range_g"]
-    assert "range x/w/g" in out and "2 layer(s) filled under 1/256 of the gradient's FP8 range" in out
+    assert "range x/w/g" in out and "output gradients (dy) of 2 layer(s) filled under 1/256" in out
     assert 'recipe="current"' in out
     for cfg in ({"recipe": "current"}, {"amax_history_len": 2}):
         model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, **cfg)
@@ -269,6 +269,29 @@ def test_report_shows_the_range_a_shrunken_gradient_fills_and_says_why(monkeypat
         rows = fp8ops.report(model)
         assert all(r["range_g"] > 0.5 for r in rows), (cfg, [r["range_g"] for r in rows])
         assert "filled under" not in capsys.readouterr().out
+
+
+def test_report_range_reads_the_margin_and_waits_for_the_first_update(monkeypatch, capsys):
+    """range_x/w/g: 1 is as full as the margin allows (a margin alone fires no note), and
+    before delayed scaling's first update, when each cast used its own scale while row 0 took
+    the running maximum, there is no range to show; a current-scaled layer with a margin
+    prints no note about a history it does not have."""
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, margin=9)
+    _train(model, steps=1)  # (one step: its amaxes are the history's maximum)
+    rows = fp8ops.report(model)
+    assert all(r[k] == pytest.approx(1.0) for r in rows for k in ("range_x", "range_w", "range_g")), rows
+    assert "filled under" not in capsys.readouterr().out
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    x = torch.randn(16, 32)
+    for k in (1.0, 10.0):  # two micro-batches, no optimizer step: no update yet
+        (model(x * k)).sum().backward()
+    rows = fp8ops.report(model)
+    assert rows[0]["amax_x"] > 0 and rows[0]["range_x"] is None
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, recipe="current", margin=9)
+    _train_then_shrink_grads(model)
+    rows = fp8ops.report(model)
+    assert not any(r["scale_from_history_max"] for r in rows)
+    assert "filled under" not in capsys.readouterr().out
 
 
 def test_no_grad_calls_reuse_a_training_cast_but_never_store_one(monkeypatch):

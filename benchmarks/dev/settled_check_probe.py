@@ -38,11 +38,12 @@ def probe(model, call, GPT, cfg, batch):
     for name in dict.fromkeys([worst, "transformer.h.0.attn.c_attn", "transformer.h.8.mlp.c_fc"] + lowest_dy):
         if name not in before:
             continue
-        # each update rolls row h + 1 into row h and the step's row 0 into row H - 1: the last k
-        # steps are rows H - k .. H - 1, oldest first
+        # each update rolls row h + 1 into row h and the step's row 0 into row H - 1: the steps
+        # run so far end at row H - 1, oldest first, from the first row that ever held an amax
+        # (a step that cast nothing, e.g. one of the trial's BF16 steps, rolled in a zero row)
         past = before[name]
-        k = int(past[1:].gt(0).any(1).sum())
-        recent = past[past.shape[0] - k:]
+        seen = past[1:].gt(0).any(1).nonzero()
+        recent = past[1 + int(seen[0]):] if len(seen) else past[:0]
         for c, what in ((2, "dy"), (0, "x")):
             print(f"[probe] {name}: {what} amax per step, oldest first: "
                   + " ".join(f"{float(v):.3g}" for v in recent[:, c]))
