@@ -803,14 +803,16 @@ def make_writer(args, out_dir, start_step):
 
 
 def log_fp8_state(writer, model, fp8_info, step):
-    """Per-layer amax and scale of the FP8 layers, from fp8ops.report."""
+    """Per-layer amax, scale and range used (the share of the FP8 range the latest amax fills at
+    the scale now set: a falling fp8_range/<layer>/g shows a gradient that shrank below its
+    delayed scale's history maximum) of the FP8 layers, from fp8ops.report."""
     report = getattr(fp8ops, "report", None)
     if report is None or fp8_info["backend"] != "fp8ops":
         return
     for row in report(model, print_table=False):
         if row.get("backend") != "fp8ops":
             continue
-        for kind in ("amax", "scale"):
+        for kind in ("amax", "scale", "range"):
             for t in ("x", "w", "g"):
                 value = row.get(f"{kind}_{t}")
                 if value is not None:

@@ -49,9 +49,10 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     below the history's maximum, and a gradient far below it loses its smallest
     values, which flush to zero: the printed table then ends with
     grad_range_note's line. "Latest" is the last update's window: one optimizer
-    step, or `interval` of them. None before delayed scaling's first update,
-    where amax_*'s are None, and for a tensor whose latest amax was 0 or not
-    finite; scale_from_history_max says which rows the note reads),
+    step, or `interval` of them. None before delayed scaling's first update (each
+    cast used its own current scale then), where amax_* is None, and for a tensor
+    whose latest amax was 0 or not finite; scale_from_history_max says which rows
+    the note reads),
     overflows (amaxes that were NaN/inf, the scale kept each time: per
     optimizer step and tensor under delayed scaling, per cast under current)
     and overflow_x/w/g (the same by tensor), fallback_calls (eager calls that ran
@@ -147,11 +148,11 @@ def grad_range_note(rows: list[dict]) -> str | None:
     if not low:
         return None
     worst = min(low, key=lambda r: r["range_g"])
-    return (f"note: the output gradients (dy) of {len(low)} layer(s) filled under 1/{round(1 / GRAD_RANGE_LOW)} of "
-            f"their FP8 range in the last step (lowest {worst['range_g']:.2g}, {worst['name']}): the gradients shrank below the "
-            "amax history's maximum, which sets the delayed scale, so their smallest values flush to zero until "
-            "the larger amaxes leave the history. Fp8Config(recipe=\"current\") or a shorter amax_history_len "
-            "follows a falling gradient")
+    return (f"note: the output gradients (dy) of {len(low)} layer(s) filled under 1/{round(1 / GRAD_RANGE_LOW)} "
+            f"of their FP8 range in the last step (lowest {worst['range_g']:.2g}, {worst['name']}): the gradients "
+            "shrank below the amax history's maximum, which sets the delayed scale, so their smallest values flush "
+            "to zero until the larger amaxes leave the history. Fp8Config(recipe=\"current\") or a shorter "
+            "amax_history_len follows a falling gradient")
 
 
 def _f(v):

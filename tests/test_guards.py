@@ -278,6 +278,22 @@ def test_tensorboard_shows_the_overflowing_amax(tmp_path):
     assert all(math.isfinite(v[0]) and v[0] > 0 for k, v in scalars.items() if k.startswith("fp8_scale/"))
 
 
+def test_tensorboard_shows_a_gradient_filling_little_of_its_range(tmp_path):
+    """After the gradients fall 10^4-fold, the example's TensorBoard shows each layer's dy
+    filling ~1e-4 of its FP8 range under delayed scaling, x and w all of theirs."""
+    model = fp8_mlp(Fp8Config())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(1))
+    for k in range(6):
+        (model(x) * (1.0 if k < 3 else 1e-4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    scalars = _logged_scalars(tmp_path, model, 6)
+    for name in LAYERS:
+        assert scalars[f"fp8_range/{name}/x"] == [pytest.approx(1.0)]
+        assert 0.5e-4 < scalars[f"fp8_range/{name}/g"][0] < 2e-4, scalars[f"fp8_range/{name}/g"]
+
+
 def test_tensorboard_logs_overflow_count(tmp_path):
     model = fp8_mlp(Fp8Config(amax_history_len=H))
     train(model, "sgd", "act_nan", "zero", steps=AT + 3)
