@@ -2,6 +2,8 @@
 current scales and amaxes of every FP8 layer."""
 from __future__ import annotations
 
+import math
+
 import torch.nn as nn
 
 from . import loop_trial
@@ -47,8 +49,9 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     allows, below 1 unused range at the top, e.g. 0.001 ~10 binades; under
     delayed scaling with amax_compute_algo "max" it falls where the tensor shrank
     below the history's maximum, and a gradient far below it loses its smallest
-    values, which flush to zero: the printed table then ends with
-    grad_range_note's line. "Latest" is the last update's window: one optimizer
+    values, which start to flush to zero below ~2^-20 (GRAD_RANGE_LOW; above it a
+    stale scale costs a cast nothing measurable): the printed table then ends
+    with grad_range_note's line there. "Latest" is the last update's window: one optimizer
     step, or `interval` of them. None before delayed scaling's first update (each
     cast used its own current scale then), where amax_* is None, and for a tensor
     whose latest amax was 0 or not finite; scale_from_history_max says which rows
@@ -134,25 +137,27 @@ def _row_without_state(name: str, backend: str, runs: str, reason: str, recipe, 
             "fallback_calls": fallback_calls}
 
 
-# a gradient whose last amax filled less than this share of its format's range (at the delayed
-# scale its history's maximum set) has lost ~8 binades at the bottom, where current scaling keeps them
-GRAD_RANGE_LOW = 1 / 256
+# a gradient whose last amax filled less than this share of E5M2's range (at the delayed scale
+# its history's maximum set) keeps ~12 binades below its amax: heavy-tailed data starts to lose
+# its smallest values there (benchmarks/dev/stale_scale_sqnr.py: a cast's SQNR unchanged down to
+# ~2^-18, up to 0.4 dB lower at 2^-20, 1.5 dB at 2^-22, 5 dB at 2^-24)
+GRAD_RANGE_LOW = 2.0 ** -20
 
 
 def grad_range_note(rows: list[dict]) -> str | None:
     """A line for the layers whose gradient (dy) filled less than GRAD_RANGE_LOW of E5M2's range
-    in the latest step: their delayed scale still holds a larger gradient of up to
-    amax_history_len steps ago, and the smallest gradient values flush to zero."""
+    in the latest step: their delayed scale still holds a far larger gradient of up to
+    amax_history_len steps ago, and the smallest gradient values start to flush to zero."""
     low = [r for r in rows if r.get("scale_from_history_max") and r.get("range_g") is not None
            and r["range_g"] < GRAD_RANGE_LOW]
     if not low:
         return None
     worst = min(low, key=lambda r: r["range_g"])
-    return (f"note: the output gradients (dy) of {len(low)} layer(s) filled under 1/{round(1 / GRAD_RANGE_LOW)} "
+    return (f"note: the output gradients (dy) of {len(low)} layer(s) filled under 2^{round(math.log2(GRAD_RANGE_LOW))} "
             f"of their FP8 range in the last step (lowest {worst['range_g']:.2g}, {worst['name']}): the gradients "
-            "shrank below the amax history's maximum, which sets the delayed scale, so their smallest values flush "
-            "to zero until the larger amaxes leave the history. Fp8Config(recipe=\"current\") or a shorter "
-            "amax_history_len follows a falling gradient")
+            "shrank far below the amax history's maximum, which sets the delayed scale, and their smallest values "
+            "start to flush to zero until the larger amaxes leave the history. Fp8Config(recipe=\"current\") or "
+            "a shorter amax_history_len follows a falling gradient")
 
 
 def _f(v):
