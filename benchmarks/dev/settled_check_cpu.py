@@ -2,7 +2,10 @@
 AdamW warm-up on 4 random batches, no learning-rate warm-up) on the CPU, with fp8ops' CPU
 reference kernels (bit-identical to the CUDA ones) and a small GPT of the example's
 architecture: does the low per-parameter gradient SQNR seen on the 1B model appear here?
-    python benchmarks/dev/settled_check_cpu.py [--seeds 3] [--layers 4] [--width 256]
+--checks 28,100,160 checks again as training goes on memorizing the 4 batches (the check's
+own forward and backward fold into that step's amaxes, as bench_train's does); --recipe
+current against delayed tells a stale scale from FP8's own rounding.
+    python benchmarks/dev/settled_check_cpu.py [--seeds 3] [--checks 28] [--recipe delayed]
 """
 import argparse
 import os
@@ -23,7 +26,10 @@ ap.add_argument("--layers", type=int, default=4)
 ap.add_argument("--width", type=int, default=256)
 ap.add_argument("--seq", type=int, default=128)
 ap.add_argument("--batch", type=int, default=4)
+ap.add_argument("--checks", default="28", help="comma-separated training steps after which to check")
+ap.add_argument("--recipe", choices=("delayed", "current"), default="delayed")
 args = ap.parse_args()
+checks = sorted(int(c) for c in args.checks.split(","))
 bench_train.DEVICE = "cpu"
 fp8ops.conversion.fp8_supported_here = lambda device=None: (True, "the CPU reference kernels")
 GPT, GPTConfig, lm_filter = bench_train.import_gpt()
@@ -32,7 +38,7 @@ for seed in range(args.seeds):
     torch.manual_seed(seed)
     cfg = GPTConfig(n_layer=args.layers, n_head=4, n_embd=args.width, block_size=T, vocab_size=V, dropout=0.0)
     model = GPT(cfg)
-    fp8ops.convert(model, config=fp8ops.Fp8Config(policy="always"), module_filter_fn=lm_filter)
+    fp8ops.convert(model, config=fp8ops.Fp8Config(policy="always", recipe=args.recipe), module_filter_fn=lm_filter)
     for m in model.modules():
         if isinstance(m, Fp8Linear):
             m.fp8_on_cpu = True
@@ -40,15 +46,17 @@ for seed in range(args.seeds):
     gen = torch.Generator().manual_seed(1234 + seed)
     batches = [(torch.randint(0, V, (B, T), generator=gen), torch.randint(0, V, (B, T), generator=gen))
                for _ in range(4)]
-    for i in range(28):
-        idx, tgt = batches[i % 4]
+    for i in range(1, checks[-1] + 1):
+        idx, tgt = batches[(i - 1) % 4]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(idx, tgt)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    chk = bench_train.settled_check(model, model, GPT, cfg, batches[0])
-    ranges = [r["range_g"] for r in fp8ops.report(model, print_table=False) if r.get("range_g") is not None]
-    print(f"seed {seed}: last warm-up loss {loss.item():.3f}; check: loss {chk['loss']:.4f} vs {chk['loss_bf16']:.4f}, "
-          f"gradients {chk['grad_sqnr_db']:.1f} dB, lowest {chk['min_param_sqnr_db']:.1f} dB ({chk['min_param']}); "
-          f"dy range used {min(ranges):.2g}-{max(ranges):.2g}", flush=True)
+        if i not in checks:
+            continue
+        ranges = [r["range_g"] for r in fp8ops.report(model, print_table=False) if r.get("range_g") is not None]
+        chk = bench_train.settled_check(model, model, GPT, cfg, batches[0])
+        print(f"[{args.recipe}] seed {seed}, step {i}: loss {loss.item():.3f}; check: loss {chk['loss']:.4f} vs "
+              f"{chk['loss_bf16']:.4f}, gradients {chk['grad_sqnr_db']:.1f} dB, lowest {chk['min_param_sqnr_db']:.1f} "
+              f"dB ({chk['min_param']}); dy range used {min(ranges):.2g}-{max(ranges):.2g}", flush=True)
