@@ -127,37 +127,54 @@ def build(variant: str, GPT, GPTConfig, lm_filter, mcfg: dict, args, fp8ops, exa
     return model, call, opt, cfg, note
 
 
+def model_grads(m, fn, batch, autocast: bool = True) -> tuple:
+    """(loss, {parameter name: gradient}) of one forward + backward of fn (m's call) on batch,
+    under BF16 autocast unless autocast=False; m's gradients are cleared first and stay set."""
+    idx, tgt = batch
+    m.zero_grad(set_to_none=True)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+        _, loss = fn(idx, tgt)
+    loss.backward()
+    return float(loss.detach()), {n.replace("_orig_mod.", ""): p.grad for n, p in m.named_parameters()
+                                  if p.grad is not None}
+
+
+def grad_sqnr(grads: dict, ref: dict) -> tuple:
+    """(SQNR of grads against ref as one vector, [(SQNR, name) per parameter]) in dB; a
+    parameter missing from grads counts as all error."""
+    signal = noise = 0.0
+    per_param = []
+    for n, g_ref in ref.items():
+        g = grads.get(n)
+        s_n = float(g_ref.float().square().sum())
+        e_n = float((g_ref.float() - g.float()).square().sum()) if g is not None else s_n
+        signal, noise = signal + s_n, noise + e_n
+        if s_n > 0:
+            per_param.append((10 * math.log10(s_n / e_n) if e_n > 0 else math.inf, n))
+    return (10 * math.log10(signal / noise) if noise > 0 else math.inf), per_param
+
+
+def reference_model(model, GPT, cfg):
+    """A plain (BF16 autocast) copy of the model with its current weights."""
+    ref = GPT(cfg).to(DEVICE)
+    ref.load_state_dict({k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()})
+    return ref
+
+
 def settled_check(model, call, GPT, cfg, batch) -> dict:
     """After the warm-up (policy auto settled, compiled code built): one forward + backward of
     the variant on batch against BF16 eager from the same weights. The warm-up losses cannot
     show a broken FP8 path: policy auto's trial starts with BF16 steps, and with random tokens
     the loss barely moves. Gradients are compared as one vector (SQNR, dB) and per parameter
     (the lowest); the model's own gradients are left cleared."""
-    idx, tgt = batch
-    ref = GPT(cfg).to(DEVICE)
-    ref.load_state_dict({k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()})
-    losses, grads = [], []
-    for m, fn in ((model, call), (ref, ref)):
-        m.zero_grad(set_to_none=True)
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            _, loss = fn(idx, tgt)
-        loss.backward()
-        losses.append(float(loss.detach()))
-        grads.append({n.replace("_orig_mod.", ""): p.grad for n, p in m.named_parameters() if p.grad is not None})
-    signal = noise = 0.0
-    per_param = []
-    for n, g_ref in grads[1].items():
-        g = grads[0].get(n)
-        s_n = float(g_ref.float().square().sum())
-        e_n = float((g_ref.float() - g.float()).square().sum()) if g is not None else s_n
-        signal, noise = signal + s_n, noise + e_n
-        if s_n > 0:
-            per_param.append((10 * math.log10(s_n / e_n) if e_n > 0 else math.inf, n))
+    ref = reference_model(model, GPT, cfg)
+    loss, grads = model_grads(model, call, batch)
+    loss_ref, grads_ref = model_grads(ref, ref, batch)
+    overall, per_param = grad_sqnr(grads, grads_ref)
     model.zero_grad(set_to_none=True)
-    del ref, grads
+    del ref, grads, grads_ref
     worst = min(per_param) if per_param else (math.inf, "")
-    return {"loss": losses[0], "loss_bf16": losses[1],
-            "grad_sqnr_db": 10 * math.log10(signal / noise) if noise > 0 else math.inf,
+    return {"loss": loss, "loss_bf16": loss_ref, "grad_sqnr_db": overall,
             "min_param_sqnr_db": worst[0], "min_param": worst[1]}
 
 

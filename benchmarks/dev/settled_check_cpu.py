@@ -4,8 +4,9 @@ reference kernels (bit-identical to the CUDA ones) and a small GPT of the exampl
 architecture: does the low per-parameter gradient SQNR seen on the 1B model appear here?
 --checks 28,100,160 checks again as training goes on memorizing the 4 batches (the check's
 own forward and backward fold into that step's amaxes, as bench_train's does); --recipe
-current against delayed tells a stale scale from FP8's own rounding.
-    python benchmarks/dev/settled_check_cpu.py [--seeds 3] [--checks 28] [--recipe delayed]
+current against delayed tells a stale scale from FP8's own rounding; --fp32-control adds
+settled_check_fp32.py's FP32 reference (is the lowest parameter low for BF16 too?).
+    python benchmarks/dev/settled_check_cpu.py [--seeds 3] [--checks 28] [--recipe delayed] [--fp32-control]
 """
 import argparse
 import os
@@ -28,11 +29,16 @@ ap.add_argument("--seq", type=int, default=128)
 ap.add_argument("--batch", type=int, default=4)
 ap.add_argument("--checks", default="28", help="comma-separated training steps after which to check")
 ap.add_argument("--recipe", choices=("delayed", "current"), default="delayed")
+ap.add_argument("--fp32-control", action="store_true", help="also compare both against FP32 gradients")
 args = ap.parse_args()
 checks = sorted(int(c) for c in args.checks.split(","))
 bench_train.DEVICE = "cpu"
 fp8ops.conversion.fp8_supported_here = lambda device=None: (True, "the CPU reference kernels")
 GPT, GPTConfig, lm_filter = bench_train.import_gpt()
+if args.fp32_control:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from settled_check_fp32 import check_with_fp32
+    bench_train.settled_check = check_with_fp32
 V, T, B = bench_train.VOCAB, args.seq, args.batch
 for seed in range(args.seeds):
     torch.manual_seed(seed)
