@@ -161,12 +161,26 @@ def reference_model(model, GPT, cfg):
     return ref
 
 
+def copy_task(idx: torch.Tensor) -> tuple:
+    """(idx, targets): each position's target is the token before it (the first, itself).
+    The settled check's batch. The benchmark's random targets carry no information about the
+    input, so once a model has learnt their distribution the true gradient of every parameter
+    that reads the input (the embeddings, the first blocks) is a sum over tokens that cancels,
+    and BF16's own gradient is then as far from FP32's as FP8's is from BF16's (an H200, 1B
+    model, twenty-first session: BF16 vs FP32 -3 to 7 dB on block 0 in two of four runs; see
+    dev/settled_check_fp32.py). Targets that depend on the input keep every gradient a signal."""
+    tgt = idx.roll(1, dims=1)
+    tgt[:, 0] = idx[:, 0]
+    return idx, tgt
+
+
 def settled_check(model, call, GPT, cfg, batch) -> dict:
     """After the warm-up (policy auto settled, compiled code built): one forward + backward of
-    the variant on batch against BF16 eager from the same weights. The warm-up losses cannot
-    show a broken FP8 path: policy auto's trial starts with BF16 steps, and with random tokens
-    the loss barely moves. Gradients are compared as one vector (SQNR, dB) and per parameter
-    (the lowest); the model's own gradients are left cleared."""
+    the variant on batch's tokens (with copy_task's targets) against BF16 eager from the same
+    weights. The warm-up losses cannot show a broken FP8 path: policy auto's trial starts with
+    BF16 steps, and with random tokens the loss barely moves. Gradients are compared as one
+    vector (SQNR, dB) and per parameter (the lowest); the model's own gradients are left cleared."""
+    batch = copy_task(batch[0])
     ref = reference_model(model, GPT, cfg)
     loss, grads = model_grads(model, call, batch)
     loss_ref, grads_ref = model_grads(ref, ref, batch)

@@ -6,7 +6,9 @@ gradient is low for BF16 as well, and FP8's deficit against BF16 (FP8 vs FP32 mi
 FP32, per parameter) stays near the median parameter's; a fault shows as one parameter whose
 deficit stands out. Prints the parameters lowest by FP8 vs BF16, and the deficit's spread.
     cd benchmarks && python3 dev/settled_check_fp32.py --models 1b --variants fp8ops --batch-1b 8 --steps 2
-(any bench_train arguments). settled_check_cpu.py --fp32-control uses it on the CPU.
+(any bench_train arguments). settled_check_cpu.py --fp32-control uses it on the CPU. The check
+runs on bench_train.copy_task's targets, as bench_train's own; SETTLED_RANDOM_TARGETS=1 gives it
+the benchmark's random targets, as before copy_task (where block 0's gradients cancelled).
 """
 import math
 import os
@@ -17,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_train  # noqa: E402
 
 SHOW = 8
+COPY_TASK = os.environ.get("SETTLED_RANDOM_TARGETS") != "1"  # 1: the random targets of the runs before copy_task
 FP32_CHUNKS = 4  # the FP32 pass in slices of the batch (a 1B model's FP32 activations fit an 80 GB GPU)
 
 
@@ -42,6 +45,7 @@ def fp32_grads(ref, batch) -> tuple:
 
 def check_with_fp32(model, call, GPT, cfg, batch) -> dict:
     """bench_train.settled_check's dict (FP8 against BF16), after printing the FP32 control."""
+    batch = bench_train.copy_task(batch[0]) if COPY_TASK else batch
     ref = bench_train.reference_model(model, GPT, cfg)
     loss, g8 = bench_train.model_grads(model, call, batch)
     g8 = _to_cpu(g8)
