@@ -127,16 +127,26 @@ def build(variant: str, GPT, GPTConfig, lm_filter, mcfg: dict, args, fp8ops, exa
     return model, call, opt, cfg, note
 
 
-def model_grads(m, fn, batch, autocast: bool = True) -> tuple:
+def model_grads(m, fn, batch, autocast: bool = True, chunks: int = 1) -> tuple:
     """(loss, {parameter name: gradient}) of one forward + backward of fn (m's call) on batch,
-    under BF16 autocast unless autocast=False; m's gradients are cleared first and stay set."""
+    under BF16 autocast unless autocast=False, the batch's rows in `chunks` equal slices (the
+    mean loss's gradient is the mean of the slices'; an FP32 pass of the 1B model fits an 80 GB
+    GPU in 4); m's gradients are cleared first and stay set."""
     idx, tgt = batch
+    assert idx.shape[0] % chunks == 0, f"batch {idx.shape[0]} must split into {chunks} equal slices"
     m.zero_grad(set_to_none=True)
-    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
-        _, loss = fn(idx, tgt)
-    loss.backward()
-    return float(loss.detach()), {n.replace("_orig_mod.", ""): p.grad for n, p in m.named_parameters()
-                                  if p.grad is not None}
+    loss = 0.0
+    for i, t in zip(idx.chunk(chunks), tgt.chunk(chunks)):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            _, part = fn(i, t)
+        (part / chunks).backward()
+        loss += float(part.detach()) / chunks
+    return loss, {n.replace("_orig_mod.", ""): p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+
+def grads_to_cpu(grads: dict) -> dict:
+    """(three gradient sets of the 1B model would hold 12 GB of GPU memory)"""
+    return {n: g.detach().float().cpu() for n, g in grads.items()}
 
 
 def grad_sqnr(grads: dict, ref: dict) -> tuple:
@@ -155,44 +165,81 @@ def grad_sqnr(grads: dict, ref: dict) -> tuple:
 
 
 def reference_model(model, GPT, cfg):
-    """A plain (BF16 autocast) copy of the model with its current weights."""
+    """A plain copy of the model with its current weights."""
     ref = GPT(cfg).to(DEVICE)
     ref.load_state_dict({k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()})
     return ref
 
 
-def copy_task(idx: torch.Tensor) -> tuple:
-    """(idx, targets): each position's target is the token before it (the first, itself).
-    The settled check's batch. The benchmark's random targets carry no information about the
-    input, so once a model has learnt their distribution the true gradient of every parameter
-    that reads the input (the embeddings, the first blocks) is a sum over tokens that cancels,
-    and BF16's own gradient is then as far from FP32's as FP8's is from BF16's (an H200, 1B
-    model, twenty-first session: BF16 vs FP32 -3 to 7 dB on block 0 in two of four runs; see
-    dev/settled_check_fp32.py). Targets that depend on the input keep every gradient a signal."""
-    tgt = idx.roll(1, dims=1)
-    tgt[:, 0] = idx[:, 0]
-    return idx, tgt
+SETTLED_MIN_SQNR_DB = 10.0  # FP8 against BF16 gradients of a whole model: 20-36 dB; a broken path ~0
+# FP8 below BF16, both against FP32, whole model: 4-18 dB in seven 1B runs (H100, H200), 21-23 dB for
+# a small GPT on the CPU (dev/settled_check_fp32.py; benchmarks/RESULTS.md §5, twenty-first session)
+SETTLED_MAX_DEFICIT_DB = 25.0
 
 
 def settled_check(model, call, GPT, cfg, batch) -> dict:
     """After the warm-up (policy auto settled, compiled code built): one forward + backward of
-    the variant on batch's tokens (with copy_task's targets) against BF16 eager from the same
-    weights. The warm-up losses cannot show a broken FP8 path: policy auto's trial starts with
-    BF16 steps, and with random tokens the loss barely moves. Gradients are compared as one
-    vector (SQNR, dB) and per parameter (the lowest); the model's own gradients are left cleared."""
-    batch = copy_task(batch[0])
+    the variant on batch against BF16 eager from the same weights. The warm-up losses cannot
+    show a broken FP8 path: policy auto's trial starts with BF16 steps, and with random tokens
+    the loss barely moves. Gradients are compared as one vector (SQNR, dB) and per parameter
+    (the lowest); the model's own gradients are left cleared.
+    verdict "pass": within SETTLED_MIN_SQNR_DB and the loss within 2 %. Otherwise the same
+    model in FP32 (no autocast) arbitrates: some states of this benchmark's model (28 steps
+    from random tokens with no learning-rate warm-up) have gradients so sensitive that BF16's
+    own are 6-17 dB from FP32's (two of four and one of three 1B runs, twenty-first session),
+    and a comparison with BF16 cannot validate anything there. "fail" where BF16 is close to
+    FP32 (the reference is sound) or FP8 is further from FP32 than SETTLED_MAX_DEFICIT_DB below
+    BF16; "inconclusive" where BF16 itself is far from FP32 and FP8 within its usual deficit."""
     ref = reference_model(model, GPT, cfg)
     loss, grads = model_grads(model, call, batch)
+    model.zero_grad(set_to_none=True)
     loss_ref, grads_ref = model_grads(ref, ref, batch)
     overall, per_param = grad_sqnr(grads, grads_ref)
-    model.zero_grad(set_to_none=True)
-    del ref, grads, grads_ref
     worst = min(per_param) if per_param else (math.inf, "")
-    return {"loss": loss, "loss_bf16": loss_ref, "grad_sqnr_db": overall,
-            "min_param_sqnr_db": worst[0], "min_param": worst[1]}
+    chk = {"loss": loss, "loss_bf16": loss_ref, "grad_sqnr_db": overall,
+           "min_param_sqnr_db": worst[0], "min_param": worst[1]}
+    chk["verdict"] = settled_verdict(chk)
+    if chk["verdict"] is None:
+        grads, grads_ref = grads_to_cpu(grads), grads_to_cpu(grads_ref)
+        loss32, grads32 = model_grads(ref, ref, batch, autocast=False, chunks=math.gcd(4, batch[0].shape[0]))
+        grads32 = grads_to_cpu(grads32)
+        chk.update(loss_fp32=loss32, fp8_vs_fp32_db=grad_sqnr(grads, grads32)[0],
+                   bf16_vs_fp32_db=grad_sqnr(grads_ref, grads32)[0])
+        chk["verdict"] = settled_verdict(chk)
+    ref.zero_grad(set_to_none=True)
+    del ref, grads, grads_ref
+    return chk
 
 
-SETTLED_MIN_SQNR_DB = 10.0  # FP8 against BF16 gradients of a whole model: 20-30 dB; a broken path ~0
+def settled_verdict(chk: dict):
+    """settled_check's verdict from its dict: None where FP8 against BF16 fails and the dict has
+    no FP32 comparison yet (fp8_vs_fp32_db, bf16_vs_fp32_db)."""
+    loss_ok = abs(chk["loss"] - chk["loss_bf16"]) <= 0.02 * abs(chk["loss_bf16"])
+    if chk["grad_sqnr_db"] >= SETTLED_MIN_SQNR_DB and loss_ok:
+        return "pass"
+    if "bf16_vs_fp32_db" not in chk:
+        return None
+    sound = chk["bf16_vs_fp32_db"] >= SETTLED_MIN_SQNR_DB + SETTLED_MAX_DEFICIT_DB
+    far = chk["fp8_vs_fp32_db"] < chk["bf16_vs_fp32_db"] - SETTLED_MAX_DEFICIT_DB
+    return "fail" if sound or far or not loss_ok else "inconclusive"
+
+
+def settled_check_line(chk: dict) -> str:
+    """The check's result in words, for the benchmark's output."""
+    text = (f"loss {chk['loss']:.4f} vs {chk['loss_bf16']:.4f}, gradients {chk['grad_sqnr_db']:.1f} dB "
+            f"(lowest {chk['min_param_sqnr_db']:.1f} dB, {chk['min_param']})")
+    if "bf16_vs_fp32_db" in chk:
+        text += (f"; against FP32: BF16 {chk['bf16_vs_fp32_db']:.1f} dB, this variant {chk['fp8_vs_fp32_db']:.1f} "
+                 f"dB")
+    if chk["verdict"] == "inconclusive":
+        text += (f"  INCONCLUSIVE: BF16's own gradients are {chk['bf16_vs_fp32_db']:.1f} dB from FP32's here, too "
+                 f"sensitive a state to validate against (this variant within {SETTLED_MAX_DEFICIT_DB} dB of "
+                 f"BF16's distance, the loss within 2 %)")
+    elif chk["verdict"] == "fail":
+        text += (f"  VALIDATION FAILED (needs >= {SETTLED_MIN_SQNR_DB} dB and the loss within 2 %, or, where BF16 "
+                 f"is under {SETTLED_MIN_SQNR_DB + SETTLED_MAX_DEFICIT_DB} dB from FP32, within "
+                 f"{SETTLED_MAX_DEFICIT_DB} dB of it)")
+    return text
 
 
 def graph_breaks() -> int:
@@ -356,13 +403,9 @@ def main() -> int:
                 # the settled path against BF16 from the same weights
                 chk = settled_check(model, call, GPT, cfg, batches[0])
                 row["settled_check"] = chk
-                chk_ok = chk["grad_sqnr_db"] >= SETTLED_MIN_SQNR_DB and \
-                    abs(chk["loss"] - chk["loss_bf16"]) <= 0.02 * abs(chk["loss_bf16"])
-                print(f"  {v}: after the warm-up, one step against BF16 from the same weights: loss "
-                      f"{chk['loss']:.4f} vs {chk['loss_bf16']:.4f}, gradients {chk['grad_sqnr_db']:.1f} dB "
-                      f"(lowest {chk['min_param_sqnr_db']:.1f} dB, {chk['min_param']})"
-                      + ("" if chk_ok else f"  VALIDATION FAILED (needs >= {SETTLED_MIN_SQNR_DB} dB, loss within 2 %)"),
-                      flush=True)
+                chk_ok = chk["verdict"] != "fail"
+                print(f"  {v}: after the warm-up, one step against BF16 from the same weights: "
+                      + settled_check_line(chk), flush=True)
                 if not chk_ok:
                     row["valid"] = False
                     failures.append(f"{mname} {v}: settled path vs BF16: {chk}")
