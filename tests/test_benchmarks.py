@@ -206,17 +206,24 @@ def test_bench_train_refuses_zero_repeats(monkeypatch):
     assert e.value.code == 2
 
 
-def test_bench_train_marks_a_variant_whose_settled_path_disagrees(monkeypatch, tmp_path):
-    """The settled check fails the row (and lists it) where the gradients do not match BF16's
-    to the bound and FP32 does not acquit them; here both bounds are out of FP8's reach."""
+def _bench_train_with_settled_bounds(monkeypatch, tmp_path, min_db: float, max_deficit_db: float):
+    """bench_train on the CPU (bf16 and fp8ops) with the settled check's bounds set: (main's
+    exit status, the JSON result, the module)."""
     bench = _bench_train_on_cpu(monkeypatch, n_layer=1)
-    monkeypatch.setattr(bench, "SETTLED_MIN_SQNR_DB", 100.0)
-    monkeypatch.setattr(bench, "SETTLED_MAX_DEFICIT_DB", 0.0)
+    monkeypatch.setattr(bench, "SETTLED_MIN_SQNR_DB", min_db)
+    monkeypatch.setattr(bench, "SETTLED_MAX_DEFICIT_DB", max_deficit_db)
     out = tmp_path / "train.json"
     monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "bf16,fp8ops",
                                       "--steps", "2", "--warmup", "2", "--fp8-policy", "always", "--json", str(out)])
-    assert bench.main() == 1  # (a validation failure is the script's failure)
-    result = json.loads(out.read_text())
+    rc = bench.main()
+    return rc, json.loads(out.read_text()), bench
+
+
+def test_bench_train_marks_a_variant_whose_settled_path_disagrees(monkeypatch, tmp_path):
+    """The settled check fails the row (and lists it) where the gradients do not match BF16's
+    to the bound and FP32 does not acquit them; here both bounds are out of FP8's reach."""
+    rc, result, _ = _bench_train_with_settled_bounds(monkeypatch, tmp_path, 100.0, 0.0)
+    assert rc == 1  # (a validation failure is the script's failure)
     rows = {r["variant"]: r for r in result["rows"]}
     assert rows["bf16"]["valid"] and not rows["fp8ops"]["valid"]
     assert any("settled path vs BF16" in f for f in result["validation_failures"])
@@ -229,14 +236,9 @@ def test_bench_train_settled_check_is_inconclusive_where_bf16_itself_is_far_from
     for the comparison to mean anything (here: a bound of 100 dB, so BF16's ~50 dB counts as
     far) and FP8 stays within its deficit (here 60 dB: a margin no tiny model's rounding
     reaches), the check says so instead of failing."""
-    bench = _bench_train_on_cpu(monkeypatch, n_layer=1)
-    monkeypatch.setattr(bench, "SETTLED_MIN_SQNR_DB", 100.0)
-    monkeypatch.setattr(bench, "SETTLED_MAX_DEFICIT_DB", 60.0)
-    out = tmp_path / "train.json"
-    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "bf16,fp8ops",
-                                      "--steps", "2", "--warmup", "2", "--fp8-policy", "always", "--json", str(out)])
-    assert bench.main() == 0
-    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    rc, result, bench = _bench_train_with_settled_bounds(monkeypatch, tmp_path, 100.0, 60.0)
+    assert rc == 0
+    rows = {r["variant"]: r for r in result["rows"]}
     chk = rows["fp8ops"]["settled_check"]
     assert rows["fp8ops"]["valid"] and chk["verdict"] == "inconclusive", chk
     assert chk["bf16_vs_fp32_db"] - bench.SETTLED_MAX_DEFICIT_DB <= chk["fp8_vs_fp32_db"] < chk["bf16_vs_fp32_db"]
