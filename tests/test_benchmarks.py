@@ -6,6 +6,7 @@ in for by the host clock. Policy "auto" acts on CUDA inputs only: on the CPU the
 fp8ops_auto variant runs the FP8 path like "always", and no verdict is recorded."""
 import importlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -233,31 +234,72 @@ def test_bench_train_marks_a_variant_whose_settled_path_disagrees(monkeypatch, t
 
 def test_bench_train_settled_check_is_inconclusive_where_bf16_itself_is_far_from_fp32(monkeypatch, tmp_path, capsys):
     """Where FP8 misses the bound against BF16 but BF16's own gradients are too far from FP32's
-    for the comparison to mean anything (here: a bound of 100 dB, so BF16's ~50 dB counts as
-    far) and FP8 stays within its deficit (here 60 dB: a margin no tiny model's rounding
-    reaches), the check says so instead of failing."""
+    for the comparison to mean anything (here: bounds of 100 and 60 dB, so that BF16's ~47 dB
+    against FP32 falls under their sum, 160, and no parameter counts as sound) and FP8's SQNR
+    against FP32 is at most 60 dB below BF16's, the check says so instead of failing."""
     rc, result, bench = _bench_train_with_settled_bounds(monkeypatch, tmp_path, 100.0, 60.0)
     assert rc == 0
     rows = {r["variant"]: r for r in result["rows"]}
     chk = rows["fp8ops"]["settled_check"]
     assert rows["fp8ops"]["valid"] and chk["verdict"] == "inconclusive", chk
     assert chk["bf16_vs_fp32_db"] - bench.SETTLED_MAX_DEFICIT_DB <= chk["fp8_vs_fp32_db"] < chk["bf16_vs_fp32_db"]
-    assert rows["bf16"]["settled_check"]["verdict"] == "pass"
-    assert "INCONCLUSIVE: BF16's own gradients are" in capsys.readouterr().out
+    assert rows["bf16"]["settled_check"]["verdict"] == "pass" and chk["sound_params"] == 0
+    assert rows["fp8ops"]["note"].endswith("; settled check inconclusive") and len(result["validation_inconclusive"]) == 1
+    out = capsys.readouterr().out
+    assert "INCONCLUSIVE: BF16's own gradients have an SQNR of" in out and "validation inconclusive" in out
+
+
+_LOW = {"grad_sqnr_db": 2.7, "loss": 12.524, "loss_bf16": 12.520}  # an H100 1B run's check, FP8 vs BF16
 
 
 @pytest.mark.parametrize("chk, verdict", [
     ({"grad_sqnr_db": 30.0, "loss": 10.0, "loss_bf16": 10.01}, "pass"),
     ({"grad_sqnr_db": 3.0, "loss": 10.0, "loss_bf16": 10.01}, None),  # the FP32 pass is needed
+    # a loss off by more than 2 % (or NaN) fails at once, with no FP32 pass
+    ({"grad_sqnr_db": 30.0, "loss": 11.0, "loss_bf16": 10.0}, "fail"),
+    ({"grad_sqnr_db": 2.7, "loss": float("nan"), "loss_bf16": 10.0}, "fail"),
     # BF16 close to FP32: the reference is sound and FP8's 3 dB a failure
     ({"grad_sqnr_db": 3.0, "loss": 10.0, "loss_bf16": 10.01, "bf16_vs_fp32_db": 46.0, "fp8_vs_fp32_db": 3.0}, "fail"),
-    # BF16 itself 6.4 dB from FP32 (an H100 1B run), FP8 2.4 dB: nothing to validate against
-    ({"grad_sqnr_db": 2.7, "loss": 12.524, "loss_bf16": 12.520, "bf16_vs_fp32_db": 6.4, "fp8_vs_fp32_db": 2.4},
-     "inconclusive"),
-    # ... but FP8 far beyond its usual deficit, or a loss off by more than 2 %, still fails
-    ({"grad_sqnr_db": 2.7, "loss": 10.0, "loss_bf16": 10.01, "bf16_vs_fp32_db": 16.0, "fp8_vs_fp32_db": -12.0}, "fail"),
-    ({"grad_sqnr_db": 2.7, "loss": 11.0, "loss_bf16": 10.0, "bf16_vs_fp32_db": 6.4, "fp8_vs_fp32_db": 2.4}, "fail"),
+    # BF16 itself 6.4 dB from FP32, FP8 2.4 dB (that H100 run): nothing to validate against ...
+    ({**_LOW, "bf16_vs_fp32_db": 6.4, "fp8_vs_fp32_db": 2.4, "sound_params": 0}, "inconclusive"),
+    ({**_LOW, "bf16_vs_fp32_db": 6.4, "fp8_vs_fp32_db": 2.4, "sound_params": 40, "sound_bf16_vs_fp32_db": 45.0,
+      "sound_fp8_vs_fp32_db": 30.0}, "inconclusive"),
+    # ... unless FP8 is far off where BF16 is sound (a broken backward reads ~0 dB there) ...
+    ({**_LOW, "bf16_vs_fp32_db": 6.4, "fp8_vs_fp32_db": 2.4, "sound_params": 40, "sound_bf16_vs_fp32_db": 45.0,
+      "sound_fp8_vs_fp32_db": 0.5}, "fail"),
+    # ... or far beyond its usual deficit over the whole model, or not a number, or unarbitrated
+    ({**_LOW, "bf16_vs_fp32_db": 16.0, "fp8_vs_fp32_db": -12.0, "sound_params": 0}, "fail"),
+    ({**_LOW, "bf16_vs_fp32_db": 6.4, "fp8_vs_fp32_db": float("nan"), "sound_params": 0}, "fail"),
+    ({**_LOW, "grad_sqnr_db": -math.inf, "arbiter_error": "out of memory in the FP32 pass"}, "fail"),
 ])
 def test_settled_verdict(monkeypatch, chk, verdict):
     bench = _bench_train_on_cpu(monkeypatch, n_layer=1)
     assert bench.settled_verdict(chk) == verdict
+
+
+def test_grad_sqnr_reads_a_nan_or_inf_gradient_as_all_error(monkeypatch):
+    """(noise NaN used to read as no noise: inf dB, a pass)"""
+    bench = _bench_train_on_cpu(monkeypatch, n_layer=1)
+    ref = {"w": torch.ones(4), "b": torch.ones(2)}
+    for bad in (float("nan"), float("inf")):
+        overall, per_param = bench.grad_sqnr({"w": torch.tensor([1.0, bad, 1.0, 1.0]), "b": torch.ones(2)}, ref)
+        assert overall == -math.inf and dict((n, db) for db, n in per_param) == {"w": -math.inf, "b": math.inf}
+    assert bench.grad_sqnr({"w": torch.ones(4) * 1.1, "b": torch.ones(2) * 1.1}, ref)[0] == pytest.approx(20.0)
+
+
+def test_model_grads_in_unequal_slices_is_the_whole_batch(monkeypatch):
+    """The FP32 arbiter's pass in slices: 5 rows in slices of 2, 2 and 1 give the whole batch's
+    loss and gradients (each slice weighted by its share of the rows)."""
+    bench = _bench_train_on_cpu(monkeypatch, n_layer=1)
+    GPT, GPTConfig, _ = bench.import_gpt()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0))
+    batch = (torch.randint(0, 64, (5, 16)), torch.randint(0, 64, (5, 16)))
+    loss1, g1 = bench.model_grads(model, model, batch, autocast=False)
+    g1 = bench.grads_to_cpu(g1)
+    loss4, g4 = bench.model_grads(model, model, batch, autocast=False, slices=4)
+    assert loss4 == pytest.approx(loss1, rel=1e-6) and g4.keys() == g1.keys()
+    for n in g1:
+        torch.testing.assert_close(g4[n], g1[n], rtol=1e-4, atol=1e-7)
+    overall, _ = bench.grad_sqnr(g4, g1)
+    assert overall > 80

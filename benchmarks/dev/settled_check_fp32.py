@@ -30,14 +30,13 @@ def check_with_fp32(model, call, GPT, cfg, batch) -> dict:
     model.zero_grad(set_to_none=True)
     loss16, g16 = bt.model_grads(ref, ref, batch)
     g16 = bt.grads_to_cpu(g16)
-    loss32, g32 = bt.model_grads(ref, ref, batch, autocast=False, chunks=math.gcd(4, batch[0].shape[0]))
+    loss32, g32 = bt.model_grads(ref, ref, batch, autocast=False, slices=4)
     g32 = bt.grads_to_cpu(g32)
     ref.zero_grad(set_to_none=True)
     overall, vs16 = bt.grad_sqnr(g8, g16)
     overall8_32, vs32_8 = bt.grad_sqnr(g8, g32)
     overall16_32, vs32_16 = bt.grad_sqnr(g16, g32)
-    del ref, g8, g16, g32
-    a, b, c = ({n: db for db, n in rows} for rows in (vs16, vs32_8, vs32_16))
+    _, b, c = ({n: db for db, n in rows} for rows in (vs16, vs32_8, vs32_16))
     # FP8's deficit against BF16 per parameter, both measured against FP32 (finite ones only)
     deficit = {n: c[n] - b[n] for n in b if n in c and math.isfinite(b[n]) and math.isfinite(c[n])}
     med = statistics.median(deficit.values()) if deficit else math.nan
@@ -51,9 +50,11 @@ def check_with_fp32(model, call, GPT, cfg, batch) -> dict:
               f"{deficit.get(n, math.nan):8.1f}")
     worst = min(vs16) if vs16 else (math.inf, "")
     chk = {"loss": loss, "loss_bf16": loss16, "grad_sqnr_db": overall, "min_param_sqnr_db": worst[0],
-           "min_param": worst[1], "loss_fp32": loss32, "fp8_vs_fp32_db": overall8_32, "bf16_vs_fp32_db": overall16_32,
+           "min_param": worst[1], "loss_fp32": loss32, **bt.fp32_arbiter(g8, g16, g32),
            "deficit_median_db": med, "min_param_deficit_db": deficit.get(worst[1], math.nan)}
     chk["verdict"] = bt.settled_verdict(chk)
+    del ref, g8, g16, g32
+    print(f"[fp32 control] bench_train's verdict: {chk['verdict']}; " + bt.settled_check_line(chk))
     return chk
 
 
