@@ -173,11 +173,15 @@ def squared_errors(grads: dict, ref: dict) -> dict:
     return out
 
 
-def grad_sqnr(grads: dict, ref: dict) -> tuple:
-    """(SQNR of grads against ref as one vector, [(SQNR, name) per parameter]) in dB."""
-    terms = squared_errors(grads, ref)
+def terms_sqnr(terms: dict) -> tuple:
+    """(SQNR as one vector, [(SQNR, name) per parameter]) in dB of squared_errors' terms."""
     overall = sqnr_db(sum(s for s, _ in terms.values()), sum(e for _, e in terms.values()))
     return overall, [(sqnr_db(s, e), n) for n, (s, e) in terms.items() if not s == 0]
+
+
+def grad_sqnr(grads: dict, ref: dict) -> tuple:
+    """(SQNR of grads against ref as one vector, [(SQNR, name) per parameter]) in dB."""
+    return terms_sqnr(squared_errors(grads, ref))
 
 
 def reference_model(model, GPT, cfg):
@@ -224,7 +228,9 @@ def settled_check(model, call, GPT, cfg, batch) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = False  # (FP32 means FP32)
         try:
             loss32, grads32 = model_grads(ref, ref, batch, autocast=False, slices=4)
-            chk.update(fp32_arbiter(grads, grads_ref, grads_to_cpu(grads32)), loss_fp32=loss32)
+            grads32 = grads_to_cpu(grads32)
+            chk.update(fp32_arbiter(squared_errors(grads, grads32), squared_errors(grads_ref, grads32)),
+                       loss_fp32=loss32)
         except torch.cuda.OutOfMemoryError:
             chk["arbiter_error"] = "out of memory in the FP32 pass"  # (nothing acquits the variant)
         finally:
@@ -235,10 +241,10 @@ def settled_check(model, call, GPT, cfg, batch) -> dict:
     return chk
 
 
-def fp32_arbiter(grads: dict, grads_ref: dict, grads32: dict) -> dict:
-    """The variant's and BF16's SQNR against FP32, over the whole model and over the parameters
-    where BF16's is at least SETTLED_MIN_SQNR_DB + SETTLED_MAX_DEFICIT_DB."""
-    fp8, bf16 = squared_errors(grads, grads32), squared_errors(grads_ref, grads32)
+def fp32_arbiter(fp8: dict, bf16: dict) -> dict:
+    """The variant's and BF16's SQNR against FP32 (their squared_errors against the FP32
+    gradients), over the whole model and over the parameters where BF16's is at least
+    SETTLED_MIN_SQNR_DB + SETTLED_MAX_DEFICIT_DB."""
     sound = [n for n, (s, e) in bf16.items() if s > 0 and sqnr_db(s, e) >= SETTLED_MIN_SQNR_DB + SETTLED_MAX_DEFICIT_DB]
 
     def total(terms, names):

@@ -34,8 +34,9 @@ def check_with_fp32(model, call, GPT, cfg, batch) -> dict:
     g32 = bt.grads_to_cpu(g32)
     ref.zero_grad(set_to_none=True)
     overall, vs16 = bt.grad_sqnr(g8, g16)
-    overall8_32, vs32_8 = bt.grad_sqnr(g8, g32)
-    overall16_32, vs32_16 = bt.grad_sqnr(g16, g32)
+    t8, t16 = bt.squared_errors(g8, g32), bt.squared_errors(g16, g32)  # (also the arbiter's input)
+    overall8_32, vs32_8 = bt.terms_sqnr(t8)
+    overall16_32, vs32_16 = bt.terms_sqnr(t16)
     _, b, c = ({n: db for db, n in rows} for rows in (vs16, vs32_8, vs32_16))
     # FP8's deficit against BF16 per parameter, both measured against FP32 (finite ones only)
     deficit = {n: c[n] - b[n] for n in b if n in c and math.isfinite(b[n]) and math.isfinite(c[n])}
@@ -50,7 +51,7 @@ def check_with_fp32(model, call, GPT, cfg, batch) -> dict:
               f"{deficit.get(n, math.nan):8.1f}")
     worst = min(vs16) if vs16 else (math.inf, "")
     chk = {"loss": loss, "loss_bf16": loss16, "grad_sqnr_db": overall, "min_param_sqnr_db": worst[0],
-           "min_param": worst[1], "loss_fp32": loss32, **bt.fp32_arbiter(g8, g16, g32),
+           "min_param": worst[1], "loss_fp32": loss32, **bt.fp32_arbiter(t8, t16),
            "deficit_median_db": med, "min_param_deficit_db": deficit.get(worst[1], math.nan)}
     chk["verdict"] = bt.settled_verdict(chk)
     del ref, g8, g16, g32

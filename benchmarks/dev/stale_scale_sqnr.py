@@ -6,19 +6,15 @@ SQNR falls; above it a stale scale costs nothing measurable.
     python benchmarks/dev/stale_scale_sqnr.py [--n 4000000]
 """
 import argparse
-import math
 
 import torch
+
+from fp8ops._reference import sqnr
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--n", type=int, default=4_000_000)
 args = ap.parse_args()
 E5M2_MAX = 57344.0
-
-
-def sqnr(ref: torch.Tensor, q: torch.Tensor) -> float:
-    err = (ref.double() - q.double()).square().sum().item()
-    return 10 * math.log10(ref.double().square().sum().item() / err) if err > 0 else math.inf
 
 
 def cast(x: torch.Tensor, ratio: float) -> torch.Tensor:
