@@ -1,5 +1,6 @@
 """Build fp8ops._C from csrc/: C11 sources with the system C compiler, CUDA
-sources with nvcc when present. No torch at build time: the module is linked
+sources with nvcc when present (cuda_build.py finds it, its headers and the static
+CUDA runtime: a toolkit, or torch's CUDA wheels plus NVIDIA's nvcc wheel). No torch at build time: the module is linked
 against a stub libtorch_cpu.so (same SONAME, empty functions) generated here,
 and at import the real libtorch_cpu.so that `import torch` loaded satisfies it.
 
@@ -8,38 +9,28 @@ Environment:
   FP8OPS_CUDA_ARCHS="89;90;100;120"   SM archs (add "a" for arch-specific, e.g. 90a);
                             PTX of the last one is embedded for newer GPUs. Unset: those
                             of the four this nvcc can build
-  CUDA_HOME                 where to find nvcc / cudart (default: nvcc on PATH)
+  CUDA_HOME                 where to find nvcc (default: nvcc on PATH, else an nvidia-cuda-nvcc wheel)
   DEBUG=1                   -O0 -g
 """
 import glob
 import hashlib
 import os
 import re
-import shutil
 import subprocess
+import sys
 import sysconfig
 
 import setuptools
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_build import find_toolchain  # noqa: E402  (beside this file: also the PEP 517 backend)
+
 DEFAULT_ARCHS = "89;90;100;120"
 CUDA_ONLY_C = {"gemm_cuda.c", "sanitizer_marks.c"}  # host C files that need the CUDA headers
 PY_LIMITED = "0x030A0000"  # CPython 3.10+
 SOURCE_SUFFIXES = (".c", ".h", ".cu", ".cuh")  # what the digest reads (not an editor's swap file)
-
-
-def find_nvcc():
-    """(path of nvcc or None, why none)."""
-    if os.environ.get("FP8OPS_NO_CUDA", "0") not in ("", "0"):
-        return None, "FP8OPS_NO_CUDA was set at install time; unset it and reinstall for the CUDA kernels"
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-        return os.path.join(home, "bin", "nvcc"), ""
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        return nvcc, ""
-    return None, "nvcc was not found when fp8ops was installed; reinstall with the CUDA toolkit on PATH or CUDA_HOME set"
 
 
 def source_digest():
@@ -102,8 +93,13 @@ class BuildFp8ops(build_ext):
         out = os.path.abspath(self.get_ext_fullpath(ext.name))
         os.makedirs(os.path.dirname(out), exist_ok=True)
         cc = os.environ.get("CC") or ((sysconfig.get_config_var("CC") or "").split() or ["cc"])[0]
-        nvcc, no_cuda_reason = find_nvcc()
-        cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
+        cuda, no_cuda_reason = find_toolchain()
+        nvcc = cuda.nvcc if cuda else None
+        if cuda:
+            print(f"fp8ops: CUDA build with {nvcc}; headers from {', '.join(cuda.include_dirs)}; "
+                  f"libcudart_static.a from {cuda.lib_dir}", flush=True)
+        else:
+            print(f"fp8ops: building without CUDA: {no_cuda_reason}", flush=True)
         archs = cuda_archs(nvcc) if nvcc else []
         opt = ["-O0", "-g"] if debug else ["-O2"]
 
@@ -112,7 +108,7 @@ class BuildFp8ops(build_ext):
                   f'-DFP8OPS_SOURCE_DIGEST="{source_digest()}"']
         if nvcc:
             cflags += ["-DFP8OPS_WITH_CUDA", f'-DFP8OPS_CUDA_ARCHS="{" ".join(archs)} ptx"',
-                       "-I" + os.path.join(cuda_home, "include")]
+                       *("-I" + d for d in cuda.include_dirs)]
         else:
             cflags += [f'-DFP8OPS_NO_CUDA_REASON="{no_cuda_reason}"']
         objects = []
@@ -138,11 +134,8 @@ class BuildFp8ops(build_ext):
         stub_dir = self.make_torch_stub(cc, objects, tmp)
         libs = ["-L" + stub_dir, "-ltorch_cpu", "-ldl", "-lpthread"]
         if nvcc:
-            libdir = os.path.join(cuda_home, "lib64")
-            if not os.path.exists(os.path.join(libdir, "libcudart_static.a")):
-                libdir = os.path.join(cuda_home, "lib")
             # static cudart: no NEEDED entry for libcudart, so a CPU-only torch imports us
-            libs = ["-L" + libdir, "-lcudart_static", "-lrt", "-lstdc++", *libs]
+            libs = ["-L" + cuda.lib_dir, "-lcudart_static", "-lrt", "-lstdc++", *libs]
         run([cc, "-shared", "-o", out, *objects, *libs, "-lm"])
 
     @staticmethod

@@ -260,8 +260,8 @@ typedef struct {
 static int cuda_enter(const char* op, const tinfo* t, cuda_ctx* c, int need_fp8) {
   c->guard = NULL;
   c->stream = NULL;
-  FP8OPS_REQUIRE(fp8ops_built_with_cuda(), "%s: fp8ops was built without CUDA (no nvcc at "
-                 "install time); reinstall with the CUDA toolkit on PATH", op);
+  FP8OPS_REQUIRE(fp8ops_built_with_cuda(), "%s: fp8ops was built without CUDA (%s)", op,
+                 fp8ops_no_cuda_reason());
   FP8OPS_REQUIRE(g_get_stream != NULL, "%s: libtorch_cuda is not loaded, so fp8ops cannot find "
                  "torch's current CUDA stream", op);
   if (need_fp8) {

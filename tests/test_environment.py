@@ -133,8 +133,10 @@ sys.meta_path.insert(0, _FailC())
 
 CUDA_BUILD = dict(built_with_cuda=1, cuda_kernels_registered=1, cuda_reason="", cuda_archs="89 90 100 120 ptx")
 SO_PATH = "/site-packages/fp8ops/_C.abi3.so"
-NO_NVCC = ("built without CUDA (nvcc was not found when fp8ops was installed; reinstall with the CUDA "
-           "toolkit on PATH or CUDA_HOME set)")  # (csrc/module.c with setup.py's reason)
+NO_NVCC = ("built without CUDA (nvcc was not found when fp8ops was installed (not on PATH, not in CUDA_HOME, "
+           "no nvidia-cuda-nvcc wheel); install torch with its CUDA 13 wheels first, then reinstall fp8ops "
+           "with pip install --no-cache-dir --force-reinstall --no-deps (its build then fetches nvcc), or put "
+           "a CUDA toolkit's nvcc on PATH)")  # (csrc/module.c with cuda_build.find_nvcc's reason)
 
 # name -> (pre-import code, post-import code, extra env)
 SCENARIOS = {
@@ -355,7 +357,7 @@ def test_gpu_below_sm89_in_process(monkeypatch, capsys, cc, gpu):
 def test_built_without_nvcc_on_an_fp8_gpu(scenario):
     """Even on an H100, a build without nvcc falls back, and says so first."""
     res = scenario("no_nvcc_on_h100")
-    assert_falls_back(res, ["built without CUDA", "reinstall with the CUDA toolkit"])
+    assert_falls_back(res, ["built without CUDA", "reinstall fp8ops", "nvcc on PATH"])
     doctor = res["doctor"]
     assert "built with CUDA              False" in doctor
     assert "CUDA kernels registered      built without CUDA (nvcc was not found" in doctor
@@ -448,7 +450,7 @@ print("ENV-RESULT " + json.dumps({"available": fp8ops.is_available(), "why": fp8
 
 def test_sdist_has_every_source(tmp_path):
     """The sdist (what `python -m build` builds the wheel from) carries csrc/ whole: the
-    headers and CUDA sources too, not only the C files setup.py names."""
+    headers and CUDA sources too, not only the C files setup.py names; and cuda_build.py."""
     repo = Path(__file__).resolve().parents[1]
     pytest.importorskip("setuptools")
     p = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path),
@@ -460,6 +462,7 @@ def test_sdist_has_every_source(tmp_path):
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     want = {f"csrc/{f.name}" for f in (repo / "csrc").iterdir() if f.is_file()}
+    want.add("cuda_build.py")  # setup.py's toolchain finder and the build backend pyproject.toml names
     assert want <= names, sorted(want - names)
 
 
