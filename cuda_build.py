@@ -12,14 +12,19 @@ Used two ways:
   * setup.py calls find_toolchain() to compile and link;
   * pyproject.toml names this module as the build backend: setuptools' own, plus one hook. Where no
     nvcc is found but torch's CUDA 13 wheels are installed, an isolated `pip install .` also fetches
-    nvidia-cuda-nvcc at the version of the CUDA runtime torch brought. So a machine with torch and
-    no CUDA toolkit builds the CUDA kernels instead of a CPU-only fp8ops.
+    NVIDIA's nvcc wheels at the versions torch's wheels pin. So a machine with torch and no CUDA
+    toolkit builds the CUDA kernels instead of a CPU-only fp8ops. Not with `pip --no-index` (or
+    PIP_NO_INDEX), nor with FP8OPS_FETCH_NVCC=0 (an index that lacks NVIDIA's wheels): the build is
+    then CPU-only and says why, as before.
+  * the pieces must be of one CUDA major (nvcc, cuda_runtime_api.h, cublas_api.h): a mix is refused
+    with its versions named, not left to fail in the compiler or at the first GEMM.
 No torch import here: the build must not need torch (setup.py links a stub libtorch).
 """
 import glob
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 import sysconfig
@@ -32,6 +37,7 @@ from setuptools.build_meta import *  # noqa: F401,F403  (every other PEP 517 hoo
 NVCC_WHEEL_MIN_MAJOR = 13  # the first CUDA whose nvidia-cuda-nvcc wheel carries nvcc (12's has ptxas only)
 SYSTEM_INCLUDE = "/usr/include"  # Debian's split layout: headers here,
 SYSTEM_LIB = "/usr/lib"          # libraries in /usr/lib/<multiarch>
+NO_FETCH_VAR = "FP8OPS_FETCH_NVCC"  # =0: an isolated build never asks pip for nvcc's wheels
 
 
 class Toolchain(NamedTuple):
@@ -40,11 +46,20 @@ class Toolchain(NamedTuple):
     lib_dir: str        # holds libcudart_static.a
 
 
+def _off(var):
+    return os.environ.get(var, "") not in ("", "0")
+
+
 def site_dirs():
     """Where pip wheels may have put nvidia/...: this interpreter's path (an isolated build's
-    environment, where the nvcc wheel lands) and the environment fp8ops installs into, where
-    torch's CUDA wheels are (an isolated build hides it from sys.path, not from sysconfig)."""
+    environment, where the nvcc wheel lands), the environment fp8ops installs into, where torch's
+    CUDA wheels are (an isolated build hides it from sys.path, not from sysconfig), and the user
+    site (`pip install --user`)."""
     dirs = [*sys.path, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    try:
+        dirs.append(site.getusersitepackages())
+    except (AttributeError, TypeError):  # site without a user site (some embedded interpreters)
+        pass
     seen, out = set(), []
     for d in dirs:
         d = os.path.abspath(d or ".")
@@ -59,9 +74,16 @@ def _wheel_paths(pattern):
     return [p for d in site_dirs() for p in sorted(glob.glob(os.path.join(d, "nvidia", pattern)))]
 
 
+NVCC_NOT_FOUND = ("nvcc was not found when fp8ops was installed (not in CUDA_HOME or CUDA_PATH, on PATH, in "
+                  "this environment or as an nvidia-cuda-nvcc wheel); put a CUDA toolkit's nvcc on PATH, or "
+                  "install torch with its CUDA 13 wheels first and reinstall fp8ops with pip in that "
+                  "environment (pip install --no-cache-dir --force-reinstall --no-deps <fp8ops source>): "
+                  "its build then fetches nvcc from the package index")
+
+
 def find_nvcc():
     """(path of nvcc or None, why none)."""
-    if os.environ.get("FP8OPS_NO_CUDA", "0") not in ("", "0"):
+    if _off("FP8OPS_NO_CUDA"):
         return None, "FP8OPS_NO_CUDA was set at install time; unset it and reinstall for the CUDA kernels"
     for var in ("CUDA_HOME", "CUDA_PATH"):
         home = os.environ.get(var)
@@ -70,25 +92,27 @@ def find_nvcc():
     nvcc = shutil.which("nvcc")
     if nvcc:
         return nvcc, ""
-    for nvcc in _wheel_paths(os.path.join("cu*", "bin", "nvcc")):
+    # a conda environment's nvcc where the environment is not activated (its bin/ not on PATH)
+    candidates = [os.path.join(sys.prefix, "bin", "nvcc"), *_wheel_paths(os.path.join("cu*", "bin", "nvcc"))]
+    for nvcc in candidates:
         if os.access(nvcc, os.X_OK):
             return nvcc, ""
-    return None, ("nvcc was not found when fp8ops was installed (not on PATH, not in CUDA_HOME, no "
-                  "nvidia-cuda-nvcc wheel); install torch with its CUDA 13 wheels first, then reinstall "
-                  "fp8ops with pip install --no-cache-dir --force-reinstall --no-deps (its build then "
-                  "fetches nvcc), or put a CUDA toolkit's nvcc on PATH")
+    return None, NVCC_NOT_FOUND
+
+
+def _nvcc_output(nvcc, *args):
+    try:
+        p = subprocess.run([nvcc, *args], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return p.stdout + p.stderr
 
 
 def nvcc_search_dirs(nvcc):
     """(include dirs, library dirs) nvcc compiles and links with, read from `nvcc --dryrun`
     (its nvcc.profile's INCLUDES / LIBRARIES); empty where it prints none."""
-    try:
-        out = subprocess.run([nvcc, "--dryrun", "-c", "fp8ops_probe.cu"], capture_output=True, text=True,
-                             timeout=60).stderr
-    except (OSError, subprocess.SubprocessError):
-        return [], []
     includes, libs = [], []
-    for line in out.splitlines():
+    for line in _nvcc_output(nvcc, "--dryrun", "-c", "fp8ops_probe.cu").splitlines():
         m = re.match(r"#\$ (INCLUDES|LIBRARIES)=(.*)", line)
         if m:
             flag, into = ("-I", includes) if m.group(1) == "INCLUDES" else ("-L", libs)
@@ -97,6 +121,21 @@ def nvcc_search_dirs(nvcc):
                 if tok.startswith(flag):
                     into.append(os.path.normpath(tok[2:]))
     return includes, libs
+
+
+def nvcc_major(nvcc) -> Optional[int]:
+    m = re.search(r"release (\d+)\.", _nvcc_output(nvcc, "--version"))
+    return int(m.group(1)) if m else None
+
+
+def header_major(path, macro, divisor=1) -> Optional[int]:
+    """The CUDA major a header was shipped with (CUDART_VERSION 13000 -> 13, CUBLAS_VER_MAJOR 13)."""
+    try:
+        with open(path, errors="replace") as f:
+            m = re.search(rf"#\s*define\s+{macro}\s+(\d+)", f.read())
+    except OSError:
+        return None
+    return int(m.group(1)) // divisor if m else None
 
 
 def _first_dir_with(name, dirs):
@@ -112,22 +151,36 @@ def find_toolchain():
     if not nvcc:
         return None, why
     top = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    major = nvcc_major(nvcc)
     multiarch = sysconfig.get_config_var("MULTIARCH") or ""
     nvcc_includes, nvcc_libs = nvcc_search_dirs(nvcc)
-    wheel_includes = [os.path.dirname(p) for p in _wheel_paths(os.path.join("*", "include", "cublasLt.h"))]
+    # torch's wheels of nvcc's own CUDA only (nvidia/cu13/...): CUDA 12's nvidia/cublas/include
+    # would pair 12's cuBLAS with 13's runtime; the system's headers last, for the same reason
+    wheel_includes = [os.path.dirname(p) for p in _wheel_paths(os.path.join(f"cu{major or '*'}", "include", "cublasLt.h"))]
+    search = [*nvcc_includes, os.path.join(top, "include"), *wheel_includes, SYSTEM_INCLUDE]
     include_dirs = []
     for header in ("cuda_runtime_api.h", "cublasLt.h"):
-        found = _first_dir_with(header, [*nvcc_includes, os.path.join(top, "include"), SYSTEM_INCLUDE,
-                                         *wheel_includes])
+        found = _first_dir_with(header, search)
         if not found:
             return None, (f"{header} was not found when fp8ops was installed (nvcc: {nvcc}); install the "
                           f"CUDA toolkit's {'cuBLAS ' if header == 'cublasLt.h' else ''}headers or torch's "
                           f"CUDA 13 wheels, then reinstall fp8ops")
         if found not in include_dirs:
             include_dirs.append(found)
+    # the headers the compiler will take (cublasLt.h includes <cublas_api.h>: the first -I dir's)
+    versions = {"nvcc": major}
+    for header, macro, divisor in (("cuda_runtime_api.h", "CUDART_VERSION", 1000), ("cublas_api.h", "CUBLAS_VER_MAJOR", 1)):
+        d = _first_dir_with(header, include_dirs)
+        versions[header] = header_major(os.path.join(d, header), macro, divisor) if d else None
+    known = {v for v in versions.values() if v is not None}
+    if len(known) > 1:
+        return None, ("the CUDA pieces found when fp8ops was installed are of different CUDA versions ("
+                      + ", ".join(f"{k} {v}" for k, v in versions.items()) + f"; headers from "
+                      f"{', '.join(include_dirs)}); install the matching cuBLAS headers or point CUDA_HOME at "
+                      f"one toolkit, then reinstall fp8ops")
     lib_dirs = [*nvcc_libs, *(os.path.join(top, d) for d in ("lib64", "lib", os.path.join("lib", multiarch))),
-                os.path.join(SYSTEM_LIB, multiarch),
-                *(os.path.dirname(p) for p in _wheel_paths(os.path.join("*", "lib", "libcudart_static.a")))]
+                *(os.path.dirname(p) for p in _wheel_paths(os.path.join(f"cu{major or '*'}", "lib", "libcudart_static.a"))),
+                os.path.join(SYSTEM_LIB, multiarch)]
     lib_dir = _first_dir_with("libcudart_static.a", lib_dirs)
     if not lib_dir:
         return None, (f"libcudart_static.a was not found when fp8ops was installed (nvcc: {nvcc}); install "
@@ -135,28 +188,49 @@ def find_toolchain():
     return Toolchain(nvcc, include_dirs, lib_dir), ""
 
 
+def _pip_offline():
+    """pip's --no-index is not passed to a build backend: read it off pip's own command line
+    (the hook's parent process), or PIP_NO_INDEX."""
+    if _off("PIP_NO_INDEX"):
+        return True
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return b"--no-index" in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
 def nvcc_wheel_requirements():
-    """What an isolated build must fetch for nvcc: nothing where nvcc is found (or CUDA is off);
-    where it is not, NVIDIA's nvcc wheels at the version of the CUDA runtime wheel torch brought,
-    if that CUDA has an nvcc wheel and torch's wheels hold cublasLt.h; else nothing (the build is
-    then CPU-only and says why)."""
-    if os.environ.get("FP8OPS_NO_CUDA", "0") not in ("", "0") or find_nvcc()[0]:
+    """What an isolated build must fetch for nvcc: nothing where nvcc is found, CUDA is off,
+    FP8OPS_FETCH_NVCC=0 or pip runs without an index; else NVIDIA's nvcc wheels at the versions
+    torch's CUDA wheels pin (the cuda-toolkit metapackage torch requires, or its CUDA runtime
+    wheel's series), if that CUDA has an nvcc wheel and torch's wheels hold cublasLt.h; else
+    nothing (the build is then CPU-only and says why)."""
+    if (_off("FP8OPS_NO_CUDA") or os.environ.get(NO_FETCH_VAR, "1") == "0" or find_nvcc()[0]
+            or _pip_offline()):
         return []
+    versions = {}
+    root = {}
     for dist in metadata.distributions(path=site_dirs()):
-        if (dist.metadata["Name"] or "").lower().replace("_", "-") != "nvidia-cuda-runtime":
-            continue
-        version = dist.version
-        m = re.match(r"(\d+)\.(\d+)", version)
-        if not m or int(m.group(1)) < NVCC_WHEEL_MIN_MAJOR:
-            continue
-        root = dist.locate_file("")
-        if not os.path.isfile(os.path.join(str(root), "nvidia", f"cu{m.group(1)}", "include", "cublasLt.h")):
-            continue
-        series = f"{m.group(1)}.{m.group(2)}.*"
-        # the runtime pinned too: nvcc's wheel would otherwise pull the newest runtime's headers
-        return [f"nvidia-cuda-nvcc=={series}", f"nvidia-cuda-crt=={series}", f"nvidia-nvvm=={series}",
-                f"nvidia-cuda-runtime=={version}"]
-    return []
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name in ("cuda-toolkit", "nvidia-cuda-runtime") and name not in versions:
+            versions[name] = dist.version
+            root[name] = str(dist.locate_file(""))
+    runtime = versions.get("nvidia-cuda-runtime")
+    m = re.match(r"(\d+)\.(\d+)", runtime or "")
+    if not m or int(m.group(1)) < NVCC_WHEEL_MIN_MAJOR:
+        return []
+    if not os.path.isfile(os.path.join(root["nvidia-cuda-runtime"], "nvidia", f"cu{m.group(1)}", "include", "cublasLt.h")):
+        return []
+    toolkit = versions.get("cuda-toolkit")
+    if toolkit and toolkit.split(".")[0] == m.group(1):
+        # the metapackage torch pins: exactly its nvcc, crt, nvvm and runtime
+        return [f"cuda-toolkit[nvcc,crt,nvvm,cudart]=={toolkit}"]
+    series = f"{m.group(1)}.{m.group(2)}.*"
+    # each pinned: nvcc's wheel leaves crt, nvvm and the runtime unpinned, and the newest
+    # crt/nvvm next to an older nvcc emit PTX its ptxas rejects
+    return [f"nvidia-cuda-nvcc=={series}", f"nvidia-cuda-crt=={series}", f"nvidia-nvvm=={series}",
+            f"nvidia-cuda-runtime=={runtime}"]
 
 
 def get_requires_for_build_wheel(config_settings=None):

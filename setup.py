@@ -110,7 +110,8 @@ class BuildFp8ops(build_ext):
             cflags += ["-DFP8OPS_WITH_CUDA", f'-DFP8OPS_CUDA_ARCHS="{" ".join(archs)} ptx"',
                        *("-I" + d for d in cuda.include_dirs)]
         else:
-            cflags += [f'-DFP8OPS_NO_CUDA_REASON="{no_cuda_reason}"']
+            c_literal = no_cuda_reason.replace("\\", "\\\\").replace('"', '\\"')  # (paths may hold either)
+            cflags += [f'-DFP8OPS_NO_CUDA_REASON="{c_literal}"']
         objects = []
         for src in sorted(glob.glob("csrc/*.c")):
             if os.path.basename(src) in CUDA_ONLY_C and not nvcc:

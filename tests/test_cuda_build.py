@@ -2,51 +2,81 @@
 what an isolated build asks pip for. The layouts are built in tmp_path with a stand-in nvcc (a
 shell script that prints what `nvcc --dryrun` prints), so no toolkit is needed; the last test
 reads this machine's real nvcc where there is one."""
+import importlib.util
 import os
 import shutil
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-import cuda_build  # noqa: E402
 
 
-def fake_nvcc(path: Path, includes=(), libs=()):
-    """An executable that answers `nvcc --dryrun` with these INCLUDES / LIBRARIES, as nvcc.profile does."""
+def _load_cuda_build():
+    """cuda_build.py by its path: putting the repository on sys.path would make processes spawned
+    by later tests (which inherit sys.path) import the source tree's fp8ops, not the installed one."""
+    spec = importlib.util.spec_from_file_location("cuda_build", REPO / "cuda_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cuda_build = _load_cuda_build()
+
+
+REAL_SITE_DIRS = cuda_build.site_dirs
+
+
+def fake_nvcc(path: Path, includes=(), libs=(), release="13.0"):
+    """An executable that answers `nvcc --version` and `nvcc --dryrun` (with these INCLUDES /
+    LIBRARIES, as nvcc.profile does)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     inc = " ".join(f'"-I{d}"' for d in includes)
     lib = " ".join(f'"-L{d}"' for d in libs)
-    path.write_text(f"#!/bin/sh\necho '#$ INCLUDES={inc}  ' >&2\necho '#$ LIBRARIES=  {lib}' >&2\n")
+    path.write_text(f"#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Cuda compilation tools, release {release}, "
+                    f"V{release}.88'; exit 0; fi\n"
+                    f"echo '#$ INCLUDES={inc}  ' >&2\necho '#$ LIBRARIES=  {lib}' >&2\n")
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return path
 
 
-def touch(path: Path):
+def touch(path: Path, text=""):
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("")
+    path.write_text(text)
     return path
 
 
-def runtime_dist(site: Path, name="nvidia_cuda_runtime", version="13.0.96", pip_name="nvidia-cuda-runtime"):
+def runtime_headers(d: Path, major=13):
+    touch(d / "cuda_runtime_api.h", f"#define CUDART_VERSION  {major}000\n")
+
+
+def cublas_headers(d: Path, major=13):
+    touch(d / "cublasLt.h", "#include <cublas_api.h>\n")
+    touch(d / "cublas_api.h", f"#define CUBLAS_VER_MAJOR {major}\n")
+
+
+def dist(site: Path, pip_name="nvidia-cuda-runtime", version="13.0.96"):
     """A dist-info as pip leaves it, for importlib.metadata."""
-    d = site / f"{name}-{version}.dist-info"
+    d = site / f"{pip_name.replace('-', '_')}-{version}.dist-info"
     d.mkdir(parents=True)
     (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {pip_name}\nVersion: {version}\n")
 
 
 @pytest.fixture
 def machine(tmp_path, monkeypatch):
-    """No toolkit anywhere: an empty PATH, no CUDA_HOME, no site dirs, empty system dirs."""
-    for var in ("CUDA_HOME", "CUDA_PATH", "FP8OPS_NO_CUDA"):
+    """No toolkit anywhere: an empty PATH, no CUDA_HOME, no site dirs, empty system dirs, an
+    interpreter prefix without nvcc, a pip with an index."""
+    for var in ("CUDA_HOME", "CUDA_PATH", "FP8OPS_NO_CUDA", "FP8OPS_FETCH_NVCC", "PIP_NO_INDEX"):
         monkeypatch.delenv(var, raising=False)
     (tmp_path / "empty_bin").mkdir()
     monkeypatch.setenv("PATH", str(tmp_path / "empty_bin"))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "python_prefix"))
     sites = []
     monkeypatch.setattr(cuda_build, "site_dirs", lambda: [str(s) for s in sites])
+    monkeypatch.setattr(cuda_build, "_pip_offline", lambda: False)
     monkeypatch.setattr(cuda_build, "SYSTEM_INCLUDE", str(tmp_path / "usr" / "include"))
     monkeypatch.setattr(cuda_build, "SYSTEM_LIB", str(tmp_path / "usr" / "lib"))
     monkeypatch.setattr(cuda_build.sysconfig, "get_config_var",
@@ -62,10 +92,10 @@ def test_torch_wheels_plus_the_nvcc_wheel(machine):
     build_env, target_env = tmp / "build_env", tmp / "target_env"
     cu = build_env / "nvidia" / "cu13"
     nvcc = fake_nvcc(cu / "bin" / "nvcc", includes=[cu / "include"], libs=[cu / "lib64" / "stubs", cu / "lib64"])
-    touch(cu / "include" / "cuda_runtime_api.h")
+    runtime_headers(cu / "include")
     touch(cu / "lib" / "libcudart_static.a")
-    touch(target_env / "nvidia" / "cu13" / "include" / "cublasLt.h")
-    touch(target_env / "nvidia" / "cu13" / "include" / "cuda_runtime_api.h")
+    cublas_headers(target_env / "nvidia" / "cu13" / "include")
+    runtime_headers(target_env / "nvidia" / "cu13" / "include")
     sites += [build_env, target_env]
     tc, why = cuda_build.find_toolchain()
     assert why == ""
@@ -75,14 +105,14 @@ def test_torch_wheels_plus_the_nvcc_wheel(machine):
     assert tc.lib_dir == str(cu / "lib")
 
 
-def test_debian_split_layout(machine):
+def test_debian_split_layout(machine, monkeypatch):
     """Debian's toolkit: nvcc on PATH saying nothing useful, headers in /usr/include, the static
     runtime in /usr/lib/<multiarch>."""
     tmp, _ = machine
-    nvcc = fake_nvcc(tmp / "usr" / "bin" / "nvcc")
-    os.environ["PATH"] = str(nvcc.parent)
-    touch(tmp / "usr" / "include" / "cuda_runtime_api.h")
-    touch(tmp / "usr" / "include" / "cublasLt.h")
+    nvcc = fake_nvcc(tmp / "usr" / "bin" / "nvcc", release="12.4")
+    monkeypatch.setenv("PATH", str(nvcc.parent))
+    runtime_headers(tmp / "usr" / "include", major=12)
+    cublas_headers(tmp / "usr" / "include", major=12)
     touch(tmp / "usr" / "lib" / "x86_64-linux-gnu" / "libcudart_static.a")
     tc, why = cuda_build.find_toolchain()
     assert why == ""
@@ -90,35 +120,74 @@ def test_debian_split_layout(machine):
         str(nvcc), [str(tmp / "usr" / "include")], str(tmp / "usr" / "lib" / "x86_64-linux-gnu"))
 
 
-def test_targets_layout_from_cuda_home_over_path(machine):
+def test_targets_layout_from_cuda_home_over_path(machine, monkeypatch):
     """NVIDIA's and conda's targets/<arch>/ layout, read from nvcc; CUDA_HOME wins over PATH."""
     tmp, _ = machine
     target = tmp / "cuda" / "targets" / "x86_64-linux"
     nvcc = fake_nvcc(tmp / "cuda" / "bin" / "nvcc", includes=[target / "include"], libs=[target / "lib"])
     other = fake_nvcc(tmp / "other" / "bin" / "nvcc")
-    os.environ["PATH"] = str(other.parent)
-    os.environ["CUDA_HOME"] = str(tmp / "cuda")
-    touch(target / "include" / "cuda_runtime_api.h")
-    touch(target / "include" / "cublasLt.h")
+    monkeypatch.setenv("PATH", str(other.parent))
+    monkeypatch.setenv("CUDA_HOME", str(tmp / "cuda"))
+    runtime_headers(target / "include")
+    cublas_headers(target / "include")
     touch(target / "lib" / "libcudart_static.a")
     tc, why = cuda_build.find_toolchain()
     assert why == ""
     assert (tc.nvcc, tc.include_dirs, tc.lib_dir) == (str(nvcc), [str(target / "include")], str(target / "lib"))
 
 
+def test_an_inactive_conda_environments_nvcc(machine):
+    """A conda environment's Python run by path: its bin/ (with nvcc) is not on PATH."""
+    tmp, _ = machine
+    nvcc = fake_nvcc(Path(sys.prefix) / "bin" / "nvcc")
+    assert cuda_build.find_nvcc() == (str(nvcc), "")
+
+
 @pytest.mark.parametrize("missing", ["cublasLt.h", "cuda_runtime_api.h", "libcudart_static.a"])
-def test_a_missing_piece_is_named_with_the_remedy(machine, missing):
+def test_a_missing_piece_is_named_with_the_remedy(machine, monkeypatch, missing):
     tmp, _ = machine
     top = tmp / "cuda"
     nvcc = fake_nvcc(top / "bin" / "nvcc", includes=[top / "include"], libs=[top / "lib64"])
-    os.environ["PATH"] = str(nvcc.parent)
-    for p in (top / "include" / "cuda_runtime_api.h", top / "include" / "cublasLt.h",
-              top / "lib64" / "libcudart_static.a"):
-        if p.name != missing:
-            touch(p)
+    monkeypatch.setenv("PATH", str(nvcc.parent))
+    if missing != "cuda_runtime_api.h":
+        runtime_headers(top / "include")
+    if missing != "cublasLt.h":
+        cublas_headers(top / "include")
+    if missing != "libcudart_static.a":
+        touch(top / "lib64" / "libcudart_static.a")
     tc, why = cuda_build.find_toolchain()
     assert tc is None
     assert f"{missing} was not found" in why and str(nvcc) in why and "reinstall fp8ops" in why
+
+
+def test_pieces_of_two_cuda_versions_are_refused(machine, monkeypatch):
+    """nvcc 13 with its runtime headers, and only CUDA 12's cuBLAS headers in /usr/include: refused
+    with the versions named (the compiler would otherwise fail on 13's types, or the first GEMM
+    on a cuBLAS of another major)."""
+    tmp, _ = machine
+    top = tmp / "cuda"
+    nvcc = fake_nvcc(top / "bin" / "nvcc", includes=[top / "include"], libs=[top / "lib64"])
+    monkeypatch.setenv("PATH", str(nvcc.parent))
+    runtime_headers(top / "include", major=13)
+    touch(top / "lib64" / "libcudart_static.a")
+    cublas_headers(tmp / "usr" / "include", major=12)
+    tc, why = cuda_build.find_toolchain()
+    assert tc is None
+    assert "different CUDA versions (nvcc 13, cuda_runtime_api.h 13, cublas_api.h 12" in why
+
+
+def test_cuda12_cublas_wheel_is_not_taken_for_nvcc_13(machine, monkeypatch):
+    """torch's CUDA 12 wheels lay cuBLAS out as nvidia/cublas/include: not nvcc 13's."""
+    tmp, sites = machine
+    top = tmp / "cuda"
+    nvcc = fake_nvcc(top / "bin" / "nvcc", includes=[top / "include"], libs=[top / "lib64"])
+    monkeypatch.setenv("PATH", str(nvcc.parent))
+    runtime_headers(top / "include")
+    touch(top / "lib64" / "libcudart_static.a")
+    cublas_headers(tmp / "env" / "nvidia" / "cublas" / "include", major=12)
+    sites.append(tmp / "env")
+    tc, why = cuda_build.find_toolchain()
+    assert tc is None and "cublasLt.h was not found" in why
 
 
 def test_no_nvcc_anywhere(machine):
@@ -127,13 +196,13 @@ def test_no_nvcc_anywhere(machine):
     assert why.startswith("nvcc was not found when fp8ops was installed")
     assert "reinstall fp8ops" in why and "nvcc on PATH" in why
     # it becomes a C string literal (-DFP8OPS_NO_CUDA_REASON="...") inside a 512-byte message
-    assert '"' not in why and len("built without CUDA ()" + why) < 512
+    assert len("built without CUDA ()" + why) < 512
 
 
-def test_fp8ops_no_cuda_wins(machine):
+def test_fp8ops_no_cuda_wins(machine, monkeypatch):
     tmp, _ = machine
-    os.environ["PATH"] = str(fake_nvcc(tmp / "cuda" / "bin" / "nvcc").parent)
-    os.environ["FP8OPS_NO_CUDA"] = "1"
+    monkeypatch.setenv("PATH", str(fake_nvcc(tmp / "cuda" / "bin" / "nvcc").parent))
+    monkeypatch.setenv("FP8OPS_NO_CUDA", "1")
     tc, why = cuda_build.find_toolchain()
     assert tc is None and "FP8OPS_NO_CUDA was set" in why
     assert cuda_build.nvcc_wheel_requirements() == []
@@ -149,47 +218,89 @@ def test_an_nvcc_wheel_is_found_without_a_toolkit(machine):
     assert cuda_build.find_nvcc() == (str(nvcc), "")
 
 
-def test_isolated_build_asks_for_nvcc_at_torchs_cuda_version(machine):
+def torch_cuda13_env(machine, toolkit=None):
     tmp, sites = machine
     env = tmp / "env"
-    runtime_dist(env, version="13.0.96")
-    touch(env / "nvidia" / "cu13" / "include" / "cublasLt.h")
+    dist(env, "nvidia-cuda-runtime", "13.0.96")
+    if toolkit:
+        dist(env, "cuda-toolkit", toolkit)
+    cublas_headers(env / "nvidia" / "cu13" / "include")
     sites.append(env)
+
+
+def test_isolated_build_asks_for_the_nvcc_torch_pins(machine):
+    """torch's cuda-toolkit metapackage names exactly its nvcc, crt, nvvm and runtime."""
+    torch_cuda13_env(machine, toolkit="13.0.2")
+    assert cuda_build.nvcc_wheel_requirements() == ["cuda-toolkit[nvcc,crt,nvvm,cudart]==13.0.2"]
+
+
+def test_isolated_build_without_the_metapackage_pins_each_wheel(machine):
+    torch_cuda13_env(machine)
     assert cuda_build.nvcc_wheel_requirements() == [
         "nvidia-cuda-nvcc==13.0.*", "nvidia-cuda-crt==13.0.*", "nvidia-nvvm==13.0.*",
         "nvidia-cuda-runtime==13.0.96"]
 
 
-@pytest.mark.parametrize("case", ["nvcc_on_path", "no_cublas_header", "cuda12_wheels", "no_torch_wheels"])
-def test_isolated_build_asks_for_nothing(machine, case):
-    """Nothing to fetch where nvcc is there already; nothing that could not build either: CUDA 12's
-    nvcc wheel has no nvcc, and without torch's cublasLt.h nvcc alone would not do. (The build is
-    then CPU-only and says why.)"""
+@pytest.mark.parametrize("case", ["nvcc_on_path", "no_cublas_header", "cuda12_wheels", "no_torch_wheels",
+                                  "fetch_off", "pip_no_index", "pip_offline"])
+def test_isolated_build_asks_for_nothing(machine, monkeypatch, case):
+    """Nothing to fetch where nvcc is there already, where the user turned it off or pip has no
+    index (it would fail the install, which used to build CPU-only); nothing that could not
+    build either: CUDA 12's nvcc wheel has no nvcc, and without torch's cublasLt.h nvcc alone
+    would not do. (The build is then CPU-only and says why.)"""
     tmp, sites = machine
     env = tmp / "env"
     env.mkdir()
     sites.append(env)
-    if case == "nvcc_on_path":
-        os.environ["PATH"] = str(fake_nvcc(tmp / "cuda" / "bin" / "nvcc").parent)
-    if case in ("nvcc_on_path", "no_cublas_header"):
-        runtime_dist(env)
+    if case != "no_torch_wheels" and case != "cuda12_wheels":
+        dist(env, "nvidia-cuda-runtime", "13.0.96")
     if case != "no_cublas_header":
-        touch(env / "nvidia" / "cu13" / "include" / "cublasLt.h")
+        cublas_headers(env / "nvidia" / "cu13" / "include")
+    if case == "nvcc_on_path":
+        monkeypatch.setenv("PATH", str(fake_nvcc(tmp / "cuda" / "bin" / "nvcc").parent))
     if case == "cuda12_wheels":
-        runtime_dist(env, name="nvidia_cuda_runtime_cu12", version="12.8.90", pip_name="nvidia-cuda-runtime-cu12")
-        touch(env / "nvidia" / "cuda_runtime" / "include" / "cuda_runtime_api.h")
+        dist(env, "nvidia-cuda-runtime-cu12", "12.8.90")
+    if case == "fetch_off":
+        monkeypatch.setenv("FP8OPS_FETCH_NVCC", "0")
+    if case == "pip_no_index":
+        monkeypatch.setattr(cuda_build, "_pip_offline", REAL_PIP_OFFLINE)
+        monkeypatch.setenv("PIP_NO_INDEX", "1")
+    if case == "pip_offline":
+        monkeypatch.setattr(cuda_build, "_pip_offline", lambda: True)
     assert cuda_build.nvcc_wheel_requirements() == []
 
 
-def test_backend_adds_to_setuptools_requirements(monkeypatch):
-    """The PEP 517 hooks are setuptools', plus the nvcc wheels."""
-    monkeypatch.chdir(REPO)
-    monkeypatch.setattr(cuda_build, "nvcc_wheel_requirements", lambda: ["nvidia-cuda-nvcc==13.0.*"])
-    for hook in (cuda_build.get_requires_for_build_wheel, cuda_build.get_requires_for_build_editable):
-        req = hook()
-        assert req[-1] == "nvidia-cuda-nvcc==13.0.*"
-    assert cuda_build.build_wheel is cuda_build._setuptools_backend.build_wheel
-    assert cuda_build.build_sdist is cuda_build._setuptools_backend.build_sdist
+REAL_PIP_OFFLINE = cuda_build._pip_offline
+
+
+@pytest.mark.parametrize("flag,offline", [("--no-index", True), ("--index-url=x", False)])
+def test_pips_no_index_is_read_off_its_command_line(flag, offline, monkeypatch):
+    """A build backend runs as a child of pip: the child reads `--no-index` off its parent's argv."""
+    monkeypatch.delenv("PIP_NO_INDEX", raising=False)
+    code = (f"import importlib.util as u; s = u.spec_from_file_location('cuda_build', {str(REPO / 'cuda_build.py')!r}); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); print(m._pip_offline())")
+    # sh stays the parent (the trailing `; true` keeps it from exec-ing python); $0 is the flag
+    p = subprocess.run(["sh", "-c", f"{sys.executable} -c \"$CODE\"; true", flag], env={**os.environ, "CODE": code},
+                       capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == str(offline), p.stderr
+
+
+def test_the_user_site_is_searched(monkeypatch, tmp_path):
+    """`pip install --user torch`: its CUDA wheels are in the user site, not on an isolated build's path."""
+    monkeypatch.setattr(cuda_build.site, "getusersitepackages", lambda: str(tmp_path))
+    assert str(tmp_path) in REAL_SITE_DIRS()
+
+
+def test_backend_adds_to_setuptools_requirements():
+    """The PEP 517 hooks are setuptools', plus the nvcc wheels. (In a child process: setuptools'
+    hooks run setup.py in the calling process, which puts the repository on its sys.path.)"""
+    code = ("import cuda_build as c, setuptools.build_meta as b\n"
+            "c.nvcc_wheel_requirements = lambda: ['nvidia-cuda-nvcc==13.0.*']\n"
+            "print(c.get_requires_for_build_wheel()[-1], c.get_requires_for_build_editable()[-1])\n"
+            "print(sorted(set(b.__all__) - set(dir(c))))\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-2:] == ["nvidia-cuda-nvcc==13.0.* nvidia-cuda-nvcc==13.0.*", "[]"]
 
 
 def test_this_machines_nvcc(monkeypatch):

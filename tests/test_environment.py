@@ -133,10 +133,11 @@ sys.meta_path.insert(0, _FailC())
 
 CUDA_BUILD = dict(built_with_cuda=1, cuda_kernels_registered=1, cuda_reason="", cuda_archs="89 90 100 120 ptx")
 SO_PATH = "/site-packages/fp8ops/_C.abi3.so"
-NO_NVCC = ("built without CUDA (nvcc was not found when fp8ops was installed (not on PATH, not in CUDA_HOME, "
-           "no nvidia-cuda-nvcc wheel); install torch with its CUDA 13 wheels first, then reinstall fp8ops "
-           "with pip install --no-cache-dir --force-reinstall --no-deps (its build then fetches nvcc), or put "
-           "a CUDA toolkit's nvcc on PATH)")  # (csrc/module.c with cuda_build.find_nvcc's reason)
+NO_NVCC = ("built without CUDA (nvcc was not found when fp8ops was installed (not in CUDA_HOME or CUDA_PATH, on "
+           "PATH, in this environment or as an nvidia-cuda-nvcc wheel); put a CUDA toolkit's nvcc on PATH, or "
+           "install torch with its CUDA 13 wheels first and reinstall fp8ops with pip in that environment (pip "
+           "install --no-cache-dir --force-reinstall --no-deps <fp8ops source>): its build then fetches nvcc from "
+           "the package index)")  # (csrc/module.c with cuda_build.find_nvcc's reason)
 
 # name -> (pre-import code, post-import code, extra env)
 SCENARIOS = {
