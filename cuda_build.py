@@ -20,6 +20,7 @@ Used two ways:
     with its versions named, not left to fail in the compiler or at the first GEMM.
 No torch import here: the build must not need torch (setup.py links a stub libtorch).
 """
+import configparser
 import glob
 import os
 import re
@@ -38,6 +39,11 @@ NVCC_WHEEL_MIN_MAJOR = 13  # the first CUDA whose nvidia-cuda-nvcc wheel carries
 SYSTEM_INCLUDE = "/usr/include"  # Debian's split layout: headers here,
 SYSTEM_LIB = "/usr/lib"          # libraries in /usr/lib/<multiarch>
 NO_FETCH_VAR = "FP8OPS_FETCH_NVCC"  # =0: an isolated build never asks pip for nvcc's wheels
+FALSE_WORDS = ("0", "n", "no", "f", "false", "off")  # pip's strtobool
+TRUE_WORDS = ("1", "y", "yes", "t", "true", "on")
+WHEEL_CUDA_DIRS = "cu[0-9]*"  # nvidia/cu13/...; not CUDA 12's nvidia/cuda_nvcc, nvidia/cublas, ...
+# the headers the host C files include (csrc/gemm_cuda.c, csrc/sanitizer_marks.c)
+HEADERS = (("cuda_runtime_api.h", ""), ("cublasLt.h", "cuBLAS "), (os.path.join("nvtx3", "nvToolsExtMemCudaRt.h"), "NVTX "))
 
 
 class Toolchain(NamedTuple):
@@ -62,7 +68,9 @@ def site_dirs():
         pass
     seen, out = set(), []
     for d in dirs:
-        d = os.path.abspath(d or ".")
+        if not d:  # sys.path's "" (the working directory): not a site dir
+            continue
+        d = os.path.abspath(d)
         if d not in seen and os.path.isdir(d):
             seen.add(d)
             out.append(d)
@@ -93,7 +101,7 @@ def find_nvcc():
     if nvcc:
         return nvcc, ""
     # a conda environment's nvcc where the environment is not activated (its bin/ not on PATH)
-    candidates = [os.path.join(sys.prefix, "bin", "nvcc"), *_wheel_paths(os.path.join("cu*", "bin", "nvcc"))]
+    candidates = [os.path.join(sys.prefix, "bin", "nvcc"), *_wheel_paths(os.path.join(WHEEL_CUDA_DIRS, "bin", "nvcc"))]
     for nvcc in candidates:
         if os.access(nvcc, os.X_OK):
             return nvcc, ""
@@ -152,19 +160,22 @@ def find_toolchain():
         return None, why
     top = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
     major = nvcc_major(nvcc)
+    if major is None:  # it would not compile either: say so here, with what it printed
+        said = " ".join(_nvcc_output(nvcc, "--version").split())[:160]
+        return None, (f"{nvcc} did not report its CUDA release (nvcc --version: {said or 'no output'}); "
+                      f"repair or replace that nvcc (CUDA_HOME, PATH), then reinstall fp8ops")
     multiarch = sysconfig.get_config_var("MULTIARCH") or ""
     nvcc_includes, nvcc_libs = nvcc_search_dirs(nvcc)
     # torch's wheels of nvcc's own CUDA only (nvidia/cu13/...): CUDA 12's nvidia/cublas/include
     # would pair 12's cuBLAS with 13's runtime; the system's headers last, for the same reason
-    wheel_includes = [os.path.dirname(p) for p in _wheel_paths(os.path.join(f"cu{major or '*'}", "include", "cublasLt.h"))]
+    wheel_includes = [os.path.dirname(p) for p in _wheel_paths(os.path.join(f"cu{major}", "include", "cuda_runtime_api.h"))]
     search = [*nvcc_includes, os.path.join(top, "include"), *wheel_includes, SYSTEM_INCLUDE]
     include_dirs = []
-    for header in ("cuda_runtime_api.h", "cublasLt.h"):
+    for header, part in HEADERS:
         found = _first_dir_with(header, search)
         if not found:
-            return None, (f"{header} was not found when fp8ops was installed (nvcc: {nvcc}); install the "
-                          f"CUDA toolkit's {'cuBLAS ' if header == 'cublasLt.h' else ''}headers or torch's "
-                          f"CUDA 13 wheels, then reinstall fp8ops")
+            return None, (f"{os.path.basename(header)} was not found when fp8ops was installed (nvcc: {nvcc}); "
+                          f"install the CUDA toolkit's {part}headers or torch's CUDA 13 wheels, then reinstall fp8ops")
         if found not in include_dirs:
             include_dirs.append(found)
     # the headers the compiler will take (cublasLt.h includes <cublas_api.h>: the first -I dir's)
@@ -175,11 +186,11 @@ def find_toolchain():
     known = {v for v in versions.values() if v is not None}
     if len(known) > 1:
         return None, ("the CUDA pieces found when fp8ops was installed are of different CUDA versions ("
-                      + ", ".join(f"{k} {v}" for k, v in versions.items()) + f"; headers from "
-                      f"{', '.join(include_dirs)}); install the matching cuBLAS headers or point CUDA_HOME at "
-                      f"one toolkit, then reinstall fp8ops")
+                      + ", ".join(f"{k} {v}" for k, v in versions.items()) + "); install the matching cuBLAS "
+                      f"headers or point CUDA_HOME at one toolkit, then reinstall fp8ops (headers from "
+                      f"{', '.join(include_dirs)})")
     lib_dirs = [*nvcc_libs, *(os.path.join(top, d) for d in ("lib64", "lib", os.path.join("lib", multiarch))),
-                *(os.path.dirname(p) for p in _wheel_paths(os.path.join(f"cu{major or '*'}", "lib", "libcudart_static.a"))),
+                *(os.path.dirname(p) for p in _wheel_paths(os.path.join(f"cu{major}", "lib", "libcudart_static.a"))),
                 os.path.join(SYSTEM_LIB, multiarch)]
     lib_dir = _first_dir_with("libcudart_static.a", lib_dirs)
     if not lib_dir:
@@ -188,16 +199,46 @@ def find_toolchain():
     return Toolchain(nvcc, include_dirs, lib_dir), ""
 
 
+def _pip_config_files():
+    """pip's configuration files, in its order (global, user, site; PIP_CONFIG_FILE)."""
+    home = os.path.expanduser("~")
+    xdg = os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
+    files = ["/etc/pip.conf", *(os.path.join(d, "pip", "pip.conf") for d in
+                                 (os.environ.get("XDG_CONFIG_DIRS") or "/etc/xdg").split(":")),
+             os.path.join(home, ".pip", "pip.conf"), os.path.join(xdg, "pip", "pip.conf")]
+    if os.environ.get("VIRTUAL_ENV"):
+        files.append(os.path.join(os.environ["VIRTUAL_ENV"], "pip.conf"))
+    if os.environ.get("PIP_CONFIG_FILE"):
+        files.append(os.environ["PIP_CONFIG_FILE"])
+    return files
+
+
 def _pip_offline():
-    """pip's --no-index is not passed to a build backend: read it off pip's own command line
-    (the hook's parent process), or PIP_NO_INDEX."""
-    if _off("PIP_NO_INDEX"):
-        return True
+    """Whether pip runs without an index. Its --no-index is not passed to a build backend, so it
+    is read where pip reads it: its command line (the hook's parent process; optparse takes any
+    unambiguous prefix), PIP_NO_INDEX, and its configuration files' [global] / [install]."""
+    env = os.environ.get("PIP_NO_INDEX", "").strip().lower()
+    if env:
+        return env in TRUE_WORDS
     try:
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-            return b"--no-index" in f.read().split(b"\0")
+            args = f.read().decode(errors="replace").split("\0")
+        if any(a.startswith("--no-ind") and "--no-index".startswith(a) for a in args):
+            return True
     except OSError:
-        return False
+        pass
+    offline = False
+    for path in _pip_config_files():
+        config = configparser.RawConfigParser()
+        try:
+            config.read(path)
+        except (configparser.Error, UnicodeDecodeError):
+            continue
+        for section in ("global", "install"):  # a later file / section overrides an earlier one
+            value = config.get(section, "no-index", fallback=None)
+            if value is not None:
+                offline = value.strip().lower() in TRUE_WORDS
+    return offline
 
 
 def nvcc_wheel_requirements():
@@ -206,31 +247,32 @@ def nvcc_wheel_requirements():
     torch's CUDA wheels pin (the cuda-toolkit metapackage torch requires, or its CUDA runtime
     wheel's series), if that CUDA has an nvcc wheel and torch's wheels hold cublasLt.h; else
     nothing (the build is then CPU-only and says why)."""
-    if (_off("FP8OPS_NO_CUDA") or os.environ.get(NO_FETCH_VAR, "1") == "0" or find_nvcc()[0]
-            or _pip_offline()):
+    if (_off("FP8OPS_NO_CUDA") or os.environ.get(NO_FETCH_VAR, "1").strip().lower() in FALSE_WORDS
+            or find_nvcc()[0] or _pip_offline()):
         return []
-    versions = {}
-    root = {}
+    # per environment (site dir): torch's runtime wheel and metapackage, if there
+    envs = {}
     for dist in metadata.distributions(path=site_dirs()):
         name = (dist.metadata["Name"] or "").lower().replace("_", "-")
-        if name in ("cuda-toolkit", "nvidia-cuda-runtime") and name not in versions:
-            versions[name] = dist.version
-            root[name] = str(dist.locate_file(""))
-    runtime = versions.get("nvidia-cuda-runtime")
-    m = re.match(r"(\d+)\.(\d+)", runtime or "")
-    if not m or int(m.group(1)) < NVCC_WHEEL_MIN_MAJOR:
-        return []
-    if not os.path.isfile(os.path.join(root["nvidia-cuda-runtime"], "nvidia", f"cu{m.group(1)}", "include", "cublasLt.h")):
-        return []
-    toolkit = versions.get("cuda-toolkit")
-    if toolkit and toolkit.split(".")[0] == m.group(1):
-        # the metapackage torch pins: exactly its nvcc, crt, nvvm and runtime
-        return [f"cuda-toolkit[nvcc,crt,nvvm,cudart]=={toolkit}"]
-    series = f"{m.group(1)}.{m.group(2)}.*"
-    # each pinned: nvcc's wheel leaves crt, nvvm and the runtime unpinned, and the newest
-    # crt/nvvm next to an older nvcc emit PTX its ptxas rejects
-    return [f"nvidia-cuda-nvcc=={series}", f"nvidia-cuda-crt=={series}", f"nvidia-nvvm=={series}",
-            f"nvidia-cuda-runtime=={runtime}"]
+        if name in ("cuda-toolkit", "nvidia-cuda-runtime"):
+            envs.setdefault(str(dist.locate_file("")), {}).setdefault(name, dist.version)
+    for root, found in envs.items():  # in site-dir order: the build's own, then the target's
+        runtime = found.get("nvidia-cuda-runtime")
+        m = re.match(r"(\d+)\.(\d+)", runtime or "")
+        if not m or int(m.group(1)) < NVCC_WHEEL_MIN_MAJOR:
+            continue
+        if not os.path.isfile(os.path.join(root, "nvidia", f"cu{m.group(1)}", "include", "cublasLt.h")):
+            continue
+        toolkit = found.get("cuda-toolkit")
+        if toolkit and toolkit.split(".")[0] == m.group(1):
+            # the metapackage torch pins: exactly its nvcc, crt, nvvm and runtime
+            return [f"cuda-toolkit[nvcc,crt,nvvm,cudart]=={toolkit}"]
+        series = f"{m.group(1)}.{m.group(2)}.*"
+        # each pinned: nvcc's wheel leaves crt, nvvm and the runtime unpinned, and the newest
+        # crt/nvvm next to an older nvcc emit PTX its ptxas rejects
+        return [f"nvidia-cuda-nvcc=={series}", f"nvidia-cuda-crt=={series}", f"nvidia-nvvm=={series}",
+                f"nvidia-cuda-runtime=={runtime}"]
+    return []
 
 
 def get_requires_for_build_wheel(config_settings=None):

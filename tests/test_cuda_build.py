@@ -49,8 +49,11 @@ def touch(path: Path, text=""):
     return path
 
 
-def runtime_headers(d: Path, major=13):
+def runtime_headers(d: Path, major=13, nvtx=True):
+    """cuda_runtime_api.h and (as toolkits and torch's wheels ship it beside) NVTX's header."""
     touch(d / "cuda_runtime_api.h", f"#define CUDART_VERSION  {major}000\n")
+    if nvtx:
+        touch(d / "nvtx3" / "nvToolsExtMemCudaRt.h")
 
 
 def cublas_headers(d: Path, major=13):
@@ -77,6 +80,7 @@ def machine(tmp_path, monkeypatch):
     sites = []
     monkeypatch.setattr(cuda_build, "site_dirs", lambda: [str(s) for s in sites])
     monkeypatch.setattr(cuda_build, "_pip_offline", lambda: False)
+    monkeypatch.setattr(cuda_build, "_pip_config_files", lambda: [])
     monkeypatch.setattr(cuda_build, "SYSTEM_INCLUDE", str(tmp_path / "usr" / "include"))
     monkeypatch.setattr(cuda_build, "SYSTEM_LIB", str(tmp_path / "usr" / "lib"))
     monkeypatch.setattr(cuda_build.sysconfig, "get_config_var",
@@ -143,14 +147,14 @@ def test_an_inactive_conda_environments_nvcc(machine):
     assert cuda_build.find_nvcc() == (str(nvcc), "")
 
 
-@pytest.mark.parametrize("missing", ["cublasLt.h", "cuda_runtime_api.h", "libcudart_static.a"])
+@pytest.mark.parametrize("missing", ["cublasLt.h", "cuda_runtime_api.h", "nvToolsExtMemCudaRt.h", "libcudart_static.a"])
 def test_a_missing_piece_is_named_with_the_remedy(machine, monkeypatch, missing):
     tmp, _ = machine
     top = tmp / "cuda"
     nvcc = fake_nvcc(top / "bin" / "nvcc", includes=[top / "include"], libs=[top / "lib64"])
     monkeypatch.setenv("PATH", str(nvcc.parent))
     if missing != "cuda_runtime_api.h":
-        runtime_headers(top / "include")
+        runtime_headers(top / "include", nvtx=missing != "nvToolsExtMemCudaRt.h")
     if missing != "cublasLt.h":
         cublas_headers(top / "include")
     if missing != "libcudart_static.a":
@@ -174,6 +178,39 @@ def test_pieces_of_two_cuda_versions_are_refused(machine, monkeypatch):
     tc, why = cuda_build.find_toolchain()
     assert tc is None
     assert "different CUDA versions (nvcc 13, cuda_runtime_api.h 13, cublas_api.h 12" in why
+
+
+def test_system_cublas_of_another_cuda_is_not_taken_before_the_wheels(machine):
+    """nvcc 13 from its wheel, torch's cu13 headers, and CUDA 12's cuBLAS headers in /usr/include:
+    the wheels' headers are used (the system's come last)."""
+    tmp, sites = machine
+    cu = tmp / "env" / "nvidia" / "cu13"
+    nvcc = fake_nvcc(cu / "bin" / "nvcc", includes=[cu / "include"], libs=[cu / "lib64"])
+    runtime_headers(cu / "include")
+    cublas_headers(cu / "include")
+    touch(cu / "lib" / "libcudart_static.a")
+    cublas_headers(tmp / "usr" / "include", major=12)
+    sites.append(tmp / "env")
+    tc, why = cuda_build.find_toolchain()
+    assert why == "" and tc.nvcc == str(nvcc) and tc.include_dirs == [str(cu / "include")]
+
+
+def test_an_nvcc_that_reports_no_release_is_refused(machine, monkeypatch):
+    tmp, _ = machine
+    nvcc = tmp / "cuda" / "bin" / "nvcc"
+    touch(nvcc, "#!/bin/sh\necho 'error while loading shared libraries' >&2; exit 127\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("PATH", str(nvcc.parent))
+    tc, why = cuda_build.find_toolchain()
+    assert tc is None and "did not report its CUDA release" in why and "error while loading" in why
+
+
+def test_cuda12_nvcc_wheel_layout_is_not_taken(machine):
+    """CUDA 12's nvidia/cuda_nvcc/bin (ptxas only in its wheel; an nvcc there would be 12's)."""
+    tmp, sites = machine
+    fake_nvcc(tmp / "env" / "nvidia" / "cuda_nvcc" / "bin" / "nvcc", release="12.8")
+    sites.append(tmp / "env")
+    assert cuda_build.find_nvcc()[0] is None
 
 
 def test_cuda12_cublas_wheel_is_not_taken_for_nvcc_13(machine, monkeypatch):
@@ -234,15 +271,25 @@ def test_isolated_build_asks_for_the_nvcc_torch_pins(machine):
     assert cuda_build.nvcc_wheel_requirements() == ["cuda-toolkit[nvcc,crt,nvvm,cudart]==13.0.2"]
 
 
-def test_isolated_build_without_the_metapackage_pins_each_wheel(machine):
-    torch_cuda13_env(machine)
+@pytest.mark.parametrize("toolkit", [None, "12.9.1"])
+def test_isolated_build_without_a_matching_metapackage_pins_each_wheel(machine, toolkit):
+    torch_cuda13_env(machine, toolkit=toolkit)
     assert cuda_build.nvcc_wheel_requirements() == [
         "nvidia-cuda-nvcc==13.0.*", "nvidia-cuda-crt==13.0.*", "nvidia-nvvm==13.0.*",
         "nvidia-cuda-runtime==13.0.96"]
 
 
-@pytest.mark.parametrize("case", ["nvcc_on_path", "no_cublas_header", "cuda12_wheels", "no_torch_wheels",
-                                  "fetch_off", "pip_no_index", "pip_offline"])
+def test_the_metapackage_beside_torchs_runtime_is_the_one_pinned(machine):
+    """A cuda-toolkit in an earlier site dir without a runtime beside it is not torch's."""
+    tmp, sites = machine
+    dist(tmp / "other", "cuda-toolkit", "13.2.0")
+    sites.append(tmp / "other")
+    torch_cuda13_env(machine, toolkit="13.0.2")
+    assert cuda_build.nvcc_wheel_requirements() == ["cuda-toolkit[nvcc,crt,nvvm,cudart]==13.0.2"]
+
+
+@pytest.mark.parametrize("case", ["nvcc_on_path", "no_cublas_header", "cuda12_wheels", "cuda12_plain_name",
+                                  "no_torch_wheels", "fetch_off", "fetch_false", "pip_no_index", "pip_offline"])
 def test_isolated_build_asks_for_nothing(machine, monkeypatch, case):
     """Nothing to fetch where nvcc is there already, where the user turned it off or pip has no
     index (it would fail the install, which used to build CPU-only); nothing that could not
@@ -252,8 +299,10 @@ def test_isolated_build_asks_for_nothing(machine, monkeypatch, case):
     env = tmp / "env"
     env.mkdir()
     sites.append(env)
-    if case != "no_torch_wheels" and case != "cuda12_wheels":
+    if case not in ("no_torch_wheels", "cuda12_wheels", "cuda12_plain_name"):
         dist(env, "nvidia-cuda-runtime", "13.0.96")
+    if case == "cuda12_plain_name":  # a runtime wheel of CUDA 12 under the unsuffixed name
+        dist(env, "nvidia-cuda-runtime", "12.9.79")
     if case != "no_cublas_header":
         cublas_headers(env / "nvidia" / "cu13" / "include")
     if case == "nvcc_on_path":
@@ -262,6 +311,8 @@ def test_isolated_build_asks_for_nothing(machine, monkeypatch, case):
         dist(env, "nvidia-cuda-runtime-cu12", "12.8.90")
     if case == "fetch_off":
         monkeypatch.setenv("FP8OPS_FETCH_NVCC", "0")
+    if case == "fetch_false":
+        monkeypatch.setenv("FP8OPS_FETCH_NVCC", "False")
     if case == "pip_no_index":
         monkeypatch.setattr(cuda_build, "_pip_offline", REAL_PIP_OFFLINE)
         monkeypatch.setenv("PIP_NO_INDEX", "1")
@@ -273,16 +324,33 @@ def test_isolated_build_asks_for_nothing(machine, monkeypatch, case):
 REAL_PIP_OFFLINE = cuda_build._pip_offline
 
 
-@pytest.mark.parametrize("flag,offline", [("--no-index", True), ("--index-url=x", False)])
+@pytest.mark.parametrize("flag,offline", [("--no-index", True), ("--no-ind", True), ("--no-input", False),
+                                          ("--index-url=x", False)])
 def test_pips_no_index_is_read_off_its_command_line(flag, offline, monkeypatch):
-    """A build backend runs as a child of pip: the child reads `--no-index` off its parent's argv."""
+    """A build backend runs as a child of pip: the child reads `--no-index` (or a prefix optparse
+    would take for it) off its parent's argv."""
     monkeypatch.delenv("PIP_NO_INDEX", raising=False)
     code = (f"import importlib.util as u; s = u.spec_from_file_location('cuda_build', {str(REPO / 'cuda_build.py')!r}); "
-            "m = u.module_from_spec(s); s.loader.exec_module(m); print(m._pip_offline())")
+            "m = u.module_from_spec(s); s.loader.exec_module(m); m._pip_config_files = lambda: []; "
+            "print(m._pip_offline())")
     # sh stays the parent (the trailing `; true` keeps it from exec-ing python); $0 is the flag
     p = subprocess.run(["sh", "-c", f"{sys.executable} -c \"$CODE\"; true", flag], env={**os.environ, "CODE": code},
                        capture_output=True, text=True, timeout=120)
     assert p.stdout.strip() == str(offline), p.stderr
+
+
+@pytest.mark.parametrize("env,files,offline", [
+    ("false", [], False), ("yes", [], True), ("", ["[global]\nno-index = true\n"], True),
+    ("", ["[global]\nno-index = true\n[install]\nno-index = off\n"], False),
+    ("", ["[global]\nno-index = true\n", "[global]\nno-index = 0\n"], False),
+    ("0", ["[global]\nno-index = true\n"], False), ("", ["not an ini file ["], False)])
+def test_pips_no_index_from_its_environment_and_config(monkeypatch, tmp_path, env, files, offline):
+    """PIP_NO_INDEX with pip's true/false words (it wins), else pip's config files in order."""
+    monkeypatch.setattr(cuda_build.os, "getppid", lambda: 0)  # /proc/0: no parent command line
+    monkeypatch.setenv("PIP_NO_INDEX", env)
+    paths = [touch(tmp_path / f"pip{i}.conf", text) for i, text in enumerate(files)]
+    monkeypatch.setattr(cuda_build, "_pip_config_files", lambda: [str(p) for p in paths])
+    assert REAL_PIP_OFFLINE() is offline
 
 
 def test_the_user_site_is_searched(monkeypatch, tmp_path):
