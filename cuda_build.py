@@ -1,21 +1,22 @@
 """Where fp8ops' CUDA build finds its pieces, and the PEP 517 backend that fetches nvcc.
 
-The CUDA half of the build needs nvcc, the headers cuda_runtime_api.h and cublasLt.h (types and
-enums only: cuBLASLt itself is the copy torch loads) and libcudart_static.a. They come from:
+The CUDA half of the build needs nvcc, the headers cuda_runtime_api.h, cublasLt.h (types and
+enums only: cuBLASLt itself is the copy torch loads) and NVTX's, and libcudart_static.a. They come
+from:
   * a CUDA toolkit: CUDA_HOME / CUDA_PATH, or nvcc on PATH, in NVIDIA's layout (bin/, include/,
     lib64/), conda's (targets/<arch>/) or Debian's split one (/usr/include, /usr/lib/<multiarch>);
     nvcc itself says where its headers and libraries are (`nvcc --dryrun`), so we ask it;
-  * the pip wheels of torch's CUDA 13 build (nvidia/cu13/{include,lib}: cuda_runtime_api.h,
-    cublasLt.h and libcudart_static.a are all there) plus NVIDIA's nvidia-cuda-nvcc wheel for nvcc.
+  * the pip wheels of torch's CUDA 13 build (nvidia/cu13/{include,lib}: all the headers and
+    libcudart_static.a are there) plus NVIDIA's nvidia-cuda-nvcc wheel for nvcc.
 
 Used two ways:
   * setup.py calls find_toolchain() to compile and link;
   * pyproject.toml names this module as the build backend: setuptools' own, plus one hook. Where no
     nvcc is found but torch's CUDA 13 wheels are installed, an isolated `pip install .` also fetches
     NVIDIA's nvcc wheels at the versions torch's wheels pin. So a machine with torch and no CUDA
-    toolkit builds the CUDA kernels instead of a CPU-only fp8ops. Not with `pip --no-index` (or
-    PIP_NO_INDEX), nor with FP8OPS_FETCH_NVCC=0 (an index that lacks NVIDIA's wheels): the build is
-    then CPU-only and says why, as before.
+    toolkit builds the CUDA kernels instead of a CPU-only fp8ops. Not where pip has no index
+    (--no-index, PIP_NO_INDEX, pip.conf), nor with FP8OPS_FETCH_NVCC=0 (an index that lacks
+    NVIDIA's wheels): the build is then CPU-only and says why, as before.
   * the pieces must be of one CUDA major (nvcc, cuda_runtime_api.h, cublas_api.h): a mix is refused
     with its versions named, not left to fail in the compiler or at the first GEMM.
 No torch import here: the build must not need torch (setup.py links a stub libtorch).
@@ -48,7 +49,7 @@ HEADERS = (("cuda_runtime_api.h", ""), ("cublasLt.h", "cuBLAS "), (os.path.join(
 
 class Toolchain(NamedTuple):
     nvcc: str
-    include_dirs: list  # for the host C files that include cuda_runtime_api.h / cublasLt.h
+    include_dirs: list  # for the host C files that include the CUDA runtime's, cuBLASLt's and NVTX's headers
     lib_dir: str        # holds libcudart_static.a
 
 
@@ -200,14 +201,15 @@ def find_toolchain():
 
 
 def _pip_config_files():
-    """pip's configuration files, in its order (global, user, site; PIP_CONFIG_FILE)."""
+    """pip's configuration files, in the order it reads them (global, user, site, then
+    PIP_CONFIG_FILE; PIP_CONFIG_FILE=/dev/null: none at all)."""
+    if os.environ.get("PIP_CONFIG_FILE") == os.devnull:
+        return []
     home = os.path.expanduser("~")
     xdg = os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
-    files = ["/etc/pip.conf", *(os.path.join(d, "pip", "pip.conf") for d in
-                                 (os.environ.get("XDG_CONFIG_DIRS") or "/etc/xdg").split(":")),
-             os.path.join(home, ".pip", "pip.conf"), os.path.join(xdg, "pip", "pip.conf")]
-    if os.environ.get("VIRTUAL_ENV"):
-        files.append(os.path.join(os.environ["VIRTUAL_ENV"], "pip.conf"))
+    files = [*(os.path.join(d, "pip", "pip.conf") for d in (os.environ.get("XDG_CONFIG_DIRS") or "/etc/xdg").split(":")),
+             "/etc/pip.conf", os.path.join(home, ".pip", "pip.conf"), os.path.join(xdg, "pip", "pip.conf"),
+             os.path.join(sys.prefix, "pip.conf")]
     if os.environ.get("PIP_CONFIG_FILE"):
         files.append(os.environ["PIP_CONFIG_FILE"])
     return files

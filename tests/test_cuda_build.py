@@ -353,6 +353,16 @@ def test_pips_no_index_from_its_environment_and_config(monkeypatch, tmp_path, en
     assert REAL_PIP_OFFLINE() is offline
 
 
+def test_pips_config_files_in_its_order(monkeypatch, tmp_path):
+    """Global, user, the environment's own, PIP_CONFIG_FILE last; /dev/null there turns them off."""
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(tmp_path / "mine.conf"))
+    files = cuda_build._pip_config_files()
+    assert files[-2:] == [os.path.join(sys.prefix, "pip.conf"), str(tmp_path / "mine.conf")]
+    assert files.index("/etc/pip.conf") < files.index(os.path.expanduser("~/.pip/pip.conf"))
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    assert cuda_build._pip_config_files() == []
+
+
 def test_the_user_site_is_searched(monkeypatch, tmp_path):
     """`pip install --user torch`: its CUDA wheels are in the user site, not on an isolated build's path."""
     monkeypatch.setattr(cuda_build.site, "getusersitepackages", lambda: str(tmp_path))
