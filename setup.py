@@ -1,15 +1,17 @@
 """Build fp8ops._C from csrc/: C11 sources with the system C compiler, CUDA
-sources with nvcc when present (cuda_build.py finds it, its headers and the static
-CUDA runtime: a toolkit, or torch's CUDA wheels plus NVIDIA's nvcc wheel). No torch at build time: the module is linked
-against a stub libtorch_cpu.so (same SONAME, empty functions) generated here,
-and at import the real libtorch_cpu.so that `import torch` loaded satisfies it.
+sources with nvcc when present (cuda_build.py finds nvcc, its headers and the static
+CUDA runtime: a toolkit's, or torch's CUDA wheels' plus NVIDIA's nvcc wheel). No torch
+at build time: the module is linked against a stub libtorch_cpu.so (same SONAME,
+empty functions) generated here, and at import the real libtorch_cpu.so that
+`import torch` loaded satisfies it.
 
 Environment:
   FP8OPS_NO_CUDA=1          build CPU kernels only, even if nvcc is found
   FP8OPS_CUDA_ARCHS="89;90;100;120"   SM archs (add "a" for arch-specific, e.g. 90a);
                             PTX of the last one is embedded for newer GPUs. Unset: those
                             of the four this nvcc can build
-  CUDA_HOME                 where to find nvcc (default: nvcc on PATH, else an nvidia-cuda-nvcc wheel)
+  CUDA_HOME / CUDA_PATH     where to find nvcc (default: nvcc on PATH, else an nvidia-cuda-nvcc wheel)
+  FP8OPS_FETCH_NVCC=0       an isolated build never fetches NVIDIA's nvcc wheels (cuda_build.py)
   DEBUG=1                   -O0 -g
 """
 import glob
