@@ -53,8 +53,9 @@ class Toolchain(NamedTuple):
     lib_dir: str        # holds libcudart_static.a
 
 
-def _off(var):
-    return os.environ.get(var, "") not in ("", "0")
+def _no_cuda():
+    """FP8OPS_NO_CUDA set to anything but "" or "0" (its rule since the first build)."""
+    return os.environ.get("FP8OPS_NO_CUDA", "") not in ("", "0")
 
 
 def site_dirs():
@@ -92,7 +93,7 @@ NVCC_NOT_FOUND = ("nvcc was not found when fp8ops was installed (not in CUDA_HOM
 
 def find_nvcc():
     """(path of nvcc or None, why none)."""
-    if _off("FP8OPS_NO_CUDA"):
+    if _no_cuda():
         return None, "FP8OPS_NO_CUDA was set at install time; unset it and reinstall for the CUDA kernels"
     for var in ("CUDA_HOME", "CUDA_PATH"):
         home = os.environ.get(var)
@@ -132,8 +133,9 @@ def nvcc_search_dirs(nvcc):
     return includes, libs
 
 
-def nvcc_major(nvcc) -> Optional[int]:
-    m = re.search(r"release (\d+)\.", _nvcc_output(nvcc, "--version"))
+def nvcc_major(version_text) -> Optional[int]:
+    """The CUDA major in `nvcc --version`'s output ("... release 13.0, V13.0.88")."""
+    m = re.search(r"release (\d+)\.", version_text)
     return int(m.group(1)) if m else None
 
 
@@ -160,9 +162,10 @@ def find_toolchain():
     if not nvcc:
         return None, why
     top = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-    major = nvcc_major(nvcc)
+    version_text = _nvcc_output(nvcc, "--version")
+    major = nvcc_major(version_text)
     if major is None:  # it would not compile either: say so here, with what it printed
-        said = " ".join(_nvcc_output(nvcc, "--version").split())[:160]
+        said = " ".join(version_text.split())[:160]
         return None, (f"{nvcc} did not report its CUDA release (nvcc --version: {said or 'no output'}); "
                       f"repair or replace that nvcc (CUDA_HOME, PATH), then reinstall fp8ops")
     multiarch = sysconfig.get_config_var("MULTIARCH") or ""
@@ -249,7 +252,7 @@ def nvcc_wheel_requirements():
     torch's CUDA wheels pin (the cuda-toolkit metapackage torch requires, or its CUDA runtime
     wheel's series), if that CUDA has an nvcc wheel and torch's wheels hold cublasLt.h; else
     nothing (the build is then CPU-only and says why)."""
-    if (_off("FP8OPS_NO_CUDA") or os.environ.get(NO_FETCH_VAR, "1").strip().lower() in FALSE_WORDS
+    if (_no_cuda() or os.environ.get(NO_FETCH_VAR, "1").strip().lower() in FALSE_WORDS
             or find_nvcc()[0] or _pip_offline()):
         return []
     # per environment (site dir): torch's runtime wheel and metapackage, if there

@@ -28,6 +28,7 @@ cuda_build = _load_cuda_build()
 
 
 REAL_SITE_DIRS = cuda_build.site_dirs
+REAL_PIP_OFFLINE = cuda_build._pip_offline
 
 
 def fake_nvcc(path: Path, includes=(), libs=(), release="13.0"):
@@ -320,8 +321,6 @@ def test_isolated_build_asks_for_nothing(machine, monkeypatch, case):
         monkeypatch.setattr(cuda_build, "_pip_offline", lambda: True)
     assert cuda_build.nvcc_wheel_requirements() == []
 
-
-REAL_PIP_OFFLINE = cuda_build._pip_offline
 
 
 @pytest.mark.parametrize("flag,offline", [("--no-index", True), ("--no-ind", True), ("--no-input", False),
