@@ -88,12 +88,17 @@ static const char* device_name(int32_t t) {
   return "another device";
 }
 
-static void shape_str(const tinfo* t, char* buf, size_t n) {
+/* "[2, 3]" into buf, which it returns. Called only where a message is written (inside
+ * FP8OPS_REQUIRE's arguments, which run when the check fails): formatting costs host time that
+ * small layers, bound by the host, would pay on every call. */
+static const char* shape_str(const tinfo* t, char* buf, size_t n) {
   size_t o = (size_t)snprintf(buf, n, "[");
   for (int64_t i = 0; i < t->ndim && o < n; ++i)
     o += (size_t)snprintf(buf + o, n - o, i ? ", %lld" : "%lld", (long long)t->sizes[i]);
   if (o < n) snprintf(buf + o, n - o, "]");
+  return buf;
 }
+#define SHAPE(t, buf) shape_str((t), (buf), sizeof(buf))
 
 static int describe(const char* op, const char* arg, AtenTensorHandle h, tinfo* t) {
   memset(t, 0, sizeof *t);
@@ -130,21 +135,21 @@ static int require_contiguous(const char* op, const char* arg, const tinfo* t) {
 }
 
 /* "cpu" or "cuda:0" (the shim gives a CPU tensor the index -1) */
-static void device_str(const tinfo* t, char* buf, size_t n) {
+static const char* device_str(const tinfo* t, char* buf, size_t n) {
   if (t->dev_type == aoti_torch_device_type_cuda())
     snprintf(buf, n, "cuda:%d", (int)t->dev_index);
   else
     snprintf(buf, n, "%s", device_name(t->dev_type));
+  return buf;
 }
 
 static int require_same_device(const char* op, const char* arg, const tinfo* t,
                                const char* ref_arg, const tinfo* ref) {
-  char d1[32], d2[32];
-  device_str(t, d1, sizeof d1);
-  device_str(ref, d2, sizeof d2);
+  char d1[32], d2[32]; /* (formatted only when the check fails: see shape_str) */
   FP8OPS_REQUIRE(t->dev_type == ref->dev_type && t->dev_index == ref->dev_index,
                  "%s: %s is on %s but %s is on %s; expected all tensors on one device (move %s "
-                 "to %s)", op, arg, d1, ref_arg, d2, arg, d2);
+                 "to %s)", op, arg, device_str(t, d1, sizeof d1), ref_arg,
+                 device_str(ref, d2, sizeof d2), arg, d2);
   return FP8OPS_OK;
 }
 
@@ -197,13 +202,10 @@ static int new_tensor(const char* op, int64_t ndim, const int64_t* sizes, int32_
   memset(&shape, 0, sizeof shape);
   shape.ndim = ndim;
   for (int64_t i = 0; i < ndim; ++i) shape.sizes[i] = sizes[i];
-  char sh[96];
-  shape_str(&shape, sh, sizeof sh);
-  char dev[32];
-  device_str(like, dev, sizeof dev);
+  char sh[96], dev[32];
   return fp8ops_set_error(FP8OPS_ERR_NOMEM, "%s: could not allocate a %s %s output on %s "
-                          "(torch's message is on stderr: out of memory?)", op, sh, dtype_name(dtype),
-                          dev);
+                          "(torch's message is on stderr: out of memory?)", op, SHAPE(&shape, sh),
+                          dtype_name(dtype), device_str(like, dev, sizeof dev));
 }
 
 /* *rows = the product of t's leading dims (all but the last), which a zero last dim lets be
@@ -599,10 +601,8 @@ static int run_gemm(AtenTensorHandle ha, AtenTensorHandle hb, AtenTensorHandle h
                  "float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand", op);
   FP8OPS_REQUIRE(a.ndim == 2, "%s: a must be 2-D [M, K], found %lld dims", op, (long long)a.ndim);
   FP8OPS_REQUIRE(b.ndim == 2, "%s: b must be 2-D [N, K], found %lld dims", op, (long long)b.ndim);
-  shape_str(&a, sh1, sizeof sh1);
-  shape_str(&b, sh2, sizeof sh2);
   FP8OPS_REQUIRE(a.sizes[1] == b.sizes[1], "%s: a %s and b %s must share the inner dim K "
-                 "(a is [M, K], b is [N, K]: out = a @ b.T)", op, sh1, sh2);
+                 "(a is [M, K], b is [N, K]: out = a @ b.T)", op, SHAPE(&a, sh1), SHAPE(&b, sh2));
   FP8OPS_TRY(require_contiguous(op, "a", &a));
   FP8OPS_TRY(require_contiguous(op, "b", &b));
   FP8OPS_TRY(require_same_device(op, "b", &b, "a", &a));
@@ -701,15 +701,15 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
   FP8OPS_REQUIRE(x.ndim == 2, "%s: x must be 2-D [M, K], found %lld dims; reshape it to "
                  "(-1, in_features)", op, (long long)x.ndim);
   FP8OPS_REQUIRE(w.ndim == 2, "%s: w must be 2-D [N, K], found %lld dims", op, (long long)w.ndim);
-  shape_str(&x, sh1, sizeof sh1);
-  shape_str(&w, sh2, sizeof sh2);
   FP8OPS_REQUIRE(!(gelu && swiglu), "%s: gelu_input and swiglu_input are exclusive", op);
   if (swiglu)
     FP8OPS_REQUIRE(x.sizes[1] == 2 * w.sizes[1], "%s: with swiglu_input, x %s must be [M, 2K] "
-                   "(the SwiGLU's gate and up halves) for w [N, K] = %s", op, sh1, sh2);
+                   "(the SwiGLU's gate and up halves) for w [N, K] = %s", op, SHAPE(&x, sh1),
+                   SHAPE(&w, sh2));
   else
     FP8OPS_REQUIRE(x.sizes[1] == w.sizes[1], "%s: x %s and w %s must share the inner dim K "
-                   "(x is [M, K], w is [N, K]: y = x @ w.T)", op, sh1, sh2);
+                   "(x is [M, K], w is [N, K]: y = x @ w.T)", op, SHAPE(&x, sh1),
+                   SHAPE(&w, sh2));
   FP8OPS_TRY(require_contiguous(op, "x", &x));
   FP8OPS_TRY(require_contiguous(op, "w", &w));
   FP8OPS_TRY(require_same_device(op, "w", &w, "x", &x));
@@ -733,18 +733,17 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
     const char* names[2] = {"ln_weight", "ln_bias"};
     for (int i = 0; i < 2; ++i) {
       if (pp[i]->numel == 0 && K > 0) continue; /* none: ones / zeros */
-      shape_str(pp[i], sh2, sizeof sh2);
       FP8OPS_REQUIRE(pp[i]->ndim == 1 && pp[i]->numel == K &&
                      pp[i]->dtype == aoti_torch_dtype_float32(),
                      "%s: %s must be float32 [K] = [%lld] (the LayerNorm's, as float32) or "
                      "empty (none), found %s %s", op, names[i], (long long)K,
-                     dtype_name(pp[i]->dtype), sh2);
+                     dtype_name(pp[i]->dtype), SHAPE(pp[i], sh2));
       FP8OPS_TRY(require_contiguous(op, names[i], pp[i]));
       FP8OPS_TRY(require_same_device(op, names[i], pp[i], "x", &x));
     }
     FP8OPS_REQUIRE(ln->eps >= 0.0, "%s: eps must be >= 0, found %g", op, ln->eps);
     FP8OPS_REQUIRE(K > 0, "%s: x %s has no features to normalize (K = 0); a LayerNorm needs K > 0",
-                   op, sh1);
+                   op, SHAPE(&x, sh1));
     const int64_t msz[1] = {M};
     FP8OPS_TRY(new_tensor(op, 1, msz, aoti_torch_dtype_float32(), &x, &ln->mean));
     FP8OPS_TRY(new_tensor(op, 1, msz, aoti_torch_dtype_float32(), &x, &ln->rstd));
@@ -916,15 +915,13 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
   FP8OPS_TRY(require_scalar_f32(op, "g_scale_inv", &gsi, &g, "gy"));
   const int64_t M = g.sizes[0], N = g.sizes[1];
   int64_t K = 0;
-  shape_str(&g, sh1, sizeof sh1);
   if (need_dx) {
     FP8OPS_TRY(fp8_code(op, "w8t", wt.dtype, &wf));
     FP8OPS_TRY(hp_code(op, "dx_dtype", dx_dtype, &dxd));
     FP8OPS_REQUIRE(!(gf == FP8OPS_E5M2 && wf == FP8OPS_E5M2), "%s: g_fp8_dtype and w8t are "
                    "both float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand", op);
-    shape_str(&wt, sh2, sizeof sh2);
     FP8OPS_REQUIRE(wt.ndim == 2 && wt.sizes[1] == N, "%s: w8t must be [K, N] for gy %s "
-                   "(the transposed FP8 weight), found %s", op, sh1, sh2);
+                   "(the transposed FP8 weight), found %s", op, SHAPE(&g, sh1), SHAPE(&wt, sh2));
     FP8OPS_TRY(require_contiguous(op, "w8t", &wt));
     FP8OPS_TRY(require_same_device(op, "w8t", &wt, "gy", &g));
     FP8OPS_TRY(require_scalar_f32(op, "w_scale_inv", &wsi, &g, "gy"));
@@ -935,10 +932,10 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
     FP8OPS_TRY(hp_code(op, "dw_dtype", dw_dtype, &dwd));
     FP8OPS_REQUIRE(!(gf == FP8OPS_E5M2 && xf == FP8OPS_E5M2), "%s: g_fp8_dtype and x8t are "
                    "both float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand", op);
-    shape_str(&xt, sh2, sizeof sh2);
     FP8OPS_REQUIRE(xt.ndim == 2 && xt.sizes[1] == M && (!need_dx || xt.sizes[0] == K),
                    "%s: x8t must be [K, M]%s for gy %s (the transposed FP8 input), found %s", op,
-                   need_dx ? " with K = w8t.shape[0]" : "", sh1, sh2);
+                   need_dx ? " with K = w8t.shape[0]" : "", SHAPE(&g, sh1),
+                   SHAPE(&xt, sh2));
     FP8OPS_TRY(require_contiguous(op, "x8t", &xt));
     FP8OPS_TRY(require_same_device(op, "x8t", &xt, "gy", &g));
     FP8OPS_TRY(require_scalar_f32(op, "x_scale_inv", &xsi, &g, "gy"));
@@ -969,10 +966,9 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
   bool gelu_fused = false;
   const void* gx = g.data; /* what is cast: gy, or gy * gelu'(h) in tmp[3] */
   if (gelu) {
-    shape_str(&gi, sh2, sizeof sh2);
     FP8OPS_REQUIRE(gi.ndim == 2 && gi.sizes[0] == M && gi.sizes[1] == N, "%s: gelu_input must be "
                    "[M, N] = %s like gy (the layer's output, the fused GELU's input), found %s",
-                   op, sh1, sh2);
+                   op, SHAPE(&g, sh1), SHAPE(&gi, sh2));
     FP8OPS_REQUIRE(gi.dtype == g.dtype, "%s: gelu_input must have gy's dtype %s, found %s", op,
                    dtype_name(g.dtype), dtype_name(gi.dtype));
     FP8OPS_TRY(require_contiguous(op, "gelu_input", &gi));
@@ -1055,10 +1051,8 @@ static int run_layernorm_bwd(AtenTensorHandle in[5], bool rms, AtenTensorHandle 
   FP8OPS_TRY(hp_code(op, "x", x.dtype, &xd));
   FP8OPS_REQUIRE(x.ndim == 2, "%s: x must be 2-D [M, K], found %lld dims; reshape it to "
                  "(-1, normalized_shape)", op, (long long)x.ndim);
-  shape_str(&dy, sh1, sizeof sh1);
-  shape_str(&x, sh2, sizeof sh2);
   FP8OPS_REQUIRE(dy.ndim == 2 && dy.sizes[0] == x.sizes[0] && dy.sizes[1] == x.sizes[1],
-                 "%s: dy %s must have x's shape %s", op, sh1, sh2);
+                 "%s: dy %s must have x's shape %s", op, SHAPE(&dy, sh1), SHAPE(&x, sh2));
   FP8OPS_REQUIRE(dy.dtype == x.dtype, "%s: dy must have x's dtype %s, found %s; convert it with "
                  ".to(x.dtype)", op, dtype_name(x.dtype), dtype_name(dy.dtype));
   FP8OPS_TRY(require_contiguous(op, "dy", &dy));
@@ -1072,12 +1066,11 @@ static int run_layernorm_bwd(AtenTensorHandle in[5], bool rms, AtenTensorHandle 
   for (int i = 0; i < 3; ++i) {
     if (i == 2 && w.numel == 0) continue; /* no weight: ones */
     char sh[96];
-    shape_str(vv[i], sh, sizeof sh);
     FP8OPS_REQUIRE(vv[i]->ndim == 1 && vv[i]->numel == lens[i] &&
                    vv[i]->dtype == aoti_torch_dtype_float32(),
                    "%s: %s must be float32 [%lld]%s, found %s %s", op, names[i],
                    (long long)lens[i], i == 2 ? " or empty (none)" : "",
-                   dtype_name(vv[i]->dtype), sh);
+                   dtype_name(vv[i]->dtype), SHAPE(vv[i], sh));
     FP8OPS_TRY(require_contiguous(op, names[i], vv[i]));
     FP8OPS_TRY(require_same_device(op, names[i], vv[i], "x", &x));
   }
@@ -1143,9 +1136,8 @@ static int run_swiglu(AtenTensorHandle hx, AtenTensorHandle hdh, AtenTensorHandl
   FP8OPS_TRY(describe(op, "x", hx, &x));
   FP8OPS_TRY(hp_code(op, "x", x.dtype, &xd));
   FP8OPS_TRY(require_contiguous(op, "x", &x));
-  shape_str(&x, sh1, sizeof sh1);
   FP8OPS_REQUIRE(x.ndim >= 1 && x.sizes[x.ndim - 1] % 2 == 0, "%s: x %s must have an even last "
-                 "dim (the gate and up halves of one projection's output)", op, sh1);
+                 "dim (the gate and up halves of one projection's output)", op, SHAPE(&x, sh1));
   const int64_t H = x.sizes[x.ndim - 1] / 2;
   int64_t rows = 0;
   FP8OPS_TRY(leading_rows(op, "x", &x, &rows));
@@ -1154,11 +1146,10 @@ static int run_swiglu(AtenTensorHandle hx, AtenTensorHandle hdh, AtenTensorHandl
   hsz[x.ndim - 1] = H;
   if (hdh) {
     FP8OPS_TRY(describe(op, "dh", hdh, &dh));
-    shape_str(&dh, sh2, sizeof sh2);
     bool same = dh.ndim == x.ndim;
     for (int64_t i = 0; same && i < x.ndim; ++i) same = dh.sizes[i] == hsz[i];
-    FP8OPS_REQUIRE(same, "%s: dh %s must have x's shape %s with the last dim halved", op, sh2,
-                   sh1);
+    FP8OPS_REQUIRE(same, "%s: dh %s must have x's shape %s with the last dim halved", op,
+                   SHAPE(&dh, sh2), SHAPE(&x, sh1));
     FP8OPS_REQUIRE(dh.dtype == x.dtype, "%s: dh must have x's dtype %s, found %s; convert it "
                    "with .to(x.dtype)", op, dtype_name(x.dtype), dtype_name(dh.dtype));
     FP8OPS_TRY(require_contiguous(op, "dh", &dh));
