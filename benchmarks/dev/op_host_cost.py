@@ -28,6 +28,7 @@ g = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
 w = lin.weight.detach()
 wb = w.to(torch.bfloat16)
 b_lp = ops._empty_bias_for(x, torch.bfloat16)
+no_gelu = ops._empty_for(g, torch.bfloat16)  # linear_bwd's gelu_input: none
 
 
 def fwd(w_in):
@@ -40,7 +41,7 @@ y, x8t, w8, w8t = fwd(w)
 
 def bwd(need_dx, need_dw):
     return ops._linear_bwd_raw(g, w8t, x8t, views[V_S + G], views[V_H + G], views[V_SI + G], views[V_SI + W],
-                               views[V_SI + X], g_dt, torch.bfloat16, torch.float32, need_dx, need_dw, False)
+                               views[V_SI + X], no_gelu, g_dt, torch.bfloat16, torch.float32, need_dx, need_dw, False)
 
 
 cases = {
