@@ -98,7 +98,9 @@ static const char* shape_str(const tinfo* t, char* buf, size_t n) {
   if (o < n) snprintf(buf + o, n - o, "]");
   return buf;
 }
-#define SHAPE(t, buf) shape_str((t), (buf), sizeof(buf))
+/* buf must be an array (sizeof a pointer would truncate the text): a pointer fails to compile */
+#define SHAPE(t, buf) \
+  shape_str((t), (buf), sizeof(buf) + 0 * sizeof(char[sizeof(buf) > sizeof(char*) ? 1 : -1]))
 
 static int describe(const char* op, const char* arg, AtenTensorHandle h, tinfo* t) {
   memset(t, 0, sizeof *t);

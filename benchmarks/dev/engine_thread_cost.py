@@ -24,11 +24,12 @@ _, x8t, _, w8t = ops._linear_fwd_raw(
     views[V_H + W], views[V_SI + W], ops._empty_bias_for(x, torch.bfloat16), x_dt, w_dt, torch.bfloat16,
     True, True, True)
 inner = collections.defaultdict(float)
+no_gelu = ops._empty_for(g, torch.bfloat16)  # linear_bwd's gelu_input: none
 
 
 def bwd():
     return ops._linear_bwd_raw(g, w8t, x8t, views[V_S + G], views[V_H + G], views[V_SI + G], views[V_SI + W],
-                               views[V_SI + X], g_dt, torch.bfloat16, torch.float32, True, True, False)
+                               views[V_SI + X], no_gelu, g_dt, torch.bfloat16, torch.float32, True, True, False)
 
 
 class Bare(torch.autograd.Function):

@@ -1,9 +1,9 @@
 """A bench_linear-style loop of one layer for a sampling profiler: fwd + bwd under bf16
 autocast (+ fp8ops.step for the FP8 layer, as bench_linear steps it), for SECONDS after 30
 warm-up iterations; prints ms per iteration by the wall clock and by CUDA events.
-Run it from outside the checkout (e.g. /tmp): a script's directory comes first on sys.path,
-so run from benchmarks/dev it would still find the installed fp8ops, but a copy at the
-checkout's root would import the source tree, which has no _C.
+Python puts the script's own directory first on sys.path: run it where it is (its directory
+holds no fp8ops), never as a copy at the checkout's root, where `import fp8ops` would find
+the source tree, which has no _C.
     python benchmarks/dev/spy_loop.py {fp8,bf16} [--shape 4096x4096x4096] [--seconds 15]
     py-spy record --native -r 300 -f raw -o prof.txt -- python benchmarks/dev/spy_loop.py fp8
     python benchmarks/dev/spy_summary.py prof.txt      (where the main thread's time goes)
