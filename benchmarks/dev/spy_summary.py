@@ -34,18 +34,18 @@ def step_call_site(fr: list) -> int | None:
     return None
 
 
-stacks = []
+stacks = []  # (frames, samples, the line that called step() or None)
 with open(args.profile) as fh:
     for line in fh:
         stack, n = line.rstrip("\n").rsplit(" ", 1)
-        stacks.append((stack.split(";"), int(n)))
-sites = [s for s in (step_call_site(fr) for fr, _ in stacks) if s is not None]
-loop_line = max(sites) if sites else None
-main = [(fr, n) for fr, n in stacks
-        if step_call_site(fr) == loop_line and loop_line is not None and not any("_find_and_load" in f for f in fr)]
-engine = [(fr, n) for fr, n in stacks
-          if any("Engine::thread_main" in f for f in fr) and not any("ReadyQueue::pop" in f for f in fr)
-          and step_call_site(fr) is None]
+        frames = stack.split(";")
+        stacks.append((frames, int(n), step_call_site(frames)))
+loop_line = max((site for *_, site in stacks if site is not None), default=None)
+main = [(fr, n) for fr, n, site in stacks
+        if site is not None and site == loop_line and not any("_find_and_load" in f for f in fr)]
+engine = [(fr, n) for fr, n, site in stacks
+          if site is None and any("Engine::thread_main" in f for f in fr)
+          and not any("ReadyQueue::pop" in f for f in fr)]
 for title, sel in ((f"main thread, the timed loop's step() (called from line {loop_line})", main),
                    ("autograd engine thread, busy", engine)):
     total = sum(n for _, n in sel)
