@@ -42,7 +42,10 @@ The BF16 baseline also pays autocast's fp32->bf16 weight cast (read 4NK, write 2
 Timing (--timing loop, the default): the variants take turns in interleaved rounds; in each,
 a variant runs a few untimed iterations and then reps/rounds iterations back to back between
 two CUDA events (no synchronize inside: the pace of a training loop); the mean per iteration,
-median over the rounds. --timing bursts is the method of the first seven sessions (an event per
+median over the rounds. The wall time of queuing the timed iterations is kept too (the
+"fp8ops host ms" column, each variant's `<v>_host_ms` in the JSON): where it is >= 90 % of the
+iteration the GPU waited on the host (host-bound on that machine; a GPU-bound loop queues in a
+small share of it), which each target line says. --timing bursts is the method of the first seven sessions (an event per
 iteration right after a synchronize, median over iterations), which reads host-heavy variants
 slower and the large GPU-bound shapes ~10 % faster for FP8 (see bench_interleaved). Compile happens in the warm-up, outside the timed region.
 Validation (once per shape, before timing, on the 3rd iteration after two scale updates): output
@@ -55,6 +58,7 @@ import copy
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -67,6 +71,9 @@ QUICK_SHAPES = "16384x4096x14336,16384x4096x4096,16384x768x3072,16384x3072x768,4
 TARGETS = {(16384, 4096, 14336): 1.75, (16384, 4096, 4096): 1.65, (16384, 768, 3072): 1.3,
            (16384, 3072, 768): 1.3, (4096, 4096, 4096): 1.4}
 COMPILE_TOLERANCE = 0.02  # fp8ops compiled counts as ">= eager" within 2 % timing noise
+# a variant is host-bound in a row where queuing its iterations took this share of their span or
+# more (the GPU waited on the host); a GPU-bound loop queues in a small share of it
+HOST_BOUND = 0.9
 VARIANTS = ("bf16", "bf16_compiled", "fp8ops", "fp8ops_compiled", "fp8ops_auto", "bf16_graphs", "fp8ops_graphs",
             "torchao_compiled", "torchao")
 # the CUDA-graph variants are opt-in: on one layer they were slower than eager at every shape
@@ -83,12 +90,15 @@ DEVICE = "cuda"  # tests/test_benchmarks.py runs this script's logic with "cpu" 
 
 
 def bench_interleaved(fns: dict, reps: int, rounds: int, warmup: int = 2, lead_in: int = 8,
-                      timing: str = "loop") -> dict:
+                      timing: str = "loop", host: dict | None = None) -> dict:
     """ms per iteration of each fn; fns take turns in `rounds` rounds, max(1, reps // rounds)
     timed iterations each per round.
     timing "loop": each fn's round is lead_in untimed iterations, then the timed ones back to back
       between two CUDA events with no synchronize in between, the way a training loop runs; the
-      mean per iteration, median over rounds. Host-bound where the host is slower than the GPU.
+      mean per iteration, median over rounds. Host-bound where the host is slower than the GPU:
+      `host` (a dict, filled when given) gets each fn's host ms per iteration (the wall time of
+      queuing the timed iterations, median over rounds), which is ~ the events' span where the
+      GPU waited on the host and well below it where the host ran ahead.
     timing "bursts" (the method of the first seven sessions): right after a synchronize, an event
       after every iteration; the median of the per-iteration times. It is biased both ways
       (benchmarks/dev/burst_vs_continuous.py, one H200): the first iterations after a synchronize
@@ -99,6 +109,7 @@ def bench_interleaved(fns: dict, reps: int, rounds: int, warmup: int = 2, lead_i
         for _ in range(warmup):
             fn()
     times = {k: [] for k in fns}
+    host_times = {k: [] for k in fns}
     per_round = max(1, reps // rounds)
     for _ in range(rounds):
         for k, fn in fns.items():
@@ -108,9 +119,11 @@ def bench_interleaved(fns: dict, reps: int, rounds: int, warmup: int = 2, lead_i
                 for _ in range(lead_in):
                     fn()
                 start.record()
+                h0 = time.perf_counter()
                 for _ in range(per_round):
                     fn()
                 end.record()
+                host_times[k].append((time.perf_counter() - h0) * 1e3 / per_round)
                 end.synchronize()
                 times[k].append(start.elapsed_time(end) / per_round)
                 continue
@@ -122,6 +135,8 @@ def bench_interleaved(fns: dict, reps: int, rounds: int, warmup: int = 2, lead_i
                 ev[i + 1].record()
             torch.cuda.synchronize()
             times[k] += [ev[i].elapsed_time(ev[i + 1]) for i in range(per_round)]
+    if host is not None and timing == "loop":
+        host.update({k: statistics.median(v) for k, v in host_times.items()})
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -471,7 +486,8 @@ def main() -> int:
         if not args.no_ceiling:
             fns["ceil_fp8"], fns["ceil_bf16"] = gemm_ceiling_fns(x, base.weight, g, master == torch.float32)
         skips0 = cudagraph_skips()
-        t = bench_interleaved(fns, args.reps, args.rounds, timing=args.timing)
+        host = {}
+        t = bench_interleaved(fns, args.reps, args.rounds, timing=args.timing, host=host)
         if cudagraph_skips() > skips0:
             # torch can also give up on graphs while they run (e.g. too many re-recordings); the
             # counter does not say which variant: both graph variants' times are then suspect
@@ -486,6 +502,8 @@ def main() -> int:
         for v in VARIANTS:
             ms = t.get(v)
             row[f"{v}_ms"] = ms
+            row[f"{v}_host_ms"] = host.get(v)  # (timing "loop" only)
+            row[f"{v}_host_bound"] = (host[v] >= HOST_BOUND * ms) if (ms and v in host) else None
             row[f"{v}_tflops"] = flop / (ms * 1e-3) / 1e12 if ms else None
             row[f"{v}_speedup"] = (t["bf16"] / ms) if (ms and t.get("bf16")) else None
         if "ceil_fp8" in t:
@@ -499,7 +517,9 @@ def main() -> int:
                 vd = "INVALID"  # fast, but its outputs did not match BF16's: no target is met so
             verdicts.append(vd)
             result["targets"].append({"what": f"fp8ops eager vs BF16 eager at {M}x{K}->{N} >= {tgt}x",
-                                      "value": row["fp8ops_speedup"], "verdict": vd})
+                                      "value": row["fp8ops_speedup"], "verdict": vd,
+                                      "fp8ops_host_ms": row["fp8ops_host_ms"], "fp8ops_ms": row["fp8ops_ms"],
+                                      "host_bound": row["fp8ops_host_bound"]})
         for v, tag, label in (("compiled", "c", "compiled"), ("graphs", "g", "graphs (compile mode=reduce-overhead)")):
             if row["fp8ops_ms"] and row[f"fp8ops_{v}_ms"]:
                 tg = vs_eager_target(row, row_valid, v, label, no_graphs=f"fp8ops_{v}" in skipped)
@@ -546,7 +566,10 @@ def main() -> int:
         print(f"validation failed: {f}")
     for tg in result["targets"]:
         ctx, gctx = tg.get("bf16_compiled_vs_eager"), tg.get("bf16_graphs_vs_eager")
+        hb = tg.get("host_bound")
         print(f"target: {tg['what']}: {tg['value']:.2f}x -> {tg['verdict']}"
+              + (f"  ({'host-bound' if hb else 'GPU-bound'}: queuing an iteration took "
+                 f"{tg['fp8ops_host_ms']:.3f} of its {tg['fp8ops_ms']:.3f} ms)" if hb is not None else "")
               + (f"  (BF16 compiled vs eager: {ctx:.2f}x)" if ctx else "")
               + (f"  (BF16 graphs vs eager: {gctx:.2f}x)" if gctx else ""))
     shown = [v for v in VARIANTS if v in variants]
@@ -554,7 +577,7 @@ def main() -> int:
              "fp8ops_auto": "fp8ops auto", "bf16_graphs": "bf16 graphs", "fp8ops_graphs": "fp8ops graphs",
              "torchao_compiled": "ao cmp", "torchao": "ao eager"}
     hdr = ["shape MxK->N"] + [f"{short[v]} ms" for v in shown] + \
-          [f"{short[v]} x" for v in shown if v != "bf16"] + ["fp8ops TF/s", "GEMM ceil x", "target"]
+          [f"{short[v]} x" for v in shown if v != "bf16"] + ["fp8ops host ms", "fp8ops TF/s", "GEMM ceil x", "target"]
     rows = []
     for r in result["rows"]:
         flag = "" if all(x["ok"] for x in r["validation"].values()) else "!"
@@ -562,6 +585,8 @@ def main() -> int:
         cells += ["err" if v in r["errors"] else ("-" if r[f"{v}_ms"] is None else f"{r[f'{v}_ms']:.3f}")
                   for v in shown]
         cells += ["-" if r[f"{v}_speedup"] is None else f"{r[f'{v}_speedup']:.2f}x" for v in shown if v != "bf16"]
+        hms, hb = r.get("fp8ops_host_ms"), r.get("fp8ops_host_bound")
+        cells += ["-" if hms is None else f"{hms:.3f}{' (bound)' if hb else ''}"]
         cells += ["-" if r["fp8ops_tflops"] is None else f"{r['fp8ops_tflops']:.0f}",
                   f"{r['gemm_ceiling_speedup']:.2f}x" if r.get("gemm_ceiling_speedup") else "-",
                   r["target"]]
@@ -570,6 +595,8 @@ def main() -> int:
                                   f"bias={args.bias}; x = speedup vs BF16 eager; TF/s = 6MNK / time; "
                                   + (f"median over {args.rounds} rounds of {args.reps // args.rounds} iterations back to back"
                                    if args.timing == "loop" else f"median of {args.reps} iterations in bursts")
+                                  + "; fp8ops host ms = the host's time to queue one iteration, '(bound)' "
+                                  f"where >= {HOST_BOUND:.0%} of the iteration (the GPU waited on the host)"
                                   + "; target c: = compiled >= eager, g: = graphs >= eager")))
     failed = bool(result["validation_failures"]) or any(r["errors"] for r in result["rows"])
     return 1 if failed else 0

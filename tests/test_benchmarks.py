@@ -88,6 +88,37 @@ def test_bench_linear_runs_every_fp8ops_variant_and_reports(bench_linear, tmp_pa
     assert len(compiled) == 2 and all(t["bf16_compiled_vs_eager"] > 0 for t in compiled)
     assert all(t["verdict"] in ("PASS", "MISS") for t in compiled)
     assert "BF16 compiled vs eager:" in printed and "bf16 cmp x" in printed
+    for row in result["rows"]:  # the host's queuing time: measured in loops, not in bursts
+        assert (row["fp8ops_host_ms"] > 0) if timing == "loop" else (row["fp8ops_host_ms"] is None)
+
+
+@pytest.mark.parametrize("gpu_lag, bound", [(1.0, True), (20.0, False)])
+def test_bench_linear_says_whether_a_target_row_was_host_bound(bench_linear, tmp_path, monkeypatch, capsys,
+                                                                gpu_lag, bound):
+    """Each target line says whether fp8ops was host-bound there: the host's time to queue an
+    iteration against the iteration's span. Events on the host clock make the loop host-bound
+    (queuing is the whole span); events that read gpu_lag times longer stand for a GPU that
+    took 20x the host's time (GPU-bound)."""
+    class LaggingEvent(_HostEvent):
+        def elapsed_time(self, end):
+            return super().elapsed_time(end) * gpu_lag
+    monkeypatch.setattr(torch.cuda, "Event", LaggingEvent)
+    monkeypatch.setattr(bench_linear, "TARGETS", {(64, 64, 64): 0.01})
+    out = tmp_path / "linear.json"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_linear.py", "--shapes", "64x64x64", "--variants", "bf16,fp8ops", "--no-ceiling",
+        "--reps", "4", "--rounds", "2", "--warmup", "3", "--json", str(out)])
+    assert bench_linear.main() == 0
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["fp8ops_host_bound"] is bound and row["bf16_host_bound"] is bound
+    (t,) = [t for t in result["targets"] if t["what"].startswith("fp8ops eager vs BF16 eager")]
+    assert t["host_bound"] is bound and 0 < t["fp8ops_host_ms"] and t["fp8ops_ms"] == row["fp8ops_ms"]
+    printed = capsys.readouterr().out
+    assert ("(host-bound: queuing an iteration took" in printed) is bound
+    assert ("(GPU-bound: queuing an iteration took" in printed) is not bound
+    table_rows = printed.split("fp8ops host ms")[-1]  # (after the table's header: its rows)
+    assert ("(bound)" in table_rows) is bound
 
 
 def test_bench_linear_graph_variants_report_what_torch_skipped(bench_linear, tmp_path, monkeypatch, capsys):
