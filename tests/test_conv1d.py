@@ -1,7 +1,9 @@
 """Hugging Face transformers' Conv1D (GPT-2's projections) converted to Fp8Conv1D: the same
 Parameters ([in, out] weights), checkpoints the plain model loads, training like the plain
 model, and the report listing every Conv1D (converted or not, with the reason). CPU reference
-kernels (conftest.convert_as_on_fp8_gpu); the whole-model fallback as this machine gives it."""
+kernels (conftest.convert_as_on_fp8_gpu) and, on an FP8 GPU, the CUDA path (the transposed
+weight made contiguous for its cast, cuBLASLt's GEMMs; training under bf16 autocast); the
+whole-model fallback as this machine gives it."""
 import copy
 
 import pytest
@@ -12,7 +14,7 @@ import fp8ops
 from fp8ops._reference import sqnr
 from fp8ops.conv1d import Fp8Conv1D
 
-from conftest import assert_compiled_matches_eager, convert_as_on_fp8_gpu
+from conftest import FP8_DEVICES, assert_compiled_matches_eager, convert_as_on_fp8_gpu
 
 transformers = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402
@@ -43,16 +45,21 @@ def test_gpt2_conv1d_layers_are_converted_with_their_parameters(monkeypatch):
     assert torch.equal(fc(x=x), fc(x))       # Conv1D names its argument x (nn.Linear: input)
 
 
-def test_gpt2_trains_like_the_plain_model(monkeypatch):
-    plain = _gpt2()
-    model = convert_as_on_fp8_gpu(copy.deepcopy(plain), monkeypatch)
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_gpt2_trains_like_the_plain_model(monkeypatch, device):
+    """On the GPU both models train under bf16 autocast, as Hugging Face's Trainer runs them."""
+    plain = _gpt2().to(device)
+    model = convert_as_on_fp8_gpu(copy.deepcopy(plain), monkeypatch, device=device)
+    if device == "cuda":
+        assert all(not m.fp8_on_cpu for m in model.modules() if isinstance(m, Fp8Conv1D))
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
     g = torch.Generator().manual_seed(1)
     for step in range(3):
-        ids = torch.randint(0, 128, (4, 32), generator=g)
+        ids = torch.randint(0, 128, (4, 32), generator=g).to(device)
         losses, grads = [], []
         for m, opt in zip((model, plain), opts):
-            loss = m(ids, labels=ids).loss
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+                loss = m(ids, labels=ids).loss
             loss.backward()
             losses.append(loss.item())
             grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
@@ -63,6 +70,8 @@ def test_gpt2_trains_like_the_plain_model(monkeypatch):
             assert grads[0][n].shape == grads[1][n].shape
             assert sqnr(grads[0][n], grads[1][n]) >= 15, (step, n)   # FP8 noise: 17-27 dB measured; a wrong transpose ~0
     assert model.transformer.h[0].attn.c_attn.fp8_step == 3               # its scales follow the steps
+    fc = model.transformer.h[0].mlp.c_fc
+    assert fc.fp8_fallback_calls == 0 and fc.fp8_scale.device.type == device  # (every call ran FP8)
 
 
 def test_checkpoint_loads_into_plain_gpt2(monkeypatch, tmp_path):
@@ -74,20 +83,21 @@ def test_checkpoint_loads_into_plain_gpt2(monkeypatch, tmp_path):
         assert torch.equal(p.detach(), q.detach()), n
 
 
-def test_conv1d_computes_what_the_linear_with_its_transpose_does(monkeypatch):
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_conv1d_computes_what_the_linear_with_its_transpose_does(monkeypatch, device):
     """Fp8Conv1D gives Fp8Linear's bits (output, input and weight gradients, scales) for the
-    transposed weight, over training steps; compiled as eager."""
+    transposed weight, over training steps; compiled as eager (on the CPU kernels)."""
     torch.manual_seed(0)
-    lin = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
-    base = nn.Sequential(Conv1D(64, 32), nn.ReLU(), Conv1D(32, 64))
+    lin = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)).to(device)
+    base = nn.Sequential(Conv1D(64, 32), nn.ReLU(), Conv1D(32, 64)).to(device)
     with torch.no_grad():
         for i in (0, 2):
             base[i].weight.copy_(lin[i].weight.t())
             base[i].bias.copy_(lin[i].bias)
-    conv, lin8 = (convert_as_on_fp8_gpu(copy.deepcopy(m), monkeypatch) for m in (base, lin))
+    conv, lin8 = (convert_as_on_fp8_gpu(copy.deepcopy(m), monkeypatch, device=device) for m in (base, lin))
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
-        x = torch.randn(16, 32, generator=g)
+        x = torch.randn(16, 32, generator=g).to(device)
         xs = [x.clone().requires_grad_() for _ in range(2)]
         ys = [m(xi) for m, xi in zip((conv, lin8), xs)]
         assert torch.equal(ys[0], ys[1]) and sqnr(ys[0], base(x)) >= 20
@@ -102,7 +112,9 @@ def test_conv1d_computes_what_the_linear_with_its_transpose_does(monkeypatch):
             fp8ops.step(m)
             m.zero_grad()
         assert torch.equal(conv[0].fp8_scale, lin8[0].fp8_scale)
-    assert_compiled_matches_eager(base, monkeypatch, (16, 32))
+    assert all(m.fp8_fallback_calls == 0 for m in (conv[0], conv[2]))  # (FP8 ran: no BF16 call matched)
+    if device == "cpu":
+        assert_compiled_matches_eager(base, monkeypatch, (16, 32))
 
 
 def test_conv1d_not_a_multiple_of_16_stays_with_the_reason(monkeypatch):
