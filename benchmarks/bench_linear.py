@@ -590,8 +590,8 @@ def main() -> int:
         cells += ["err" if v in r["errors"] else ("-" if r[f"{v}_ms"] is None else f"{r[f'{v}_ms']:.3f}")
                   for v in shown]
         cells += ["-" if r[f"{v}_speedup"] is None else f"{r[f'{v}_speedup']:.2f}x" for v in shown if v != "bf16"]
-        hms, hb = r.get("fp8ops_host_ms"), r.get("fp8ops_host_bound")
         if loop_host:
+            hms, hb = r.get("fp8ops_host_ms"), r.get("fp8ops_host_bound")
             cells += ["-" if hms is None else f"{hms:.3f}{' (bound)' if hb else ''}"]
         cells += ["-" if r["fp8ops_tflops"] is None else f"{r['fp8ops_tflops']:.0f}",
                   f"{r['gemm_ceiling_speedup']:.2f}x" if r.get("gemm_ceiling_speedup") else "-",
