@@ -315,6 +315,15 @@ def graph_breaks() -> int:
         return 0
 
 
+def graphs_compiled() -> int:
+    """Graphs torch.compile made so far in this process (dynamo's counter)."""
+    try:
+        from torch._dynamo.utils import counters
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001
+        return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -363,9 +372,10 @@ def main() -> int:
             notes.append(f"torchao not importable ({type(e).__name__}: {e}); torchao variants skipped")
             print("note: " + notes[-1])
             variants = [v for v in variants if not v.startswith("torchao")]
-    for attr in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, attr):
-            setattr(torch._dynamo.config, attr, 64)
+    # torch's own recompile limit (8 graphs per code object: every block of a model shares one),
+    # as users have it; a block past it would run eager and this row would time that, silently:
+    # fail the row instead
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
 
     result = {"env": env, "args": vars(args), "notes": notes, "rows": [], "targets": [],
               "validation_failures": [], "validation_inconclusive": []}
@@ -391,7 +401,7 @@ def main() -> int:
             model = call = opt = None
             try:
                 torch._dynamo.reset()
-                gb0 = graph_breaks()
+                gb0, ng0 = graph_breaks(), graphs_compiled()
                 model, call, opt, cfg, note = build(v, GPT, GPTConfig, lm_filter, mcfg, args, fp8ops, batches[0])
                 row["note"] = note
                 fpt = flops_per_token(model, cfg)
@@ -412,6 +422,10 @@ def main() -> int:
                 row["warmup_losses"] = losses
                 if v.endswith("compiled"):
                     row["graph_breaks"] = graph_breaks() - gb0
+                    # (compile scope "blocks": one graph serves every block; fp8ops makes two, for
+                    # delayed scaling's first step and the steps after it)
+                    row["graphs"] = graphs_compiled() - ng0
+                    row["note"] += f"; {row['graphs']} graph(s)"
                     if row["graph_breaks"]:
                         row["note"] += f"; {row['graph_breaks']} graph break(s)"
                 # validation against BF16 eager's losses (same init, same batches)

@@ -59,17 +59,21 @@ _COPIES = itertools.count(1)
 _POLICY_ONLY = False
 
 
-# _fp8_trace_key of the layers whose FP8 forward torch.compile traced: compiled code casts at
-# every call, and update_scales reads this where eager code sets _fp8_cast_since_update
-_TRACED_CASTS: set = set()
+# How many times torch.compile has traced an FP8 forward in this process. Compiled code sets no
+# flag when it casts (eager code sets _fp8_cast_since_update): after a new trace, update_scales
+# looks for its casts in the layers' amax histories instead (scaling._find_compiled_casts).
+_TRACES = [0]
 
 
-def _cast_traced(key: str) -> bool:
+def _cast_traced() -> bool:
     """Run by dynamo while it traces a layer's FP8 forward, not by the compiled
     code: a side effect of the graph (the flag eager code sets) would make
     dynamo break the graph inside an activation-checkpointed region, at every
-    layer."""
-    _TRACED_CASTS.add(key)
+    layer. It takes nothing of the layer: any per-layer value read here would be
+    a guard, and every transformer block compiled on its own (blk.compile()) would
+    then get a graph of its own, past torch._dynamo's recompile limit (8) at the
+    ninth block, after which every block runs eager."""
+    _TRACES[0] += 1
     return True
 
 
@@ -429,7 +433,6 @@ class Fp8Linear(nn.Linear):
     def _init_fp8_state(self, config: Fp8Config) -> None:
         self.fp8_config = config
         self._fp8_serial, self._fp8_copy = next(_SERIAL), 0
-        self._fp8_trace_key = f"{self._fp8_serial}.0"  # (a str: a constant to dynamo, where ints are dynamic)
         dev = self.weight.device
         x_dt, w_dt, g_dt = self.fp8_dtypes = config.dtypes()
         H = config.amax_history_len if config.recipe == "delayed" else 1
@@ -450,6 +453,9 @@ class Fp8Linear(nn.Linear):
         self._w_cache = None            # (key, w8, w8t, bias in the GEMM's bias dtype, weakrefs to weight, bias)
         # has cast since the last scale update; True from the update that makes it ready on
         self._fp8_cast_since_update = False
+        # the value of _TRACES when update_scales last found no cast of compiled code in the
+        # history (-1: not looked since this state was made, reset or loaded)
+        self._fp8_cast_looked_at = -1
         # no cast and no load since the scaling state was made: the history is all 0 and the
         # scales 1, so a scale update would change nothing (update_scales skips it, one process)
         self._fp8_pristine = True
@@ -606,6 +612,7 @@ class Fp8Linear(nn.Linear):
             d["fp8_step"] = 0
         d["_fp8_delayed_ready"] = False
         d["_fp8_cast_since_update"] = False
+        d["_fp8_cast_looked_at"] = -1
         d["_fp8_pristine"] = True
         d["_fp8_rest_due"] = False
         d["_w_cache"] = None
@@ -726,9 +733,10 @@ class Fp8Linear(nn.Linear):
         state.setdefault("_fp8_unagreed", set())  # (and from before the exchange at the step)
         state.setdefault("_fp8_pristine", False)  # (and from before the pristine skip: update it)
         state.setdefault("_fp8_rest_due", False)
+        state.setdefault("_fp8_cast_looked_at", -1)
+        state.pop("_fp8_trace_key", None)  # (what an fp8ops from before _TRACES pickled)
         state.setdefault("_fp8_serial", next(_SERIAL))
         state["_fp8_copy"] = next(_COPIES)
-        state["_fp8_trace_key"] = f"{state['_fp8_serial']}.{state['_fp8_copy']}"
         super().__setstate__(state)
         # a copy (copy.deepcopy, pickle, torch.load of a whole model) updates its scales after
         # optimizer steps as the original does
@@ -866,7 +874,7 @@ class Fp8Linear(nn.Linear):
         rms = ln_fused and is_rms
         ln_bias = None if not ln_fused or rms else ln.bias  # (an RMSNorm has no bias attribute)
         if compiling:
-            _cast_traced(d["_fp8_trace_key"])  # (no side effect for the graph)
+            _cast_traced()  # (no side effect for the graph, no guard on this layer)
         elif not d["_fp8_cast_since_update"]:  # (once: see update_scales)
             d["_fp8_cast_since_update"] = True
         grad = torch.is_grad_enabled()

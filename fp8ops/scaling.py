@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import _loader, loop_trial, ops, policy_ranks
-from .linear import _TRACED_CASTS, Fp8Linear, _settled_bf16
+from . import linear as _linear
+from .linear import Fp8Linear, _settled_bf16
 
 # Every live Fp8Linear (weak: dead models are not kept alive). The optimizer
 # hook matches layers by the identity of their *current* weight Parameter, so
@@ -164,6 +165,34 @@ def _fast_job(layer: Fp8Linear):
                        si.stride(0), float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo])
 
 
+def _find_compiled_casts(layers: list[Fp8Linear]) -> None:
+    """Set _fp8_cast_since_update of the layers whose compiled code cast since the last update.
+    Compiled code sets no flag (linear._cast_traced), but every cast folds its amax into row 0
+    of the layer's history, which each update and each reset leaves 0: a layer with no cast on
+    record is looked up there (nonzero, or NaN: cast) once after each new trace and after a
+    reset or load, all such layers of a device in one read (one sync). Not during a CUDA graph
+    capture, where a read cannot sync: looked up at the next update."""
+    gen = _linear._TRACES[0]
+    if gen == 0:
+        return  # (no compiled FP8 forward in this process: eager code set every flag)
+    todo: dict = {}
+    for layer in layers:
+        d = layer.__dict__
+        if not d["_fp8_cast_since_update"] and d["_fp8_cast_looked_at"] != gen and not _settled_bf16(d):
+            todo.setdefault(layer.fp8_amax_history.device, []).append(layer)
+    for device, found in todo.items():
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            continue
+        with torch.no_grad():
+            rows = torch.stack([layer.fp8_amax_history[0] for layer in found])
+            cast = rows.ne(0).any(dim=1).tolist()
+        for layer, c in zip(found, cast):
+            if c:
+                layer.__dict__["_fp8_cast_since_update"] = True
+            else:
+                layer.__dict__["_fp8_cast_looked_at"] = gen
+
+
 def update_scales(layers: list[Fp8Linear], group=None) -> None:
     """One optimizer step has happened for these layers."""
     serial = loop_trial.note_optimizer_step()  # (policy auto's trial counts its steps by these too)
@@ -198,6 +227,7 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     # this step's NaN/inf amaxes (the scale was kept for those). CUDA layers: all
     # of a device's layers in one launch (32 per launch) through _C; others (CPU)
     # one checked dispatcher op each.
+    _find_compiled_casts(due)
     fast = {}
     core = _loader._C  # None when the C core did not load (no layer then runs FP8 on CUDA)
     update = torch.ops.fp8ops.amax_update.default
@@ -215,8 +245,6 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
                 # scales, as a fresh conversion does. At the optimizer step no backward of an
                 # FP8 forward is left to check the scales.
                 layer._reset_fp8_state(keep_step=True)
-        if not d["_fp8_cast_since_update"] and d["_fp8_trace_key"] in _TRACED_CASTS:
-            d["_fp8_cast_since_update"] = True  # (compiled code: see linear._cast_traced)
         if d["_fp8_cast_since_update"]:
             # from now on the casts use the history's scales (a layer that has cast nothing here
             # keeps current scaling for its first cast: its history may hold no amax yet; under
@@ -371,4 +399,5 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
         m.__dict__["_fp8_si_version"] = None  # (written here, not by a broadcast)
         m._fp8_pristine = False  # its history is the loaded one
         m._fp8_cast_since_update = False  # (ready, or not, as saved)
+        m._fp8_cast_looked_at = -1
     return skipped

@@ -44,12 +44,12 @@ def _convert_on_cpu(model, config=None, **_):
 
 @pytest.fixture(autouse=True)
 def _keep_dynamo_limit():
-    """bench_train raises torch._dynamo's recompile limit for its process: undone after the test
-    (cache_size_limit is the older name of the same setting)."""
+    """bench_train makes torch._dynamo fail at its recompile limit for its process: undone
+    after the test."""
     cfg = torch._dynamo.config
-    saved = cfg.recompile_limit
+    saved = cfg.fail_on_recompile_limit_hit
     yield
-    cfg.recompile_limit = saved
+    cfg.fail_on_recompile_limit_hit = saved
 
 
 @pytest.fixture
@@ -208,6 +208,22 @@ def test_bench_train_runs_a_tiny_gpt_in_fp8_and_validates_it(monkeypatch, tmp_pa
     # after the warm-up, the settled path against BF16 from the same weights: FP8's rounding, not BF16's bits
     assert 10 < fp8["settled_check"]["grad_sqnr_db"] < 60, fp8["settled_check"]
     assert rows["bf16"]["settled_check"]["grad_sqnr_db"] > 100
+
+
+def test_bench_train_compiles_ten_blocks_into_two_graphs(monkeypatch, tmp_path):
+    """Compile scope "blocks" with torch's recompile limit (8) and more blocks than that: every
+    block shares fp8ops' two graphs (delayed scaling's first step, the steps after), and the
+    row says so; a block past the limit would fail the row, not time eager code."""
+    bench = _bench_train_on_cpu(monkeypatch, n_layer=10)
+    out = tmp_path / "train.json"
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "fp8ops_compiled",
+                                      "--steps", "2", "--warmup", "3", "--fp8-policy", "always",
+                                      "--json", str(out)])
+    assert bench.main() == 0
+    (row,) = [r for r in json.loads(out.read_text())["rows"] if r["variant"] == "fp8ops_compiled"]
+    assert row["valid"] and row["fp8_layers_ran"] == 40, row
+    assert row["graphs"] == 2 and "; 2 graph(s)" in row["note"], row
+    assert torch._dynamo.config.recompile_limit == 8
 
 
 def test_bench_train_repeats_in_alternating_order_and_pairs_ratios_within_a_repeat(monkeypatch, tmp_path, capsys):

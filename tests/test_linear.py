@@ -14,7 +14,7 @@ from fp8ops import Fp8Config
 from fp8ops._reference import sqnr
 from fp8ops.linear import Fp8Linear
 
-from conftest import requires_fp8
+from conftest import FP8_DEVICES, requires_fp8
 
 
 class MLP(nn.Module):
@@ -594,6 +594,78 @@ def test_tune_policy_times_the_fp8_path(monkeypatch, tmp_path):
     assert all(m.fp8_amax_history.abs().sum() == 0 for m in model.modules() if isinstance(m, Fp8Linear))
     timings = [t for k, t in policy._load().items() if "64x256->512" in k]
     assert len(timings) == 1                                                   # measured and cached
+
+
+class _Block(nn.Module):
+    """A residual MLP block, one of a stack compiled block by block."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.ln(x))))
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_blocks_compiled_one_by_one_share_their_graphs(device):
+    """torch.compile of each block on its own (blk.compile(), as torchtitan does): the blocks
+    share their graphs (one for delayed scaling's first step, one after), so a stack deeper
+    than dynamo's recompile limit stays compiled; every layer turns to delayed scaling after
+    the first update (compiled code sets no flag: update_scales finds its casts in the
+    histories), again after a reset; the result matches eager. (On CUDA: the real kernels,
+    and the histories read back from the GPU.)"""
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    base = nn.Sequential(*[_Block() for _ in range(10)], nn.Linear(32, 16))  # a tail never called
+    cfg = torch._dynamo.config
+    saved = cfg.recompile_limit, cfg.fail_on_recompile_limit_hit
+    cfg.recompile_limit = 8  # torch's default, whatever an earlier test set
+    cfg.fail_on_recompile_limit_hit = True  # (a block past the limit would run eager, silently)
+    try:
+        runs = []
+        for compiled in (False, True):
+            model = _fp8_on_cpu(copy.deepcopy(base).to(device))
+            for m in model.modules():
+                if isinstance(m, Fp8Linear):
+                    m.fp8_on_cpu = device == "cpu"
+            blocks, tail = model[:10], model[10]
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            torch._dynamo.reset()
+            counters.clear()
+            if compiled:
+                for blk in blocks:
+                    blk.compile()
+            layers = [m for m in blocks.modules() if isinstance(m, Fp8Linear)]
+            torch.manual_seed(1)
+            outs, ready = [], []
+            for step in range(4):
+                if step == 2:
+                    model.load_state_dict(model.state_dict())  # new weights: each layer restarts its scaling
+                    assert not any(m._fp8_delayed_ready for m in layers)
+                # (an input that needs no gradient would give the first block graphs of its own)
+                y = blocks(torch.randn(48, 32, device=device, requires_grad=True))
+                y.square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                outs.append(y.detach())
+                ready.append(sum(m._fp8_delayed_ready for m in layers))
+            assert ready == [20, 20, 20, 20], ready
+            assert not tail._fp8_delayed_ready
+            if compiled:
+                assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+                # (the tail, never called, was looked up once since the last trace, not at every step)
+                assert tail._fp8_cast_looked_at == fp8ops.linear._TRACES[0]
+            runs.append((outs, [m.fp8_scale.clone() for m in layers]))
+    finally:
+        cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = saved
+    (o1, s1), (o2, s2) = runs
+    for a, b in zip(o1, o2):
+        assert sqnr(a, b) >= 40
+    for a, b in zip(s1, s2):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=0)
 
 
 def test_compiled_bf16_fallback_does_not_recompile_per_call():

@@ -54,7 +54,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--fp8-policy", default="auto")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per variant")
+    ap.add_argument("--json", default=None, help="also write {model: {variant: {kernel: ms per step}}} here")
     args = ap.parse_args()
+    dump: dict = {}
     import fp8ops
     GPT, GPTConfig, lm_filter = bench_train.import_gpt()
     bargs = SimpleNamespace(fp8_policy=args.fp8_policy, fp8_recipe="delayed", lr=6e-4, compile_scope="blocks")
@@ -90,6 +92,7 @@ def main() -> int:
             wall = statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(args.steps))
             per_class = dict.fromkeys(CLASSES, 0.0)
             per_kernel = {}
+            per_count: dict = {}
             for e in prof.events():
                 if e.device_type != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation", False):
                     continue  # (a record_function range on the GPU timeline spans kernels counted already)
@@ -98,6 +101,7 @@ def main() -> int:
                     us = e.cuda_time
                 per_class[kernel_class(e.name)] += us
                 per_kernel[e.name] = per_kernel.get(e.name, 0.0) + us
+                per_count[e.name] = per_count.get(e.name, 0) + 1
             busy = sum(per_class.values()) / args.steps / 1e3
             print(f"-- {v} ({note}): wall {wall:.1f} ms/step (profiled), GPU busy {busy:.1f} ms/step "
                   f"({100 * busy / wall:.0f} %)", flush=True)
@@ -109,10 +113,16 @@ def main() -> int:
                 print("   policy: " + ", ".join(f"{k}->{n} M={r}: {v}" for (k, n, r), v in sorted(verdicts.items())))
             for c in CLASSES:
                 print(f"   {c:20s} {per_class[c] / args.steps / 1e3:8.2f} ms/step")
+            dump.setdefault(mname, {})[v] = {"wall_ms": wall, "busy_ms": busy, "kernels_ms": {
+                k: us / args.steps / 1e3 for k, us in per_kernel.items()}, "kernel_counts": {
+                k: n / args.steps for k, n in per_count.items()}}
             for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top]:
                 print(f"     {us / args.steps / 1e3:7.2f} ms  {name[:110]}")
             del model, call, opt
             torch.cuda.empty_cache()
+    if args.json:
+        import json  # noqa: PLC0415
+        Path(args.json).write_text(json.dumps(dump, indent=1))
     return 0
 
 
