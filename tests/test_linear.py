@@ -627,7 +627,8 @@ def test_blocks_compiled_one_by_one_share_their_graphs(device):
     try:
         runs = []
         for compiled in (False, True):
-            model = _fp8_on_cpu(copy.deepcopy(base).to(device))
+            # (policy "always": "auto" would time these tiny CUDA layers and choose BF16)
+            model = _fp8_on_cpu(copy.deepcopy(base).to(device), Fp8Config(policy="always"))
             for m in model.modules():
                 if isinstance(m, Fp8Linear):
                     m.fp8_on_cpu = device == "cpu"
