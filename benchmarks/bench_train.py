@@ -425,7 +425,7 @@ def main() -> int:
                     # (compile scope "blocks": one graph serves every block; fp8ops makes two, for
                     # delayed scaling's first step and the steps after it)
                     row["graphs"] = graphs_compiled() - ng0
-                    row["note"] += f"; {row['graphs']} graph(s)"
+                    row["note"] += f"{'; ' if row['note'] else ''}{row['graphs']} graph(s)"
                     if row["graph_breaks"]:
                         row["note"] += f"; {row['graph_breaks']} graph break(s)"
                 # validation against BF16 eager's losses (same init, same batches)

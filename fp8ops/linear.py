@@ -60,8 +60,8 @@ _POLICY_ONLY = False
 
 
 # How many times torch.compile has traced an FP8 forward in this process. Compiled code sets no
-# flag when it casts (eager code sets _fp8_cast_since_update): after a new trace, update_scales
-# looks for its casts in the layers' amax histories instead (scaling._find_compiled_casts).
+# flag when it casts (eager code sets _fp8_cast_since_update): update_scales looks for its casts
+# in the layers' amax histories instead (scaling._find_compiled_casts).
 _TRACES = [0]
 
 
@@ -453,9 +453,9 @@ class Fp8Linear(nn.Linear):
         self._w_cache = None            # (key, w8, w8t, bias in the GEMM's bias dtype, weakrefs to weight, bias)
         # has cast since the last scale update; True from the update that makes it ready on
         self._fp8_cast_since_update = False
-        # the value of _TRACES when update_scales last found no cast of compiled code in the
-        # history (-1: not looked since this state was made, reset or loaded)
-        self._fp8_cast_looked_at = -1
+        # (the trace count, the history's version counter) when update_scales last found no cast
+        # of compiled code in the history (None: not since this state was made, reset or loaded)
+        self._fp8_cast_looked_at = None
         # no cast and no load since the scaling state was made: the history is all 0 and the
         # scales 1, so a scale update would change nothing (update_scales skips it, one process)
         self._fp8_pristine = True
@@ -612,7 +612,7 @@ class Fp8Linear(nn.Linear):
             d["fp8_step"] = 0
         d["_fp8_delayed_ready"] = False
         d["_fp8_cast_since_update"] = False
-        d["_fp8_cast_looked_at"] = -1
+        d["_fp8_cast_looked_at"] = None
         d["_fp8_pristine"] = True
         d["_fp8_rest_due"] = False
         d["_w_cache"] = None
@@ -733,7 +733,7 @@ class Fp8Linear(nn.Linear):
         state.setdefault("_fp8_unagreed", set())  # (and from before the exchange at the step)
         state.setdefault("_fp8_pristine", False)  # (and from before the pristine skip: update it)
         state.setdefault("_fp8_rest_due", False)
-        state.setdefault("_fp8_cast_looked_at", -1)
+        state["_fp8_cast_looked_at"] = None  # (another object's counts, or another process's)
         state.pop("_fp8_trace_key", None)  # (what an fp8ops from before _TRACES pickled)
         state.setdefault("_fp8_serial", next(_SERIAL))
         state["_fp8_copy"] = next(_COPIES)

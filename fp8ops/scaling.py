@@ -165,32 +165,54 @@ def _fast_job(layer: Fp8Linear):
                        si.stride(0), float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo])
 
 
-def _find_compiled_casts(layers: list[Fp8Linear]) -> None:
+def _find_compiled_casts(layers: list[Fp8Linear]) -> list[Fp8Linear]:
     """Set _fp8_cast_since_update of the layers whose compiled code cast since the last update.
     Compiled code sets no flag (linear._cast_traced), but every cast folds its amax into row 0
-    of the layer's history, which each update and each reset leaves 0: a layer with no cast on
-    record is looked up there (nonzero, or NaN: cast) once after each new trace and after a
-    reset or load, all such layers of a device in one read (one sync). Not during a CUDA graph
-    capture, where a read cannot sync: looked up at the next update."""
+    of the layer's history (nonzero, or NaN, after a cast; each update and each reset leave it
+    0) and bumps the history's version counter. A layer with no cast on record is looked up in
+    row 0 when its history was written since the last look, or a new trace happened: all such
+    layers of a device in one read (one sync), so a layer nothing calls, or that runs BF16,
+    costs no read after its first. Before the step's all-reduce of the amaxes: this rank's own
+    casts, as eager code flags them. Not during a CUDA graph capture, where a read cannot sync,
+    nor on the meta device. Returns the layers found with no cast, for _note_no_cast."""
     gen = _linear._TRACES[0]
     if gen == 0:
-        return  # (no compiled FP8 forward in this process: eager code set every flag)
+        return []  # (no compiled FP8 forward in this process: eager code set every flag)
     todo: dict = {}
+    no_cast = []
     for layer in layers:
         d = layer.__dict__
-        if not d["_fp8_cast_since_update"] and d["_fp8_cast_looked_at"] != gen and not _settled_bf16(d):
-            todo.setdefault(layer.fp8_amax_history.device, []).append(layer)
-    for device, found in todo.items():
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if d["_fp8_cast_since_update"]:
             continue
-        with torch.no_grad():
-            rows = torch.stack([layer.fp8_amax_history[0] for layer in found])
-            cast = rows.ne(0).any(dim=1).tolist()
-        for layer, c in zip(found, cast):
-            if c:
+        h = layer._buffers["fp8_amax_history"]
+        if d["_fp8_cast_looked_at"] == (gen, h._version):
+            no_cast.append(layer)  # (nothing wrote its history since the last look)
+        else:
+            todo.setdefault(h.device, []).append(layer)
+    for device, found in todo.items():
+        if device.type == "meta" or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            continue  # (looked up at a later update)
+        for layer, cast in zip(found, _row0_written(found)):
+            if cast:
                 layer.__dict__["_fp8_cast_since_update"] = True
             else:
-                layer.__dict__["_fp8_cast_looked_at"] = gen
+                no_cast.append(layer)
+    return no_cast
+
+
+def _row0_written(layers: list[Fp8Linear]) -> list[bool]:
+    """Is row 0 of each layer's amax history nonzero (or NaN)? One read for all (one device)."""
+    with torch.no_grad():
+        rows = torch.stack([layer._buffers["fp8_amax_history"][0] for layer in layers])
+        return rows.ne(0).any(dim=1).tolist()
+
+
+def _note_no_cast(layers: list[Fp8Linear]) -> None:
+    """After the update's own writes to the histories (the all-reduce, the CPU op): the state
+    _find_compiled_casts compares with at the next update."""
+    gen = _linear._TRACES[0]
+    for layer in layers:
+        layer.__dict__["_fp8_cast_looked_at"] = (gen, layer._buffers["fp8_amax_history"]._version)
 
 
 def update_scales(layers: list[Fp8Linear], group=None) -> None:
@@ -204,6 +226,7 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     # another may have cast), and N ranks keep the histories of one process.
     delayed = [l for l in layers if l.fp8_config.recipe == "delayed"]
     due = [l for l in delayed if (l.fp8_step + 1) % l.fp8_config.interval == 0]
+    no_cast = _find_compiled_casts(due)
     # policy "auto" under DDP / FSDP2: the verdicts the ranks settled since the last step are
     # exchanged here (policy_ranks.py), flagged in the amax all-reduce where there is one
     ranks = policy_ranks.world(group) > 1
@@ -227,7 +250,6 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     # this step's NaN/inf amaxes (the scale was kept for those). CUDA layers: all
     # of a device's layers in one launch (32 per launch) through _C; others (CPU)
     # one checked dispatcher op each.
-    _find_compiled_casts(due)
     fast = {}
     core = _loader._C  # None when the C core did not load (no layer then runs FP8 on CUDA)
     update = torch.ops.fp8ops.amax_update.default
@@ -277,6 +299,7 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     if ranks:
         for layer, si in zip(layers, scale_invs):
             layer.__dict__["_fp8_si_version"] = si._version
+    _note_no_cast(no_cast)
 
 
 _warned_broadcast = False
@@ -399,5 +422,5 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
         m.__dict__["_fp8_si_version"] = None  # (written here, not by a broadcast)
         m._fp8_pristine = False  # its history is the loaded one
         m._fp8_cast_since_update = False  # (ready, or not, as saved)
-        m._fp8_cast_looked_at = -1
+        m._fp8_cast_looked_at = None
     return skipped

@@ -219,11 +219,12 @@ def test_bench_train_compiles_ten_blocks_into_two_graphs(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "fp8ops_compiled",
                                       "--steps", "2", "--warmup", "3", "--fp8-policy", "always",
                                       "--json", str(out)])
+    limit = torch._dynamo.config.recompile_limit
     assert bench.main() == 0
     (row,) = [r for r in json.loads(out.read_text())["rows"] if r["variant"] == "fp8ops_compiled"]
     assert row["valid"] and row["fp8_layers_ran"] == 40, row
     assert row["graphs"] == 2 and "; 2 graph(s)" in row["note"], row
-    assert torch._dynamo.config.recompile_limit == 8
+    assert torch._dynamo.config.recompile_limit == limit  # (torch's, not raised for the run)
 
 
 def test_bench_train_repeats_in_alternating_order_and_pairs_ratios_within_a_repeat(monkeypatch, tmp_path, capsys):

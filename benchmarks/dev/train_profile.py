@@ -1,4 +1,6 @@
-"""Where the GPU time of one training step goes: BF16 eager vs fp8ops eager, by kernel class.
+"""Where the GPU time of one training step goes, by kernel class and by kernel: any of
+bench_train's variants (default BF16 eager vs fp8ops eager; fp8ops vs fp8ops_compiled compares
+eager and compiled code).
 
 Builds bench_train.py's models the same way (fp32 master, bf16 autocast, fused AdamW, lm_head
 kept BF16), runs warm-up steps, then profiles a few steps with torch.profiler and sums the CUDA
@@ -58,6 +60,9 @@ def main() -> int:
     args = ap.parse_args()
     dump: dict = {}
     import fp8ops
+    # (a block past torch's recompile limit would run eager, and the "compiled" profile would
+    # show eager's kernels: fail instead)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     GPT, GPTConfig, lm_filter = bench_train.import_gpt()
     bargs = SimpleNamespace(fp8_policy=args.fp8_policy, fp8_recipe="delayed", lr=6e-4, compile_scope="blocks")
     for mname in args.models.split(","):
@@ -69,6 +74,8 @@ def main() -> int:
                  torch.randint(0, bench_train.VOCAB, (B, T), generator=gen).cuda())
         print(f"\n== {mname}, batch {B} x {T} = {B * T} tokens/step", flush=True)
         for v in args.variants.split(","):
+            torch._dynamo.reset()
+            graphs0 = bench_train.graphs_compiled()
             model, call, opt, cfg, note = bench_train.build(v, GPT, GPTConfig, lm_filter, spec["cfg"], bargs,
                                                             fp8ops, batch)
 
@@ -103,8 +110,9 @@ def main() -> int:
                 per_kernel[e.name] = per_kernel.get(e.name, 0.0) + us
                 per_count[e.name] = per_count.get(e.name, 0) + 1
             busy = sum(per_class.values()) / args.steps / 1e3
-            print(f"-- {v} ({note}): wall {wall:.1f} ms/step (profiled), GPU busy {busy:.1f} ms/step "
-                  f"({100 * busy / wall:.0f} %)", flush=True)
+            graphs = bench_train.graphs_compiled() - graphs0
+            print(f"-- {v} ({note}; {graphs} compiled graph(s)): wall {wall:.1f} ms/step (profiled), GPU busy "
+                  f"{busy:.1f} ms/step ({100 * busy / wall:.0f} %)", flush=True)
             verdicts = {}  # policy "auto": per layer shape, FP8 or BF16 and the measured speedup
             for m in model.modules():
                 for (rows, _dt), (wins, speedup) in getattr(m, "fp8_policy", {}).items():
@@ -113,7 +121,7 @@ def main() -> int:
                 print("   policy: " + ", ".join(f"{k}->{n} M={r}: {v}" for (k, n, r), v in sorted(verdicts.items())))
             for c in CLASSES:
                 print(f"   {c:20s} {per_class[c] / args.steps / 1e3:8.2f} ms/step")
-            dump.setdefault(mname, {})[v] = {"wall_ms": wall, "busy_ms": busy, "kernels_ms": {
+            dump.setdefault(mname, {})[v] = {"wall_ms": wall, "busy_ms": busy, "graphs": graphs, "kernels_ms": {
                 k: us / args.steps / 1e3 for k, us in per_kernel.items()}, "kernel_counts": {
                 k: n / args.steps for k, n in per_count.items()}}
             for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top]:
