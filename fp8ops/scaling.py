@@ -172,7 +172,7 @@ def _find_compiled_casts(layers: list[Fp8Linear]) -> list[Fp8Linear]:
     0) and bumps the history's version counter. A layer with no cast on record is looked up in
     row 0 when its history was written since the last look, or a new trace happened: all such
     layers of a device in one read (one sync), so a layer nothing calls, or that runs BF16,
-    costs no read after its first. Before the step's all-reduce of the amaxes: this rank's own
+    is read once, and again only after a new trace. Before the step's all-reduce of the amaxes: this rank's own
     casts, as eager code flags them. Not during a CUDA graph capture, where a read cannot sync,
     nor on the meta device. Returns the layers found with no cast, for _note_no_cast."""
     gen = _linear._TRACES[0]
