@@ -1,5 +1,6 @@
 """Helpers shared by the benchmark scripts: the environment header every table
-starts with, the FP8 readiness check, JSON output and fixed-width tables."""
+starts with, the FP8 readiness check, JSON output, fixed-width tables and torch.compile's
+counters."""
 from __future__ import annotations
 
 import datetime
@@ -95,6 +96,32 @@ def table(headers: list[str], rows: list[list], title: str = "") -> str:
     out += [" | ".join(h.rjust(x) for h, x in zip(headers, w)), line]
     out += [" | ".join(c.rjust(x) for c, x in zip(r, w)) for r in cells]
     return "\n".join(out)
+
+
+def _dynamo_counter(group: str, key: str | None = None) -> int:
+    """torch._dynamo's counter group[key] so far in this process, or the group's sum (0 where
+    this torch has none)."""
+    try:
+        from torch._dynamo.utils import counters  # noqa: PLC0415
+        c = counters[group]
+        return int(c[key] if key else sum(c.values()))
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def graph_breaks() -> int:
+    """torch.compile graph breaks so far in this process."""
+    return _dynamo_counter("graph_break")
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile made so far in this process."""
+    return _dynamo_counter("stats", "unique_graphs")
+
+
+def cudagraph_skips() -> int:
+    """How often inductor ran a graph without CUDA graphs so far in this process."""
+    return _dynamo_counter("inductor", "cudagraph_skips")
 
 
 def start(json_path: str | None) -> dict | None:

@@ -64,7 +64,7 @@ import time
 
 import torch
 
-from bench_common import start, table, write_json  # noqa: E402
+from bench_common import cudagraph_skips, graph_breaks, start, table, write_json  # noqa: E402
 import torch.nn as nn
 
 ALL_SHAPES = ("16384x768x3072,16384x3072x768,16384x2048x8192,16384x4096x4096,16384x4096x14336,"
@@ -606,24 +606,6 @@ def main() -> int:
                                   + "; target c: = compiled >= eager, g: = graphs >= eager")))
     failed = bool(result["validation_failures"]) or any(r["errors"] for r in result["rows"])
     return 1 if failed else 0
-
-
-def graph_breaks() -> int:
-    """torch.compile graph breaks so far in this process (dynamo's counter)."""
-    try:
-        from torch._dynamo.utils import counters
-        return sum(counters["graph_break"].values())
-    except Exception:  # noqa: BLE001
-        return 0
-
-
-def cudagraph_skips() -> int:
-    """How often inductor ran a graph without CUDA graphs so far in this process."""
-    try:
-        from torch._dynamo.utils import counters
-        return counters["inductor"]["cudagraph_skips"]
-    except Exception:  # noqa: BLE001
-        return 0
 
 
 def mod_weight(mod: nn.Module) -> torch.Tensor:

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from bench_common import start, table, write_json  # noqa: E402
+from bench_common import graph_breaks, graphs_compiled, start, table, write_json  # noqa: E402
 
 MODELS = {
     "small": dict(cfg=dict(n_layer=12, n_head=12, n_embd=768, block_size=1024), batch=8),
@@ -304,24 +304,6 @@ def settled_check_line(chk: dict) -> str:
                  f"{SETTLED_MAX_DEFICIT_DB:.0f} dB below BF16's, over the whole model and over the parameters "
                  f"where BF16's is >= {bound:.0f} dB)")
     return text
-
-
-def graph_breaks() -> int:
-    """torch.compile graph breaks so far in this process (dynamo's counter)."""
-    try:
-        from torch._dynamo.utils import counters
-        return sum(counters["graph_break"].values())
-    except Exception:  # noqa: BLE001
-        return 0
-
-
-def graphs_compiled() -> int:
-    """Graphs torch.compile made so far in this process (dynamo's counter)."""
-    try:
-        from torch._dynamo.utils import counters
-        return int(counters["stats"]["unique_graphs"])
-    except Exception:  # noqa: BLE001
-        return 0
 
 
 def main() -> int:

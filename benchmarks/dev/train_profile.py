@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_train  # noqa: E402
+from bench_common import graphs_compiled  # noqa: E402
 
 CLASSES = ("fp8 gemm", "bf16/fp32 gemm", "fp8ops cast+amax", "attention", "optimizer", "copy/cast (torch)",
            "other")
@@ -75,7 +76,7 @@ def main() -> int:
         print(f"\n== {mname}, batch {B} x {T} = {B * T} tokens/step", flush=True)
         for v in args.variants.split(","):
             torch._dynamo.reset()
-            graphs0 = bench_train.graphs_compiled()
+            graphs0 = graphs_compiled()
             model, call, opt, cfg, note = bench_train.build(v, GPT, GPTConfig, lm_filter, spec["cfg"], bargs,
                                                             fp8ops, batch)
 
@@ -110,7 +111,7 @@ def main() -> int:
                 per_kernel[e.name] = per_kernel.get(e.name, 0.0) + us
                 per_count[e.name] = per_count.get(e.name, 0) + 1
             busy = sum(per_class.values()) / args.steps / 1e3
-            graphs = bench_train.graphs_compiled() - graphs0
+            graphs = graphs_compiled() - graphs0
             print(f"-- {v} ({note}; {graphs} compiled graph(s)): wall {wall:.1f} ms/step (profiled), GPU busy "
                   f"{busy:.1f} ms/step ({100 * busy / wall:.0f} %)", flush=True)
             verdicts = {}  # policy "auto": per layer shape, FP8 or BF16 and the measured speedup
