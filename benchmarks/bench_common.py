@@ -124,6 +124,16 @@ def cudagraph_skips() -> int:
     return _dynamo_counter("inductor", "cudagraph_skips")
 
 
+def gelu_grads_fused() -> int:
+    """GELU gradients inductor's pass has moved into their producers' gradient casts so far in
+    this process (fp8ops/gelu_grad_pass.py; 0 without fp8ops)."""
+    try:
+        from fp8ops import gelu_grad_pass  # noqa: PLC0415
+    except ImportError:
+        return 0
+    return gelu_grad_pass.FUSED[0]
+
+
 def start(json_path: str | None) -> dict | None:
     """Print the environment header; return it, or None (after saying why and
     writing the JSON) when FP8 cannot run here and the script should exit 0."""

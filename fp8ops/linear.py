@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import ops
+from . import gelu_grad_pass, ops
 from ._reference import FP8_MAX
 from .config import Fp8Config
 from .policy import rows_bucket
@@ -246,8 +246,12 @@ class _Fp8LinearFn(torch.autograd.Function):
             dx = ops._swiglu_backward_raw(dx, h)  # the gradient of [gate | up], one pass
         elif h is not None and need_dx:
             # no producer to pass the gradient to (cuBLASLt's FP8 DGELU epilogue runs as a
-            # separate pass, measured on an H200: torch's own kernel does the same pass here)
-            dx = torch.ops.aten.gelu_backward(dx, h, approximate="tanh")
+            # separate pass, measured on an H200: torch's own kernel does the same pass here);
+            # compiled code's may move into the producer's gradient cast (gelu_grad_pass.py)
+            if torch.compiler.is_compiling():
+                dx = gelu_grad_pass.gelu_tanh_backward(dx, h)
+            else:
+                dx = torch.ops.aten.gelu_backward(dx, h, approximate="tanh")
         return dx, dw, db, None, None, None, None, None, None
 
 
@@ -875,6 +879,8 @@ class Fp8Linear(nn.Linear):
         ln_bias = None if not ln_fused or rms else ln.bias  # (an RMSNorm has no bias attribute)
         if compiling:
             _cast_traced()  # (no side effect for the graph, no guard on this layer)
+            if act_in == GELU_GRAD_HERE:
+                gelu_grad_pass.install()  # (inductor's pass that may hand the GELU's gradient to the producer)
         elif not d["_fp8_cast_since_update"]:  # (once: see update_scales)
             d["_fp8_cast_since_update"] = True
         grad = torch.is_grad_enabled()

@@ -162,13 +162,17 @@ def test_bench_linear_meets_no_target_with_outputs_that_do_not_match(bench_linea
 
 
 def _convert_model_on_cpu(model, config=None, module_filter_fn=None):
-    """fp8ops.convert of a whole model, every eligible nn.Linear onto the CPU kernels."""
+    """fp8ops.convert of a whole model, every eligible nn.Linear onto the CPU kernels, and its
+    GELUs fused as the config says (not its LayerNorms)."""
+    from fp8ops.gelu_fusion import fuse_gelu  # noqa: PLC0415
     for name, parent in list(model.named_modules()):
         for cname, child in list(parent.named_children()):
             fqn = f"{name}.{cname}" if name else cname
             if (type(child) is torch.nn.Linear and child.in_features % 16 == 0 and child.out_features % 16 == 0
                     and (module_filter_fn is None or module_filter_fn(child, fqn))):
                 setattr(parent, cname, _convert_on_cpu(child, config))
+    if config is None or config.fuse_gelu:
+        fuse_gelu(model)
     return model
 
 
@@ -213,17 +217,21 @@ def test_bench_train_runs_a_tiny_gpt_in_fp8_and_validates_it(monkeypatch, tmp_pa
 def test_bench_train_compiles_ten_blocks_into_two_graphs(monkeypatch, tmp_path):
     """Compile scope "blocks" with torch's recompile limit (8) and more blocks than that: every
     block shares fp8ops' two graphs (delayed scaling's first step, the steps after), and the
-    row says so; a block past the limit would fail the row, not time eager code."""
+    row says so; a block past the limit would fail the row, not time eager code. The row also
+    counts the GELU gradients inductor's pass fused."""
     bench = _bench_train_on_cpu(monkeypatch, n_layer=10)
     out = tmp_path / "train.json"
     monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "fp8ops_compiled",
                                       "--steps", "2", "--warmup", "3", "--fp8-policy", "always",
                                       "--json", str(out)])
     limit = torch._dynamo.config.recompile_limit
-    assert bench.main() == 0
+    with torch.compiler.config.patch(force_disable_caches=True):  # (a cached graph runs no pass)
+        assert bench.main() == 0
     (row,) = [r for r in json.loads(out.read_text())["rows"] if r["variant"] == "fp8ops_compiled"]
     assert row["valid"] and row["fp8_layers_ran"] == 40, row
     assert row["graphs"] == 2 and "; 2 graph(s)" in row["note"], row
+    # (the blocks' one delayed-scaling backward graph: its MLP's GELU gradient in c_fc's cast)
+    assert row["gelu_grads_fused"] == 1, row
     assert torch._dynamo.config.recompile_limit == limit  # (torch's, not raised for the run)
 
 

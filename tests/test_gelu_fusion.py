@@ -321,11 +321,121 @@ def test_fused_mlp_trains_like_unfused(device, dtype, monkeypatch):
 
 def test_fused_mlp_compiles(monkeypatch):
     """torch.compile(fullgraph=True) of a fused MLP: compiled code fuses the GELU into
-    c_proj's cast and applies its gradient with torch's kernel (no tensor attributes
-    there); outputs and gradients match eager's, to FP8 rounding."""
+    c_proj's cast, and inductor's pass (gelu_grad_pass.py) its gradient into c_fc's
+    gradient cast; outputs and gradients match eager's, to FP8 rounding."""
     torch.manual_seed(0)
     base = MLP()
     assert_compiled_matches_eager(base, monkeypatch, (48, 32))
+
+
+def _train_compiled_and_eager(base, monkeypatch, device, steps=4, module_filter_fn=None):
+    """`steps` steps of base converted, eager and torch.compile(fullgraph=True)d, under bf16
+    autocast on CUDA: per run, per step (output, input gradient, parameter gradients), and
+    how many linear_bwd calls the GELU pass changed while compiling. Inductor's caches off:
+    a cached graph would not run the pass again."""
+    from fp8ops import gelu_grad_pass  # noqa: PLC0415
+    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
+    runs, fused = [], 0
+    for compiled in (False, True):
+        model = fp8ops.convert(copy.deepcopy(base).to(device), config=Fp8Config(policy="always"),
+                               module_filter_fn=module_filter_fn)
+        for m in model.modules():
+            if isinstance(m, Fp8Linear):
+                m.fp8_on_cpu = device == "cpu"
+        fn = torch.compile(model, fullgraph=True) if compiled else model
+        torch._dynamo.reset()
+        before = gelu_grad_pass.FUSED[0]
+        torch.manual_seed(1)
+        outs = []
+        with torch.compiler.config.patch(force_disable_caches=True):
+            for _ in range(steps):
+                x = torch.randn(3, 16, 32, device=device, requires_grad=True)
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+                    y = fn(x)
+                y.float().square().mean().backward()
+                outs.append((y.detach(), x.grad, [p.grad.clone() for p in model.parameters()]))
+                fp8ops.step(model)
+                model.zero_grad()
+        runs.append(outs)
+        fused = gelu_grad_pass.FUSED[0] - before
+    return runs, fused
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_compiled_code_fuses_the_gelu_gradient_into_the_producer(device, monkeypatch):
+    """Under torch.compile the GELU's gradient moves into c_fc's gradient cast as in eager
+    code: inductor's pass rewrites one linear_bwd per MLP in the delayed-scaling graph's
+    backward, and from step 2 on (delayed scaling, the fused paths on both sides) every
+    output and gradient is eager's, bit for bit on the CPU. Without the pass the GELU's
+    gradient runs on its own and c_fc's gradients differ in their last bits: the
+    comparison sees the difference."""
+    from fp8ops import gelu_grad_pass
+    torch.manual_seed(0)
+    base = nn.Sequential(Block(), Block())
+    (eager, compiled), fused = _train_compiled_and_eager(base, monkeypatch, device)
+    assert fused == 2, fused
+    for step in (2, 3):
+        (y1, dx1, g1), (y2, dx2, g2) = eager[step], compiled[step]
+        if device == "cpu":
+            for a, b in zip([y1, dx1, *g1], [y2, dx2, *g2]):
+                assert torch.equal(a, b), step
+        else:
+            assert sqnr(y1.float(), y2.float()) >= 40 and sqnr(dx1, dx2) >= 30, step
+            for a, b in zip(g1, g2):
+                assert sqnr(a, b) >= 30, step
+    if device == "cpu":
+        monkeypatch.setattr(gelu_grad_pass, "fuse_gelu_grads", lambda graph: 0)
+        (eager, unfused), _ = _train_compiled_and_eager(base, monkeypatch, device)
+        c_fc = [i for i, (n, _) in enumerate(base.named_parameters()) if "c_fc" in n]
+        _, _, g1 = eager[3]
+        _, _, g2 = unfused[3]
+        assert not all(torch.equal(g1[i], g2[i]) for i in c_fc)
+        assert all(sqnr(g1[i], g2[i]) >= 100 for i in c_fc)
+
+
+def test_compiled_gelu_gradient_without_an_fp8_producer(monkeypatch):
+    """c_fc left as nn.Linear: nothing in the compiled graph can take the GELU's gradient,
+    the pass changes nothing, and compiled training matches eager's (to inductor's own
+    rounding of the BF16 layer)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(Block(), Block())
+    (eager, compiled), fused = _train_compiled_and_eager(
+        base, monkeypatch, "cpu", module_filter_fn=lambda m, fqn: not fqn.endswith("c_fc"))
+    assert fused == 0
+    for step in (2, 3):
+        for a, b in zip([eager[step][0], eager[step][1], *eager[step][2]],
+                        [compiled[step][0], compiled[step][1], *compiled[step][2]]):
+            assert sqnr(a, b) >= 100, step
+
+
+def test_compiled_gelu_gradient_leaves_a_users_own_inductor_pass(monkeypatch, caplog):
+    """A post_grad_custom_post_pass of the user's own stays in place (and runs): the GELU's
+    gradient then runs on its own, which the log says once, and training matches eager."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from fp8ops import gelu_grad_pass
+    graphs = []
+
+    class Theirs(CustomGraphPass):
+        def __call__(self, graph):
+            graphs.append(graph)
+
+        def uuid(self):
+            return "theirs"
+
+    theirs = Theirs()
+    monkeypatch.setitem(gelu_grad_pass._STATE, "warned", False)
+    torch.manual_seed(0)
+    # (config.patch, not monkeypatch: undoing a monkeypatch deletes a config module's entry)
+    with caplog.at_level(logging.INFO, logger="fp8ops"), \
+            torch._inductor.config.patch(post_grad_custom_post_pass=theirs):
+        (eager, compiled), fused = _train_compiled_and_eager(nn.Sequential(Block(), Block()), monkeypatch, "cpu")
+        assert torch._inductor.config.post_grad_custom_post_pass is theirs
+    assert fused == 0 and graphs
+    assert sum("post_grad_custom_post_pass holds another pass" in r.message for r in caplog.records) == 1
+    for step in (2, 3):
+        for a, b in zip(eager[step][2], compiled[step][2]):
+            assert sqnr(a, b) >= 100, step
 
 
 def test_current_recipe_runs_the_gelu_first(monkeypatch):
