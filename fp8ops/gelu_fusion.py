@@ -9,7 +9,10 @@ fuse_gelu() neither runs:
     loads dL/dgelu(h), reading h beside it. Per call, c_fc offers this with a
     box on its output tensor and c_proj takes it (Fp8Linear.forward); a call
     where either side runs another path (BF16 by policy, current scaling's
-    first step, torch.compile) applies the GELU's gradient the usual way.
+    first step) applies the GELU's gradient the usual way. Under torch.compile
+    (no boxes there) c_proj's backward applies it, and an inductor pass moves
+    it into c_fc's gradient cast where the compiled backward graph shows the
+    two side by side (gelu_grad_pass.py).
 
 fuse_gelu() makes that move where the model's own forward shows it is safe,
 read with torch.fx (which never runs it) in both train and eval mode: a

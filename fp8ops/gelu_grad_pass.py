@@ -72,14 +72,14 @@ def _linear_bwd_call(node):
     return None
 
 
-def _set_gy(node, how: str, new: tuple, args, kwargs, put) -> None:
-    """put(args, kwargs) with linear_bwd's gy and gelu_input replaced by new."""
+def _with_gy(how: str, new: tuple, args, kwargs) -> tuple[tuple, dict]:
+    """(args, kwargs) of a linear_bwd call with its gy and gelu_input replaced by new."""
     args, kwargs = list(args), dict(kwargs)
     if how == "kwargs":
         kwargs["gy"], kwargs["gelu_input"] = new
     else:
         args[0], args[8] = new
-    put(tuple(args), kwargs)
+    return tuple(args), kwargs
 
 
 def fuse_gelu_grads(graph: torch.fx.Graph) -> int:
@@ -113,12 +113,10 @@ def fuse_gelu_grads(graph: torch.fx.Graph) -> int:
         if not (v_gy.shape == v_out.shape == v_g.shape == v_h.shape and v_gy.dtype == v_g.dtype == v_h.dtype
                 and v_gy.is_contiguous() and v_g.is_contiguous() and v_h.is_contiguous()):
             continue
-        _set_gy(user, how, (g, h), user.args, user.kwargs, lambda a, k: setattr(user, "args", a) or
-                setattr(user, "kwargs", k))
+        user.args, user.kwargs = _with_gy(how, (g, h), user.args, user.kwargs)
         # (inductor lowers the op with the strides these fake inputs have: they must be the new ones)
         if "eager_input_vals" in user.meta:
-            _set_gy(user, how, (v_g, v_h), *user.meta["eager_input_vals"],
-                    lambda a, k: user.meta.__setitem__("eager_input_vals", (a, k)))
+            user.meta["eager_input_vals"] = _with_gy(how, (v_g, v_h), *user.meta["eager_input_vals"])
         for n in reversed(chain):
             if not n.users:
                 graph.erase_node(n)

@@ -10,6 +10,7 @@ Data flow (hybrid format; DESIGN.md):
               dW = gemm(g8t, x8t) / (s_g s_x)            (weight's dtype: fp32 or bf16 master)
     fused GELU (gelu_fusion.py): a consumer with fp8_gelu_input casts gelu(x) from x;
               a producer with fp8_gelu_output casts dy * gelu'(y) from dy and its output y
+              (under torch.compile: where inductor's pass finds the pair, gelu_grad_pass.py)
     fused SwiGLU (swiglu_fusion.py): a consumer with fp8_swiglu_input casts silu(gate) * up
               from x = [gate | up]; its backward returns x's gradient (swiglu_backward)
 
@@ -863,7 +864,8 @@ class Fp8Linear(nn.Linear):
                 x2 = swiglu(x2)
         # this output's GELU may be applied by its consumer: a box it marks when it also
         # leaves the GELU's gradient to this layer's backward (never under compile: no
-        # tensor attributes there)
+        # tensor attributes there; an inductor pass pairs the two in the backward graph
+        # instead, gelu_grad_pass.py)
         gelu_out = [False] if d["fp8_gelu_output"] and fusable and not compiling and torch.is_grad_enabled() \
             else None
         ln = d["fp8_ln_input"]
