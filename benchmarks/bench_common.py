@@ -124,9 +124,15 @@ def cudagraph_skips() -> int:
     return _dynamo_counter("inductor", "cudagraph_skips")
 
 
+def inductor_cache_hits() -> int:
+    """Graphs inductor took from its FX graph cache so far in this process (their passes do
+    not run again: gelu_grads_fused() does not count them)."""
+    return _dynamo_counter("inductor", "fxgraph_cache_hit")
+
+
 def gelu_grads_fused() -> int:
     """GELU gradients inductor's pass has moved into their producers' gradient casts so far in
-    this process (fp8ops/gelu_grad_pass.py; 0 without fp8ops)."""
+    this process, in graphs it compiled (fp8ops/gelu_grad_pass.py; 0 without fp8ops)."""
     try:
         from fp8ops import gelu_grad_pass  # noqa: PLC0415
     except ImportError:

@@ -47,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-from bench_common import gelu_grads_fused, graph_breaks, graphs_compiled, start, table, write_json  # noqa: E402
+from bench_common import (gelu_grads_fused, graph_breaks, graphs_compiled, inductor_cache_hits, start,  # noqa: E402
+                          table, write_json)
 
 MODELS = {
     "small": dict(cfg=dict(n_layer=12, n_head=12, n_embd=768, block_size=1024), batch=8),
@@ -383,7 +384,7 @@ def main() -> int:
             model = call = opt = None
             try:
                 torch._dynamo.reset()
-                gb0, ng0, gf0 = graph_breaks(), graphs_compiled(), gelu_grads_fused()
+                gb0, ng0, gf0, ch0 = graph_breaks(), graphs_compiled(), gelu_grads_fused(), inductor_cache_hits()
                 model, call, opt, cfg, note = build(v, GPT, GPTConfig, lm_filter, mcfg, args, fp8ops, batches[0])
                 row["note"] = note
                 fpt = flops_per_token(model, cfg)
@@ -409,8 +410,10 @@ def main() -> int:
                     row["graphs"] = graphs_compiled() - ng0
                     row["note"] += f"{'; ' if row['note'] else ''}{row['graphs']} graph(s)"
                     # (the GELU gradients inductor's pass moved into their producers' casts, per
-                    # compiled backward graph; a graph from inductor's cache is not counted)
+                    # compiled backward graph; a graph from inductor's cache is not counted, so
+                    # the row counts those as well)
                     row["gelu_grads_fused"] = gelu_grads_fused() - gf0
+                    row["inductor_cache_hits"] = inductor_cache_hits() - ch0
                     if row["graph_breaks"]:
                         row["note"] += f"; {row['graph_breaks']} graph break(s)"
                 # validation against BF16 eager's losses (same init, same batches)

@@ -12,27 +12,40 @@ This pass takes the pairing from the compiled backward graph itself, where
 it is plain data flow: wherever gelu_tanh_backward(g, h)'s result goes to
 nothing but the gy of an fp8ops.linear_bwd (through views that change
 nothing) that applies no GELU yet, that linear_bwd gets gy = g and
-gelu_input = h: the GELU's gradient formed in its cast's pass, as eager
-code does. A graph where the two are apart (a graph break between them,
-the producer in BF16 or under current scaling, which reads the gradient's
-amax first) does not match and keeps gelu_tanh_backward, which computes the
-same thing on its own. So the pass never changes what is computed, only
-where.
+gelu_input = h: the GELU's gradient formed in its cast's pass, eager code's
+fused call. The math is the same; the rounding differs as eager code's
+fused and unfused paths do (the cast forms g * gelu'(h) in fp32 with its own
+formula; torch's op uses its own and rounds to the gradient's dtype). It may fire
+where eager code does not fuse (fuse_gelu refuses a producer whose output
+has another use, say a detached copy): the pair in the graph is then still
+exactly the GELU's gradient feeding that cast. Where the graph does not show
+the pair (a graph break between them, c_fc in BF16 or not converted, a
+second use of the gradient), gelu_tanh_backward is put back as torch's own
+pointwise decomposition of gelu_backward, which inductor fuses as it did
+before this pass existed. (Current scaling, and delayed scaling's first
+step, run the GELU unfused and never reach this.)
 
-Installed, once per process, as inductor's post_grad_custom_post_pass while
-dynamo traces a fused-GELU consumer; where the user has a pass of their own
-there, theirs is kept and the GELU's gradient stays unfused (logged once).
+Installed as inductor's post_grad_custom_post_pass while dynamo traces a
+fused-GELU consumer, and left there for the process: it changes only graphs
+that hold gelu_tanh_backward, but other graphs' cache keys change with it
+(one cache miss each). Where the user has a pass of their own there, theirs
+is kept, gelu_tanh_backward stays an opaque op (torch's kernel, as in eager
+code) and a warning says so once.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
 log = logging.getLogger("fp8ops")
 
-# How many linear_bwd calls the pass has given a GELU's gradient, in this process (the tests read it).
+# How many linear_bwd calls the pass has given a GELU's gradient, and how many
+# gelu_tanh_backward calls it put back as pointwise code, in this process (graphs
+# compiled by the pass only: one taken from inductor's cache counts nothing)
 FUSED = [0]
+DECOMPOSED = [0]
 
 
 @torch.library.custom_op("fp8ops::gelu_tanh_backward", mutates_args=())
@@ -56,30 +69,53 @@ def _val(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
-def _linear_bwd_call(node):
-    """(how to read and set gy and gelu_input) if node calls fp8ops.linear_bwd, else None.
-    After functionalization a mutating op is wrapped in auto_functionalized(_v2), by keyword."""
+def _is_linear_bwd(node) -> bool:
+    """Does node call fp8ops.linear_bwd? It mutates g_amax, so after functionalization
+    (where this pass runs) it is wrapped in auto_functionalized(_v2), with keywords."""
     hop = torch.ops.higher_order
-    op = torch.ops.fp8ops.linear_bwd.default
-    if node.op != "call_function":
-        return None
-    if node.target in (getattr(hop, "auto_functionalized", None), getattr(hop, "auto_functionalized_v2", None)):
-        if node.args and node.args[0] is op and "gy" in node.kwargs and "gelu_input" in node.kwargs:
-            return "kwargs"
-        return None
-    if node.target is op and len(node.args) > 8 and not node.kwargs:
-        return "args"
-    return None
+    return (node.op == "call_function"
+            and node.target in (getattr(hop, "auto_functionalized", None), getattr(hop, "auto_functionalized_v2", None))
+            and bool(node.args) and node.args[0] is torch.ops.fp8ops.linear_bwd.default
+            and "gy" in node.kwargs and "gelu_input" in node.kwargs)
 
 
-def _with_gy(how: str, new: tuple, args, kwargs) -> tuple[tuple, dict]:
+def _with_gy(new: tuple, args, kwargs) -> tuple[tuple, dict]:
     """(args, kwargs) of a linear_bwd call with its gy and gelu_input replaced by new."""
-    args, kwargs = list(args), dict(kwargs)
-    if how == "kwargs":
-        kwargs["gy"], kwargs["gelu_input"] = new
-    else:
-        args[0], args[8] = new
+    kwargs = dict(kwargs)
+    kwargs["gy"], kwargs["gelu_input"] = new
     return tuple(args), kwargs
+
+
+def _decompose(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """Replace the gelu_tanh_backward call `node` by torch's decomposition of
+    gelu_backward, traced on its inputs' fake values as inductor's own pattern
+    matcher does (pattern_matcher.fwd_only); False (node kept) if that fails."""
+    try:
+        from torch._inductor.pattern_matcher import fwd_only  # noqa: PLC0415
+        from torch._inductor.virtualized import NullHandler, V  # noqa: PLC0415
+        g, h = node.args
+        # (inductor's fake mode, as pattern_matcher's replace_by_example enters it)
+        fake = V.fake_mode if not isinstance(V.fake_mode, NullHandler) and V.fake_mode is not None \
+            else contextlib.nullcontext()
+        with fake:
+            gm = fwd_only(lambda a, b: torch.ops.aten.gelu_backward(a, b, approximate="tanh"),
+                          [g.meta["val"], h.meta["val"]])
+        nodes = list(gm.graph.nodes)
+        if any(n.op not in ("placeholder", "call_function", "output") for n in nodes):
+            return False  # (a constant held by the module: not worth copying)
+        env = dict(zip([n for n in nodes if n.op == "placeholder"], (g, h)))
+        with graph.inserting_before(node):
+            for n in nodes:
+                if n.op == "call_function":
+                    env[n] = graph.node_copy(n, lambda a: env[a])
+                elif n.op == "output":
+                    out = n.args[0][0] if isinstance(n.args[0], (tuple, list)) else n.args[0]
+                    node.replace_all_uses_with(env[out])
+    except Exception as e:  # noqa: BLE001 -- the opaque op is correct, only slower
+        log.debug("fp8ops: gelu_tanh_backward kept as an op (%s: %s)", type(e).__name__, e)
+        return False
+    graph.erase_node(node)
+    return True
 
 
 def fuse_gelu_grads(graph: torch.fx.Graph) -> int:
@@ -90,41 +126,45 @@ def fuse_gelu_grads(graph: torch.fx.Graph) -> int:
     for gelu in list(graph.nodes):
         if gelu.op != "call_function" or gelu.target is not torch.ops.fp8ops.gelu_tanh_backward.default:
             continue
-        g, h = gelu.args if len(gelu.args) == 2 and not gelu.kwargs else (None, None)
-        v_out, v_g, v_h = _val(gelu), _val(g), _val(h)
-        if v_out is None or v_g is None or v_h is None or v_out.dim() != 2:
-            continue
-        # follow views with no other user down to the one user of the result
-        chain, cur = [gelu], gelu
-        while len(cur.users) == 1 and next(iter(cur.users)).target in _VIEWS:
-            cur = next(iter(cur.users))
-            chain.append(cur)
-        if len(cur.users) != 1:
-            continue
-        user = next(iter(cur.users))
-        how = _linear_bwd_call(user)
-        if how is None:
-            continue
-        gy, gi = (user.kwargs["gy"], user.kwargs["gelu_input"]) if how == "kwargs" else (user.args[0], user.args[8])
-        v_gy, v_gi = _val(cur), _val(gi)
-        if gy is not cur or v_gy is None or v_gi is None or v_gi.numel() != 0:
-            continue
-        # the same tensor as linear_bwd wants it: [M, N], contiguous, g's and h's shape and dtype
-        if not (v_gy.shape == v_out.shape == v_g.shape == v_h.shape and v_gy.dtype == v_g.dtype == v_h.dtype
-                and v_gy.is_contiguous() and v_g.is_contiguous() and v_h.is_contiguous()):
-            continue
-        user.args, user.kwargs = _with_gy(how, (g, h), user.args, user.kwargs)
-        # (inductor lowers the op with the strides these fake inputs have: they must be the new ones)
-        if "eager_input_vals" in user.meta:
-            user.meta["eager_input_vals"] = _with_gy(how, (v_g, v_h), *user.meta["eager_input_vals"])
-        for n in reversed(chain):
-            if not n.users:
-                graph.erase_node(n)
-        if not gi.users and gi.op == "call_function":
-            graph.erase_node(gi)  # (the empty tensor that said "no GELU")
-        done += 1
+        if _fuse_one(graph, gelu):
+            done += 1
+        elif _decompose(graph, gelu):
+            DECOMPOSED[0] += 1
     FUSED[0] += done
     return done
+
+
+def _fuse_one(graph: torch.fx.Graph, gelu: torch.fx.Node) -> bool:
+    """Hand the gelu_tanh_backward call `gelu` to the linear_bwd that takes its result,
+    if the graph shows that pair (see the module's docstring)."""
+    g, h = gelu.args if len(gelu.args) == 2 and not gelu.kwargs else (None, None)
+    v_out, v_g, v_h = _val(gelu), _val(g), _val(h)
+    if v_out is None or v_g is None or v_h is None or v_out.dim() != 2:
+        return False
+    # follow views with no other user down to the one user of the result
+    chain, cur = [gelu], gelu
+    while len(cur.users) == 1 and next(iter(cur.users)).target in _VIEWS:
+        cur = next(iter(cur.users))
+        chain.append(cur)
+    if len(cur.users) != 1:
+        return False
+    user = next(iter(cur.users))
+    if not _is_linear_bwd(user):
+        return False
+    v_gy, v_gi = _val(cur), _val(user.kwargs["gelu_input"])
+    if user.kwargs["gy"] is not cur or v_gy is None or v_gi is None or v_gi.numel() != 0:
+        return False
+    # the same tensor as linear_bwd wants it: [M, N], contiguous, g's and h's shape and dtype
+    if not (v_gy.shape == v_out.shape == v_g.shape == v_h.shape and v_gy.dtype == v_g.dtype == v_h.dtype
+            and v_gy.is_contiguous() and v_g.is_contiguous() and v_h.is_contiguous()):
+        return False
+    user.args, user.kwargs = _with_gy((g, h), user.args, user.kwargs)
+    # (inductor lowers the op with the strides these fake inputs have: they must be the new ones)
+    if "eager_input_vals" in user.meta:
+        user.meta["eager_input_vals"] = _with_gy((v_g, v_h), *user.meta["eager_input_vals"])
+    for n in reversed(chain):
+        graph.erase_node(n)
+    return True
 
 
 def _pass_class():
@@ -159,8 +199,9 @@ def install() -> bool:
         return True
     if not _STATE["warned"]:
         _STATE["warned"] = True
-        log.info("fp8ops: torch._inductor.config.post_grad_custom_post_pass holds another pass (%r): under "
-                 "torch.compile the fused GELU's gradient runs as a pass of its own", current)
+        log.warning("fp8ops: torch._inductor.config.post_grad_custom_post_pass holds another pass (%r), so "
+                    "fp8ops leaves it there: under torch.compile the fused GELU's gradient then runs as an op "
+                    "of its own instead of inside the producer's gradient cast", current)
     return False
 
 
