@@ -171,10 +171,11 @@ def _find_compiled_casts(layers: list[Fp8Linear]) -> list[Fp8Linear]:
     of the layer's history (nonzero, or NaN, after a cast; each update and each reset leave it
     0) and bumps the history's version counter. A layer with no cast on record is looked up in
     row 0 when its history was written since the last look, or a new trace happened: all such
-    layers of a device in one read (one sync), so a layer nothing calls, or that runs BF16,
-    is read once, and again only after a new trace. Before the step's all-reduce of the amaxes: this rank's own
-    casts, as eager code flags them. Not during a CUDA graph capture, where a read cannot sync,
-    nor on the meta device. Returns the layers found with no cast, for _note_no_cast."""
+    layers of a device in one read (one sync), so a layer nothing calls, or that runs BF16, is
+    read once, and again only after a new trace. Before the step's all-reduce of the amaxes:
+    this rank's own casts, as eager code flags them. Not during a CUDA graph capture, where a
+    read cannot sync, nor on the meta device. Returns the layers found with no cast, for
+    _note_no_cast."""
     gen = _linear._TRACES[0]
     if gen == 0:
         return []  # (no compiled FP8 forward in this process: eager code set every flag)
