@@ -185,8 +185,8 @@ extern "C" int fp8ops_amax_update_many_cuda(const fp8ops_amax_update_job* jobs, 
                    (long long)in->n);
     FP8OPS_REQUIRE(in->n <= (int64_t)INT32_MAX * 32, "amax_update_many: too many tensors in one "
                    "job (n=%lld)", (long long)in->n);
-    FP8OPS_REQUIRE(in->margin == in->margin && in->margin > -1e6f && in->margin < 1e6f,
-                   "amax_update_many: margin must be a number in (-1e6, 1e6), found %g",
+    FP8OPS_REQUIRE(in->margin == in->margin && in->margin > -64.f && in->margin < 64.f,
+                   "amax_update_many: margin must be a number in (-64, 64), found %g",
                    (double)in->margin);
   }
   for (int64_t first = 0; first < count; first += AU_MANY) {

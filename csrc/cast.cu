@@ -243,7 +243,9 @@ __device__ __forceinline__ void block_amax_atomic(uint32_t v, uint32_t* red, flo
   if (threadIdx.x == 0) {
     uint32_t m = 0;
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) m = max(m, red[w]);
-    if (m != 0) atomicMax((unsigned int*)amax, m);  // *amax starts at +0: 0 changes nothing
+    // signed: |x|'s bits are >= 0 and ordered as the floats (NaN above inf), and a
+    // negative value in *amax (sign bit set) is below every amax, 0 included
+    atomicMax((int*)amax, (int)m);
   }
 }
 
@@ -586,7 +588,7 @@ __global__ void __launch_bounds__(CT_THREADS, DB || ((ACT == ACT_DGELU || ACT ==
     uint32_t m = 0;
 #pragma unroll
     for (int w = 0; w < CT_THREADS / 32; ++w) m = max(m, red[w]);
-    if (m != 0) atomicMax((unsigned int*)amax, m);
+    atomicMax((int*)amax, (int)m);  // (signed: see block_amax_atomic)
   }
 }
 
@@ -692,7 +694,7 @@ __global__ void __launch_bounds__(256)
     uint32_t m = 0;
 #pragma unroll
     for (int w = 0; w < 8; ++w) m = max(m, red[w]);
-    if (m != 0) atomicMax((unsigned int*)amax, m);
+    atomicMax((int*)amax, (int)m);  // (signed: see block_amax_atomic)
   }
 }
 

@@ -85,8 +85,10 @@ static int cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_
       if (out_t) out_t[c * rows + r] = q;
     }
   }
-  /* accumulate: the same max over raw bits as the CUDA kernels' atomicMax */
-  if (!accumulate || amax_bits > fp8ops_f32_bits(*amax)) *amax = fp8ops_bits_f32(amax_bits);
+  /* accumulate: the same max over raw bits as the CUDA kernels' atomicMax, signed, so that
+   * a negative value there (sign bit set) is below every amax */
+  if (!accumulate || (int32_t)amax_bits > (int32_t)fp8ops_f32_bits(*amax))
+    *amax = fp8ops_bits_f32(amax_bits);
   return FP8OPS_OK;
 }
 

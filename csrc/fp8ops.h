@@ -84,7 +84,7 @@ int fp8ops_cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64
 /* The same cast, folding this input's amax into the running value at *amax
  * instead of overwriting it: *amax = max(*amax, max |x|), the max taken over
  * the fp32 bit patterns (so a NaN on either side wins, as in amax_update).
- * *amax must hold a non-negative value or NaN, e.g. row 0 of an amax history;
+ * A negative value there counts as below every amax (e.g. row 0 of an amax history);
  * used by Fp8Linear so no separate max op follows each cast. */
 int fp8ops_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
                                const float* scale, fp8ops_fp8_format fmt, uint8_t* out,

@@ -435,8 +435,9 @@ static int run_amax_update(AtenTensorHandle hh, AtenTensorHandle hs, AtenTensorH
                  (long long)n, (long long)m.numel);
   FP8OPS_REQUIRE(algo == 0 || algo == 1, "%s: algo must be 0 (max) or 1 (most_recent), "
                  "found %lld", op, (long long)algo);
-  FP8OPS_REQUIRE(margin == margin && margin > -1e6 && margin < 1e6,
-                 "%s: margin must be a number in (-1e6, 1e6) (scale = fp8_max / amax / 2^margin), "
+  /* (Fp8Config's range: 2^margin beyond it flushes every scale to 0 or freezes it) */
+  FP8OPS_REQUIRE(margin == margin && margin > -64 && margin < 64,
+                 "%s: margin must be a number in (-64, 64) (scale = fp8_max / amax / 2^margin), "
                  "found %g", op, margin);
   FP8OPS_TRY(describe(op, "overflow_count", ho, &o));
   int64_t* counts = NULL;

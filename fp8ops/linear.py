@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
+import warnings
 import weakref
 
 import torch
@@ -515,6 +516,50 @@ class Fp8Linear(nn.Linear):
             else ""
         return super().extra_repr() + f", fp8={self.fp8_config.short_str()}{gelu}"
 
+    # ------------------------------------------------------------------ hooks after a fusion
+
+    def _fused_hook_note(self, sees_input: bool, sees_grad_output: bool) -> str | None:
+        """What a hook registered now would see that nn.Linear's would not (convert's fusions
+        moved a norm or an activation into this layer), or None."""
+        d = self.__dict__
+        notes = []
+        ln = d.get("fp8_ln_input")
+        if sees_input:
+            norm = "RMSNorm" if isinstance(ln, nn.RMSNorm) else "LayerNorm"
+            what = (f"the {norm}'s input, not its output" if ln is not None
+                    else "the GELU's input, not its output" if d.get("fp8_gelu_input")
+                    else "the SwiGLU's input [gate | up], not its output" if d.get("fp8_swiglu_input") else None)
+            if what is not None:
+                notes.append(f"its input (and that input's gradient) is {what}, which this layer applies itself")
+        if sees_grad_output and d.get("fp8_gelu_output"):
+            notes.append("its output's gradient is the gradient of the GELU after it, which the next linear "
+                         "applies, not of its own output")
+        return "; ".join(notes) or None
+
+    def _warn_hook_on_fused(self, kind: str, sees_input: bool, sees_grad_output: bool) -> None:
+        note = self._fused_hook_note(sees_input, sees_grad_output)
+        if note is not None:
+            warnings.warn(
+                f"fp8ops: a {kind} registered on an Fp8Linear that fp8ops.convert fused: {note}. Register "
+                "hooks before convert (a hooked linear is left unfused), or convert with Fp8Config("
+                "fuse_layernorm=False, fuse_gelu=False, fuse_swiglu=False)", stacklevel=3)
+
+    def register_forward_pre_hook(self, hook, *args, **kwargs):
+        self._warn_hook_on_fused("forward pre-hook", True, False)
+        return super().register_forward_pre_hook(hook, *args, **kwargs)
+
+    def register_forward_hook(self, hook, *args, **kwargs):
+        self._warn_hook_on_fused("forward hook", True, False)
+        return super().register_forward_hook(hook, *args, **kwargs)
+
+    def register_full_backward_pre_hook(self, hook, *args, **kwargs):
+        self._warn_hook_on_fused("backward pre-hook", False, True)
+        return super().register_full_backward_pre_hook(hook, *args, **kwargs)
+
+    def register_full_backward_hook(self, hook, *args, **kwargs):
+        self._warn_hook_on_fused("backward hook", True, True)
+        return super().register_full_backward_hook(hook, *args, **kwargs)
+
     # ------------------------------------------------------------------ scales
 
     def _weight_fp8(self, compute_dtype: torch.dtype, need_t: bool, views: tuple, compiling: bool,
@@ -535,27 +580,33 @@ class Fp8Linear(nn.Linear):
         optimizer hook (scaling.py) bumps it, matching the layer through the
         sharded DTensor that is registered on the module again after backward.
         A state_dict load drops the cache explicitly (_load_from_state_dict).
-        Only a weight that requires grad (what an optimizer or fp8ops.step
-        governs) is cached, and only a call with grad enabled stores the cast
-        (calls under no_grad, e.g. reentrant checkpointing's first forward, reuse
-        it). A frozen weight, or one only ever read under no_grad, is cast afresh
-        each call: an update through .data (an EMA teacher's) moves nothing the
-        key reads."""
+        Only the weight of a layer whose scales an optimizer step (or
+        fp8ops.step) has updated, and that requires grad, is cached, and only a
+        call with grad enabled stores the cast (calls under no_grad, e.g.
+        reentrant checkpointing's first forward, reuse it). A frozen weight, one
+        only ever read under no_grad, or one no optimizer steps is cast afresh
+        each call: an update through .data (an EMA teacher's, whose weights may
+        still require grad) moves nothing the key reads. (So the first step's
+        micro-batches cast again; a copy starts unstepped, see __setstate__.)"""
         w, b = self._param("weight"), self._param("bias")
         w8 = getattr(w, "_fp8ops_gathered", None)
         if w8 is not None:
             # FSDP2 gathered this weight in FP8 (fsdp.py), cast with this layer's weight scale
             b_lp = None if b is None else b.detach().to(ops._bias_dtype(compute_dtype))
             return w8, (w8.t().contiguous() if need_t else None), b_lp, None
-        cacheable = not compiling and w.requires_grad
+        cacheable = not compiling and w.requires_grad and "_fp8_updated_at" in self.__dict__
         key = None if not cacheable else (w._version, w.data_ptr(), None if b is None else b._version,
                                           self.fp8_step, compute_dtype)
         cache = self._w_cache
+        # the Parameter itself, not the view Fp8Conv1D computes with (a new one each call)
+        w_id = self._parameters.get("weight")
+        if w_id is None:
+            w_id = w
         # (a cast made with the transpose also serves a call that needs none; the weak
         # references: a new tensor that lands on a freed weight's memory with version 0, as
         # functional_call's fast weights or a parametrization's output can, is another weight)
         if key is not None and cache is not None and cache[0] == key and (cache[2] is not None or not need_t) \
-                and cache[4]() is w and (b is None or cache[5]() is b):
+                and cache[4]() is w_id and (b is None or cache[5]() is b):
             return cache[1], (cache[2] if need_t else None), cache[3], None
         cfg = self.fp8_config
         w_hp = w.detach()
@@ -572,7 +623,7 @@ class Fp8Linear(nn.Linear):
 
             def store(w8, w8t):
                 # (without need_t the op returns an empty w8t: kept as None, "not made")
-                d["_w_cache"] = (key, w8, w8t if need_t else None, b_lp, weakref.ref(w),  # not Module.__setattr__
+                d["_w_cache"] = (key, w8, w8t if need_t else None, b_lp, weakref.ref(w_id),  # not Module.__setattr__
                                  None if b is None else weakref.ref(b))
         return w_hp, None, b_lp, store
 
@@ -616,6 +667,7 @@ class Fp8Linear(nn.Linear):
         if not keep_step:
             d["fp8_step"] = 0
         d["_fp8_delayed_ready"] = False
+        d["_fp8_priming_waits"] = 0
         d["_fp8_cast_since_update"] = False
         d["_fp8_cast_looked_at"] = None
         d["_fp8_pristine"] = True
@@ -739,6 +791,12 @@ class Fp8Linear(nn.Linear):
         state.setdefault("_fp8_pristine", False)  # (and from before the pristine skip: update it)
         state.setdefault("_fp8_rest_due", False)
         state["_fp8_cast_looked_at"] = None  # (another object's counts, or another process's)
+        # a copy is stepped by no optimizer yet (an EMA teacher made by deepcopy may never be):
+        # its weight cast is not cached (_weight_fp8), and it casts with current scales, until
+        # its first update; the history it brings then gives its delayed scales (a teacher's
+        # would never be updated: its inputs and weights move away from them)
+        state.pop("_fp8_updated_at", None)
+        state["_fp8_delayed_ready"] = False
         state.pop("_fp8_trace_key", None)  # (what an fp8ops from before _TRACES pickled)
         state.setdefault("_fp8_serial", next(_SERIAL))
         state["_fp8_copy"] = next(_COPIES)

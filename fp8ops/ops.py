@@ -212,7 +212,7 @@ def _amax_update_fake(amax_history, scale, scale_inv, fp8_max, margin, algo, ove
     _chk(scale_inv.numel() == n, f"{op}: scale_inv must have {n} elements, found {scale_inv.numel()}")
     _chk(fp8_max.numel() == n, f"{op}: fp8_max must have {n} elements, found {fp8_max.numel()}")
     _chk(algo in (0, 1), f"{op}: algo must be 0 (max) or 1 (most_recent), found {algo}")
-    _chk(-1e6 < margin < 1e6, f"{op}: margin must be a finite number, found {margin}")
+    _chk(-64 < margin < 64, f"{op}: margin must be a number in (-64, 64), found {margin}")
     o = overflow_count
     if o.numel() > 0:
         _chk(o.dtype == torch.int64, f"{op}: overflow_count must be int64, found {_dname(o.dtype)}")

@@ -208,6 +208,43 @@ def _row0_written(layers: list[Fp8Linear]) -> list[bool]:
         return rows.ne(0).any(dim=1).tolist()
 
 
+# updates a layer waits on current scaling for a usable amax of each of its tensors (see
+# _unprimed); after that it turns to delayed scaling anyway, and stops costing a read per step
+_PRIMING_UPDATES = 4
+
+
+def _unprimed(layers: list[Fp8Linear]) -> set:
+    """Of these layers (cast since the last update, still on current scaling), those whose
+    row 0 holds no finite amax > 0 for one of its tensors this step: e.g. the input gradient of
+    a layer before a zero-initialised projection (exactly 0 in the first step), or the weight
+    of that projection. The update keeps such a tensor's scale as it was, the 1.0 of a fresh
+    state, which no amax ever set: cast with it, the next step's small gradients would flush
+    to zero. Those layers stay on current scaling for another step, up to _PRIMING_UPDATES
+    updates (a tensor that stays 0, a branch the loss never reaches, then costs no read per
+    step). Read after the all-reduce (every rank decides alike), before the update rolls row 0
+    away: one read of all such layers of a device, in practice at the first update only. Not
+    during a CUDA graph capture, where a read cannot sync, nor on the meta device: ready there."""
+    todo: dict = {}
+    for layer in layers:
+        todo.setdefault(layer._buffers["fp8_amax_history"].device, []).append(layer)
+    out = set()
+    for device, found in todo.items():
+        if device.type == "meta" or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            continue
+        with torch.no_grad():
+            rows = torch.stack([layer._buffers["fp8_amax_history"][0] for layer in found])
+            primed = (rows.isfinite() & rows.gt(0)).all(dim=1).tolist()
+        for layer, ok in zip(found, primed):
+            d = layer.__dict__
+            waited = d.get("_fp8_priming_waits", 0)
+            if not ok and waited + 1 < _PRIMING_UPDATES:
+                d["_fp8_priming_waits"] = waited + 1
+                out.add(layer)
+            else:
+                d["_fp8_priming_waits"] = 0
+    return out
+
+
 def _note_no_cast(layers: list[Fp8Linear]) -> None:
     """After the update's own writes to the histories (the all-reduce, the CPU op): the state
     _find_compiled_casts compares with at the next update."""
@@ -254,6 +291,8 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     fast = {}
     core = _loader._C  # None when the C core did not load (no layer then runs FP8 on CUDA)
     update = torch.ops.fp8ops.amax_update.default
+    unprimed = _unprimed([l for l in due if l.__dict__["_fp8_cast_since_update"]
+                          and not l.__dict__["_fp8_delayed_ready"]])
     for layer in due:
         d = layer.__dict__
         if d["_fp8_rest_due"]:
@@ -271,9 +310,11 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
         if d["_fp8_cast_since_update"]:
             # from now on the casts use the history's scales (a layer that has cast nothing here
             # keeps current scaling for its first cast: its history may hold no amax yet; under
-            # DDP a rank that skipped the layer another rank cast does so for one cast)
-            d["_fp8_delayed_ready"] = True
+            # DDP a rank that skipped the layer another rank cast does so for one cast; one whose
+            # history holds no amax of some tensor yet keeps it too, see _unprimed)
             d["_fp8_pristine"] = False
+            if layer not in unprimed:
+                d["_fp8_delayed_ready"] = True
         # (the flag stays True from here on: forward sets it only while it is False, so compiled
         # code, which meets it True after the first update, traces no side effect, which an
         # activation-checkpointed region would refuse: a graph break per layer)

@@ -101,7 +101,7 @@ def test_amax_update_errors(device):
         (lambda: ops.amax_update(torch.zeros(2, 2, 2, device=device), s, si, m), r"must be \[H\].*found 3 dims"),
         (lambda: ops.amax_update(torch.zeros(0, 3, device=device), s, si, m), r"at least 1 row"),
         (lambda: torch.ops.fp8ops.amax_update(h, s, si, m, 0.0, 7, ops._no_counts(h)), r"algo must be 0 \(max\) or 1"),
-        (lambda: ops.amax_update(h, s, si, m, float("nan")), r"margin must be a number in \(-1e6, 1e6\)"),
+        (lambda: ops.amax_update(h, s, si, m, float("nan")), r"margin must be a number in \(-64, 64\)"),
     ]
     for fn, pattern in cases:
         with pytest.raises(RuntimeError, match=pattern):
@@ -227,7 +227,7 @@ def test_amax_update_many_rejects_bad_jobs():
         _loader._C.amax_update_many(dev, [(p, p, p, p, 0, 3, 0, 1, 0.0, 0)])
     with pytest.raises(RuntimeError, match="null pointer"):
         _loader._C.amax_update_many(dev, [(0, p, p, p, 0, 3, 4, 1, 0.0, 0)])
-    with pytest.raises(RuntimeError, match=r"margin must be a number in \(-1e6, 1e6\)"):
+    with pytest.raises(RuntimeError, match=r"margin must be a number in \(-64, 64\)"):
         _loader._C.amax_update_many(dev, [(p, p, p, p, 0, 3, 4, 1, float("nan"), 0)])
     with pytest.raises(TypeError, match="a job is"):
         _loader._C.amax_update_many(dev, [(p, p)])

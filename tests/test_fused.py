@@ -29,6 +29,9 @@ def _slot(value, device):
     (NAN, 3.0, NAN),        # NaN stays
     (2.0, INF, INF),        # an inf input wins
     (2.0, NAN, NAN),        # a NaN input wins
+    (-1.0, 3.0, 3.0),       # a negative value there is below every amax (a max over
+    (-INF, 3.0, 3.0),       # unsigned bits kept it: a stale -1 read as amax 1)
+    (-0.0, 3.0, 3.0),
 ])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_cast_accumulate_folds_amax(prior, scale_x, want, transpose, device):

@@ -491,8 +491,8 @@ def check_amax(case, device="cpu") -> str:
 # =============================================================================
 # amax_update
 
-MARGINS_OK = [0.0, 0.0, 1.0, 2.0, 0.5, -3.0, 2.5, 63.0, 127.0, 200.0, -200.0, 1000.0, -1000.0]
-MARGINS_BAD = [float("nan"), float("inf"), -float("inf"), 1e6, -1e6, 1e7]
+MARGINS_OK = [0.0, 0.0, 1.0, 2.0, 0.5, -3.0, 2.5, 63.0, -63.0]
+MARGINS_BAD = [float("nan"), float("inf"), -float("inf"), 64.0, -64.0, 127.0, -200.0, 1e6, -1e6, 1e7]
 STATE = ("scale", "scale_inv", "fp8_max")
 
 
@@ -515,7 +515,7 @@ def amax_update_cases(draw, device="cpu"):
     n = draw(st.sampled_from([1, 1, 2, 3, 7, 0]))
     form = "3d" if "hist_3d" in f else draw(st.sampled_from(["2d"] * 5 + ["1d"]))
     margin = draw(st.sampled_from(MARGINS_BAD)) if "margin" in f else \
-        draw(st.one_of(st.sampled_from(MARGINS_OK), st.floats(-70, 70, width=32)))
+        draw(st.one_of(st.sampled_from(MARGINS_OK), st.floats(-70, 70, width=32)))  # (past +-64: refused)
     return {"op": "amax_update", "H": H, "n": n, "form": form,
             "history": {"seed": draw(st.integers(0, 2 ** 31 - 1)),
                         "mode": draw(st.sampled_from(["rand", "rand", "wide", "zeros", "specials"])),
@@ -612,7 +612,7 @@ def amax_update_bad(t, margin, algo) -> set[str]:
             bad.add(name)
     if algo not in (0, 1):
         bad.add("algo")
-    if not (-1e6 < margin < 1e6):       # also NaN
+    if not (-64 < margin < 64):         # also NaN
         bad.add("margin")
     return bad
 

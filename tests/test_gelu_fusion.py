@@ -8,6 +8,7 @@ cast kernels on the device."""
 import collections
 import copy
 import logging
+import warnings
 
 import pytest
 import torch
@@ -641,3 +642,29 @@ def test_fused_gelu_cuda_matches_cpu_reference():
         assert (t0 != t1).float().mean() <= 1e-3 and (t0 - t1).abs().max() <= 1
         torch.testing.assert_close(a0, a1, rtol=1e-5, atol=0)
         assert sqnr(y0, y1) >= 40
+
+
+def test_a_hook_registered_after_the_fusion_warns_what_it_sees(monkeypatch):
+    """A hook on a fused linear sees other tensors than nn.Linear's would (c_proj's input is
+    the GELU's input; c_fc's output gradient is the gradient of the GELU's output): say so
+    when it is registered, instead of letting the hook read them silently."""
+    model = convert_as_on_fp8_gpu(Block(), monkeypatch)
+    mlp = model.mlp
+    cases = [
+        (lambda: mlp.c_proj.register_forward_pre_hook(lambda m, a: None), "GELU's input, not its output"),
+        (lambda: mlp.c_proj.register_forward_hook(lambda m, a, o: None), "GELU's input, not its output"),
+        (lambda: mlp.c_fc.register_forward_pre_hook(lambda m, a: None), "LayerNorm's input, not its output"),
+        (lambda: mlp.c_fc.register_full_backward_pre_hook(lambda m, g: None), "gradient of the GELU after it"),
+        (lambda: mlp.c_fc.register_full_backward_hook(lambda m, gi, go: None),
+         r"LayerNorm's input.*; its output's gradient is the gradient of the GELU"),
+    ]
+    for register, pattern in cases:
+        with pytest.warns(UserWarning, match=pattern):
+            register()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mlp.c_proj.register_full_backward_pre_hook(lambda m, g: None)  # c_proj's output gradient is its own
+        gelu_only = convert_as_on_fp8_gpu(Block(), monkeypatch, fuse_layernorm=False)
+        gelu_only.mlp.c_fc.register_forward_hook(lambda m, a, o: None)  # c_fc's input and output its own
+        plain = convert_as_on_fp8_gpu(Block(), monkeypatch, fuse_gelu=False, fuse_layernorm=False)
+        plain.mlp.c_proj.register_forward_pre_hook(lambda m, a: None)

@@ -402,7 +402,7 @@ def test_margin_applied(margin, recipe):
         assert lin.fp8_scale[X].item() == ((torch.tensor(448.0) / hist_max) / 2.0 ** margin).item()
 
 
-@pytest.mark.parametrize("amax,margin", [(3e38, 40.0), (3.0, 130.0), (3e38, 63.0)])
+@pytest.mark.parametrize("amax,margin", [(3e38, 40.0), (3e30, 63.0), (3e38, 63.0)])
 def test_amax_update_underflow_keeps_previous_scale(amax, margin):
     """fp8_max / amax / 2**margin rounding to 0 keeps the previous scale (never 0)."""
     h, s, si, fm = torch.tensor([[amax]]), torch.tensor([2.0]), torch.ones(1), torch.tensor([448.0])

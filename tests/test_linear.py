@@ -105,6 +105,8 @@ def test_weight_cast_cached_across_microbatches():
     lin = Fp8Linear(32, 16)
     lin.fp8_on_cpu = True
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    lin(torch.randn(48, 32)).sum().backward()
+    opt.step()  # (the cast is cached in layers an optimizer step has updated: not in the first step)
     calls = []
     orig = fp8ops.ops._linear_fwd_raw
     # linear_fwd casts the weight when it is passed in high precision (args[1])
@@ -462,6 +464,7 @@ def test_module_moves_keep_fp32_scaling_state_and_drop_caches():
     lin = Fp8Linear(32, 16)
     lin.fp8_on_cpu = True
     lin(torch.randn(16, 32)).sum().backward()
+    fp8ops.step(lin)                                      # (cached only after a step)
     with torch.no_grad():
         lin.fp8_scale.fill_(1e6)                          # > fp16 max
         lin.fp8_scale_inv.fill_(1e-6)

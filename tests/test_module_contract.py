@@ -93,7 +93,9 @@ def test_a_copy_updates_its_scales_after_its_optimizer_steps(monkeypatch, how):
         torch.save(model, buf)
         buf.seek(0)
         twin = torch.load(buf, weights_only=False)
-    assert twin[0].fp8_step == 3 and twin[0]._fp8_delayed_ready
+    # (a copy casts with current scales until its own first update: it may be stepped by no
+    # optimizer, as an EMA teacher is)
+    assert twin[0].fp8_step == 3 and not twin[0]._fp8_delayed_ready
     before = twin[0].fp8_scale.clone()
     g = torch.Generator().manual_seed(5)
     opt = torch.optim.SGD(twin.parameters(), lr=0.0)
@@ -101,7 +103,7 @@ def test_a_copy_updates_its_scales_after_its_optimizer_steps(monkeypatch, how):
         twin(torch.randn(16, 32, generator=g) * 100).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    assert twin[0].fp8_step == 6
+    assert twin[0].fp8_step == 6 and twin[0]._fp8_delayed_ready
     assert twin[0].fp8_scale[X] < before[X] / 10
     assert model[0].fp8_step == 3                                  # the original is its own
 
@@ -304,6 +306,7 @@ def test_no_grad_calls_reuse_a_training_cast_but_never_store_one(monkeypatch):
     """The weight-cast cache: a call under no_grad reuses the cast a training call of the same
     step stored (reentrant checkpointing's first forward), and stores none itself."""
     model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    _train(model, steps=1)  # (the cast is cached in layers an optimizer step has updated)
     seen = []
     raw = fp8ops.ops._linear_fwd_raw
     monkeypatch.setattr(fp8ops.ops, "_linear_fwd_raw", lambda *a: seen.append(a[1].dtype) or raw(*a))
@@ -323,7 +326,12 @@ def test_a_cast_without_the_transpose_is_not_reused_where_one_is_needed(monkeypa
     """A call that needed no input gradient cached the weight cast without its transpose; a
     later call of the step that needs the input gradient must make it, not read an empty one."""
     model = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32)), monkeypatch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model(torch.randn(16, 32)).sum().backward()
+    opt.step()  # (the cast is cached in layers an optimizer step has updated)
     ref = copy.deepcopy(model)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.0)
+    opt_ref.step()  # (the copy's first update: it casts as the original then)
     x = torch.randn(16, 32)
     model(x).sum().backward()                       # x needs no gradient: no transpose made
     assert model[0]._w_cache[2] is None
@@ -745,3 +753,47 @@ def test_a_converted_layer_takes_nn_linears_keyword(monkeypatch):
     model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
     x = torch.randn(16, 32)
     assert torch.equal(model[0](input=x), model[0](x))
+
+
+def test_an_unstepped_copy_updated_through_data_is_cast_afresh(monkeypatch):
+    """An EMA teacher made by deepcopy of a trained student: its weights still require grad,
+    no optimizer steps it, and .data writes move neither version nor storage."""
+    student = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    _train(student, steps=2)
+    teacher = copy.deepcopy(student)
+    x = torch.randn(16, 32)
+    for it in range(3):
+        y = teacher(x).detach()  # grad mode on, as a teacher's forward often is
+        with torch.no_grad():
+            ref = F.linear(torch.relu(F.linear(x, teacher[0].weight, teacher[0].bias)), teacher[2].weight,
+                           teacher[2].bias)
+            assert sqnr(ref, y) >= 20, it
+            for pt, ps in zip(teacher.parameters(), student.parameters()):
+                pt.data.mul_(0.5).add_(ps.data * 0.5 + 0.1)  # (a stale cast: about 0 dB)
+
+
+def test_a_conv1d_weight_cast_is_reused_by_the_steps_micro_batches(monkeypatch):
+    """Fp8Conv1D computes with a fresh transpose view of its Parameter each call: the
+    step's cached cast must still be found (keyed on the Parameter)."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+    torch.manual_seed(0)
+    model = convert_as_on_fp8_gpu(nn.Sequential(Conv1D(64, 32)), monkeypatch)
+    layer = model[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    casts = []
+    real = Fp8Linear._weight_fp8
+
+    def spy(self, *a, **k):
+        out = real(self, *a, **k)
+        casts.append(out[1] is None)  # w8t None: cast in this call
+        return out
+
+    monkeypatch.setattr(Fp8Linear, "_weight_fp8", spy)
+    for _ in range(3):
+        for _ in range(4):
+            layer(torch.randn(16, 32, requires_grad=True)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    # step 1 (no update yet): every micro-batch casts; then once per step
+    assert casts == [True] * 4 + [True, False, False, False] * 2

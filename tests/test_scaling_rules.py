@@ -168,3 +168,60 @@ def test_an_optimizer_step_that_raised_does_not_stop_the_updates():
             pass
         opt.zero_grad()
     assert lin.fp8_step == 2
+
+
+def _zero_init_mlp():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    nn.init.zeros_(m[2].weight)  # a zero-initialised output projection (ReZero, adaLN-Zero, ...)
+    nn.init.zeros_(m[2].bias)
+    return m
+
+
+def test_a_tensor_with_no_amax_yet_stays_on_current_scaling(monkeypatch):
+    """Step 1 of a model whose last projection starts at 0: that layer's weight amax and the
+    first layer's gradient amax are exactly 0, so the first update has no scale for them
+    (they would keep the fresh state's 1.0). Both layers stay on current scaling for step 2,
+    whose gradients are then as close to FP32's as a primed step's; then delayed scaling."""
+    from conftest import convert_as_on_fp8_gpu
+    ref = _zero_init_mlp()
+    fp8 = convert_as_on_fp8_gpu(_zero_init_mlp(), monkeypatch)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt_f = torch.optim.AdamW(fp8.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    first, last = fp8[0], fp8[2]
+    for step in range(3):
+        x, t = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)
+        with torch.no_grad():  # the same weights for both, so only this step's gradients differ
+            for pf, pr in zip(fp8.parameters(), ref.parameters()):
+                pf.copy_(pr)
+        for m, opt in ((ref, opt_r), (fp8, opt_f)):
+            opt.zero_grad()
+            (m(x) - t).square().mean().backward()
+        if step == 1:
+            # without the wait: -1.8 dB (the first layer's gradient cast with scale 1.0)
+            assert sqnr(ref[0].weight.grad, first.weight.grad) >= 15
+        opt_r.step()
+        opt_f.step()
+        ready = (first._fp8_delayed_ready, last._fp8_delayed_ready)
+        assert ready == ((False, False) if step == 0 else (True, True)), (step, ready)
+    assert first.fp8_scale[G] > 1e3  # (its gradient's scale came from its amaxes)
+
+
+def test_a_tensor_that_stays_zero_turns_to_delayed_scaling_after_a_few_updates(monkeypatch):
+    """A layer whose gradient is always 0 (its output never reaches the loss) waits a few
+    updates for an amax, then turns to delayed scaling: no read of its history every step."""
+    from conftest import convert_as_on_fp8_gpu
+    from fp8ops import scaling
+    m = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), monkeypatch)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x = torch.randn(16, 32)
+    ready = []
+    for _ in range(scaling._PRIMING_UPDATES + 1):
+        h = m[0](x)
+        (m[1](h).sum() * 0 + h.sum()).backward()  # m[1]'s output gradient is 0
+        opt.step()
+        opt.zero_grad()
+        ready.append((m[0]._fp8_delayed_ready, m[1]._fp8_delayed_ready))
+    assert ready[0] == (True, False)
+    assert [r[1] for r in ready] == [False] * (scaling._PRIMING_UPDATES - 1) + [True, True]
