@@ -422,6 +422,10 @@ def test_a_layer_settled_bf16_everywhere_frees_its_fp8_weight():
     layer = Fp8Linear(256, 512, device="cuda", config=Fp8Config(policy="auto"))
     x = torch.randn(64, 256, device="cuda")
     key = (policy.rows_bucket(64), torch.bfloat16)
+    layer.fp8_policy = {key: (True, 1.5)}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        layer(x).sum().backward()
+    fp8ops.step(layer)  # (the weight cast is cached in layers an optimizer step has updated)
     for verdicts, kept in (({key: (False, 0.9), (4096, torch.bfloat16): (True, 1.5)}, True),
                            ({key: (False, 0.9)}, False)):
         layer.fp8_policy = {key: (True, 1.5)}
