@@ -453,8 +453,9 @@ class Fp8Linear(nn.Linear):
         self.register_buffer("fp8_overflow_count", torch.zeros(3, dtype=torch.int64, device=dev), persistent=False)
         self.fp8_step = 0               # optimizer steps seen
         self.fp8_fallback_calls = 0     # eager forwards that ran BF16 (input on CPU, M % 16 != 0, policy auto)
-        # delayed: False until the first scale update; until then every cast uses its tensor's
-        # current scale (rank-local: no collective outside the step's one all-reduce)
+        # delayed: False until the first scale update at which each of its tensors had an amax
+        # (scaling._unprimed); until then every cast uses its tensor's current scale (rank-local:
+        # no collective outside the step's one all-reduce)
         self._fp8_delayed_ready = False
         self._w_cache = None            # (key, w8, w8t, bias in the GEMM's bias dtype, weakrefs to weight, bias)
         # has cast since the last scale update; True from the update that makes it ready on
