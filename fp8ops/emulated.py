@@ -17,7 +17,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import ops
-from .linear import (G, V_H, V_S, V_SI, W, X, _check_scales_unchanged, _current_scale, _keep_context, _overflow,
+from .linear import (G, V_H, V_S, V_SI, W, X, _check_scales_unchanged, _current_scale, _keep_context,
                      _scaled_grad_output)
 
 
@@ -43,7 +43,7 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
     def forward(ctx, x2, weight, bias, w_in, w8t, b_lp, views, static, store):
         x_dtype, w_dtype, g_dtype, out_dtype, _fast, current, margin, need_wgrad, _need_dgrad, delayed, *_gelu = static
         if current:
-            _current_scale(x2, views, X, margin, overflow=_overflow(views, delayed), keep_history=delayed)
+            _current_scale(x2, views, X, margin, keep_history=delayed)
         if w_in.dtype == w_dtype:
             w8 = w_in
         else:

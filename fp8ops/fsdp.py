@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 
 from . import ops
 from .conv1d import Fp8Conv1D
-from .linear import V_H, V_S, W, Fp8Linear, _current_scale, _overflow
+from .linear import V_H, V_S, W, Fp8Linear, _current_scale
 
 # ops FSDP2 runs on a parameter while sharding, padding and moving it: their results
 # stay _Fp8MasterWeight so the local shard keeps the all-gather hooks. Every other
@@ -100,7 +100,7 @@ class _Fp8MasterWeight(torch.Tensor):
         if current:
             # the whole weight's amax: the max over the shards' (an empty shard adds 0)
             group = mesh.get_group()
-            _current_scale(src, views, W, cfg.margin, overflow=_overflow(views, delayed), keep_history=delayed,
+            _current_scale(src, views, W, cfg.margin, keep_history=delayed,
                            reduce=lambda a: dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group))
         if not d["_fp8_cast_since_update"]:
             d["_fp8_cast_since_update"] = True

@@ -143,15 +143,19 @@ def _apply(fn_cls, compiling: bool, *args):
     return base(*args)
 
 
-def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float,
-                   overflow: torch.Tensor | None = None, keep_history: bool = False, reduce=None):
+def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float, keep_history: bool = False,
+                   reduce=None):
     """Current (dynamic) scaling of one tensor: its amax now -> scale. Reuses
     amax_update with most_recent, so the rules (zero / non-finite amax keeps the
-    previous scale) are the same code. keep_history: delayed scaling before its
-    first scale update, which casts each tensor with its own current scale
-    while row 0 of the history goes on collecting the step's maximum (the casts
-    fold each amax in): the amax_update here runs on a scratch copy instead.
-    reduce(amax): in place, e.g. the max over the shards of an FSDP2 weight."""
+    previous scale) are the same code, and a NaN/inf amax is counted in the
+    layer's fp8_overflow_count here, per cast. keep_history: delayed scaling
+    before its first scale update, which casts each tensor with its own current
+    scale while row 0 of the history goes on collecting the step's maximum (the
+    casts fold each amax in): the amax_update here runs on a scratch copy
+    instead, and the update that ends this counts nothing for that step
+    (scaling.update_scales): a layer no optimizer steps (a frozen LoRA base)
+    stays here and still counts. reduce(amax): in place, e.g. the max over the
+    shards of an FSDP2 weight."""
     history, scale, scale_inv, fp8_max = views[V_BUFFERS:V_BUFFERS + 4]
     with torch.no_grad():
         a = ops._amax_raw(t2d.detach())
@@ -166,14 +170,7 @@ def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float,
         # a NaN/inf amax keeps the previous scale; amax_update counts the event
         # in the same launch
         ops.amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent",
-                        overflow_count=None if overflow is None else overflow[col:col + 1])
-
-
-def _overflow(views: tuple, delayed: bool):
-    """Where a current-scaled cast counts a NaN/inf amax: the layer's counts under
-    the current recipe; nowhere under delayed scaling's first step, whose scale
-    update counts it from the history (once)."""
-    return None if delayed else views[V_OVERFLOW]
+                        overflow_count=views[V_OVERFLOW][col:col + 1])
 
 
 def _scaled_grad_output(ctx, gy: torch.Tensor) -> torch.Tensor:
@@ -183,7 +180,7 @@ def _scaled_grad_output(ctx, gy: torch.Tensor) -> torch.Tensor:
     *_, current, margin, _need_wgrad, _need_dgrad, delayed, _act_in, _gelu_out = ctx.static
     g2 = gy.contiguous()
     if current:
-        _current_scale(g2, ctx.views, G, margin, overflow=_overflow(ctx.views, delayed), keep_history=delayed)
+        _current_scale(g2, ctx.views, G, margin, keep_history=delayed)
     return g2
 
 
@@ -214,7 +211,7 @@ class _Fp8LinearFn(torch.autograd.Function):
          act_in, gelu_out) = static
         assert not ((act_in or gelu_out) and current), "the fused activations need known scales (forward unfuses them)"
         if current:
-            _current_scale(x2, views, X, margin, overflow=_overflow(views, delayed), keep_history=delayed)
+            _current_scale(x2, views, X, margin, keep_history=delayed)
         if b_lp is None:
             b_lp = ops._empty_bias_for(x2, out_dtype)
         # one C call: [cast the weight,] cast x (amaxes folded into history row 0), GEMM
@@ -616,7 +613,7 @@ class Fp8Linear(nn.Linear):
         w_hp = w_hp.contiguous()  # (a strided weight: Fp8Conv1D's transpose view, cast once per step)
         if current:
             delayed = cfg.recipe == "delayed"
-            _current_scale(w_hp, views, W, cfg.margin, overflow=_overflow(views, delayed), keep_history=delayed)
+            _current_scale(w_hp, views, W, cfg.margin, keep_history=delayed)
         b_lp = None if b is None else b.detach().to(ops._bias_dtype(compute_dtype))
         store = None
         if key is not None and torch.is_grad_enabled():

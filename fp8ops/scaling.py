@@ -142,12 +142,13 @@ def exclude_from_ddp_broadcast(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def _fast_job(layer: Fp8Linear):
+def _fast_job(layer: Fp8Linear, counts: bool = True):
     """(device index, job) for _C.amax_update_many -- the step's update of all
     CUDA layers in a few launches, without a dispatcher call per layer -- or
     None when this layer must take the checked op (CPU, or buffers that are not
     the float32 CUDA tensors of the layout Fp8Linear made: a user replaced them).
-    Checked on every call, since the C side trusts the pointers it is given."""
+    Checked on every call, since the C side trusts the pointers it is given.
+    counts: count this step's NaN/inf amaxes (a null pointer: not)."""
     bufs = layer._buffers
     h, s, si, m, o = (bufs["fp8_amax_history"], bufs["fp8_scale"], bufs["fp8_scale_inv"], bufs["fp8_max"],
                       bufs["fp8_overflow_count"])
@@ -161,8 +162,8 @@ def _fast_job(layer: Fp8Linear):
             and s.is_contiguous() and m.is_contiguous() and o.is_contiguous() and si.stride(0) >= 1):
         return None
     cfg = layer.__dict__["fp8_config"]
-    return dev.index, (h.data_ptr(), s.data_ptr(), si.data_ptr(), m.data_ptr(), o.data_ptr(), n, h.shape[0],
-                       si.stride(0), float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo])
+    return dev.index, (h.data_ptr(), s.data_ptr(), si.data_ptr(), m.data_ptr(), o.data_ptr() if counts else 0, n,
+                       h.shape[0], si.stride(0), float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo])
 
 
 def _find_compiled_casts(layers: list[Fp8Linear]) -> list[Fp8Linear]:
@@ -295,6 +296,8 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
                           and not l.__dict__["_fp8_delayed_ready"]])
     for layer in due:
         d = layer.__dict__
+        # a layer on current scales this step counted its NaN/inf amaxes per cast (_current_scale)
+        counts = d["_fp8_delayed_ready"]
         if d["_fp8_rest_due"]:
             d["_fp8_rest_due"] = False
             if (not d["_fp8_pristine"] and not ranks and _settled_bf16(d)
@@ -324,14 +327,15 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
             # an nn.Linear costs. (Under DDP / FSDP2 another rank's amax may arrive through the
             # all-reduce above: updated there.)
             continue
-        job = _fast_job(layer) if core is not None else None
+        job = _fast_job(layer, counts) if core is not None else None
         if job is not None:
             fast.setdefault(job[0], []).append(job[1])
             continue
         cfg = d["fp8_config"]
         bufs = layer._buffers
-        update(bufs["fp8_amax_history"], bufs["fp8_scale"], bufs["fp8_scale_inv"], bufs["fp8_max"],
-               float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo], bufs["fp8_overflow_count"])
+        h = bufs["fp8_amax_history"]
+        update(h, bufs["fp8_scale"], bufs["fp8_scale_inv"], bufs["fp8_max"], float(cfg.margin),
+               ops.AMAX_ALGOS[cfg.amax_compute_algo], bufs["fp8_overflow_count"] if counts else ops._no_counts(h))
     for device, jobs in fast.items():
         core.amax_update_many(device, jobs)
     # the C kernels write the scales through raw pointers: tell autograd's version counters, which

@@ -418,8 +418,8 @@ def test_a_layer_settled_bf16_after_casting_rests(device, monkeypatch):
     jobs = []
     fast_job = scaling._fast_job
 
-    def counted_job(m):  # (the CUDA layers' update: a job of the many-layer launch)
-        job = fast_job(m)
+    def counted_job(m, *args):  # (the CUDA layers' update: a job of the many-layer launch)
+        job = fast_job(m, *args)
         if job is not None:
             jobs.append(m)
         return job

@@ -225,3 +225,34 @@ def test_a_tensor_that_stays_zero_turns_to_delayed_scaling_after_a_few_updates(m
         ready.append((m[0]._fp8_delayed_ready, m[1]._fp8_delayed_ready))
     assert ready[0] == (True, False)
     assert [r[1] for r in ready] == [False] * (scaling._PRIMING_UPDATES - 1) + [True, True]
+
+
+def test_a_layer_no_optimizer_steps_counts_its_nan_amaxes(monkeypatch):
+    """A frozen layer (a LoRA base) gets no scale update: it casts with current scales for
+    good, so its casts count their NaN/inf amaxes; a stepped layer's first update then
+    counts nothing more for that step (once per cast, not twice)."""
+    from conftest import convert_as_on_fp8_gpu
+    m = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), monkeypatch)
+    m[0].weight.requires_grad_(False)
+    m[0].bias.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.01)
+    for step in range(3):
+        x = torch.randn(16, 32)
+        if step == 2:  # (the last: a NaN gradient would make the next step's weight NaN)
+            x[0, 0] = float("nan")
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    frozen, stepped = m[0], m[1]
+    assert frozen.fp8_step == 0 and not frozen._fp8_delayed_ready
+    assert frozen.fp8_overflow_count.tolist() == [1, 0, 0]  # x at step 2 (no backward reaches it)
+    # the stepped layer, delayed by step 2: its NaN input counted once, by that step's update
+    assert stepped.fp8_overflow_count.tolist() == [1, 0, 0]
+    # a NaN in the first step of a stepped layer (current scales then): counted by the cast only
+    fresh = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32)), monkeypatch)
+    opt = torch.optim.SGD(fresh.parameters(), lr=0.0)
+    x = torch.randn(16, 32)
+    x[3, 3] = float("inf")
+    fresh(x).sum().backward()
+    opt.step()
+    assert fresh[0].fp8_overflow_count.tolist() == [1, 0, 0]
