@@ -21,7 +21,8 @@ from .conversion import convert, convert_to_fp8_training, fp8_supported_here  # 
 from .fsdp import enable_fsdp_fp8_all_gather  # noqa: E402
 from .policy import tune_policy  # noqa: E402
 from .report import report  # noqa: E402
-from .scaling import exclude_from_ddp_broadcast, load_scaling_state_dict, scaling_state_dict, step  # noqa: E402
+from .scaling import (exclude_from_ddp_broadcast, load_scaling_state_dict, scaling_state_dict,  # noqa: E402
+                      set_scaling_group, step)
 from .swiglu import SwiGLU  # noqa: E402
 from .training import add_fp8_args, config_from_args, prepare_model  # noqa: E402
 
@@ -33,7 +34,7 @@ __all__ = [
     # availability
     "is_available", "why_unavailable", "fp8_supported_here", "build_info",
     # DDP and FSDP2
-    "exclude_from_ddp_broadcast", "enable_fsdp_fp8_all_gather",
+    "exclude_from_ddp_broadcast", "enable_fsdp_fp8_all_gather", "set_scaling_group",
     # scaling state
     "scaling_state_dict", "load_scaling_state_dict", "step",
     # training scripts

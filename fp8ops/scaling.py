@@ -255,8 +255,50 @@ def _note_no_cast(layers: list[Fp8Linear]) -> None:
 
 
 def update_scales(layers: list[Fp8Linear], group=None) -> None:
-    """One optimizer step has happened for these layers."""
+    """One optimizer step has happened for these layers. Their amaxes are reduced over
+    the ranks of each layer's scaling group (set_scaling_group; else `group`, None:
+    every rank), one collective per group, in the order the groups first appear."""
     serial = loop_trial.note_optimizer_step()  # (policy auto's trial counts its steps by these too)
+    groups: list = []
+    for layer in layers:
+        g = layer.__dict__.get("_fp8_group", group)
+        for known, members in groups:
+            if known is g:
+                members.append(layer)
+                break
+        else:
+            groups.append((g, [layer]))
+    for g, members in groups:
+        _update_group(members, g, serial)
+
+
+def set_scaling_group(model: torch.nn.Module, group) -> int:
+    """The ranks whose amaxes the scale updates of model's FP8 layers reduce over:
+    a torch.distributed ProcessGroup (e.g. the data-parallel group of a pipeline
+    stage, or of one of several models trained by one launch), or "local" (this
+    rank's own amaxes, no collective: a model only this rank trains). By default
+    every rank of the default group takes part, which is right where every rank
+    holds a data-parallel copy of the model, and wrong (other layers' amaxes, or a
+    collective the other ranks never join: a hang) otherwise. Every rank of the
+    group must give its layers the same group, and step them together. Returns the
+    number of layers set."""
+    if not (_is_local(group) or isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"fp8ops.set_scaling_group: group must be a torch.distributed ProcessGroup or \"local\", "
+                        f"found {type(group).__name__}; for every rank pass dist.group.WORLD")
+    n = 0
+    for m in _unwrapped(model).modules():
+        if isinstance(m, Fp8Linear):
+            m.__dict__["_fp8_group"] = group
+            n += 1
+    return n
+
+
+def _is_local(group) -> bool:
+    return isinstance(group, str) and group == "local"
+
+
+def _update_group(layers: list[Fp8Linear], group, serial: int) -> None:
+    """update_scales for the layers of one scaling group."""
     # Every delayed layer whose interval is due is updated, also one that cast
     # nothing since the last update (policy "auto" chose BF16 for its shape, or
     # nothing called it): its row 0 holds 0, and its history window counts
@@ -268,7 +310,7 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     no_cast = _find_compiled_casts(due)
     # policy "auto" under DDP / FSDP2: the verdicts the ranks settled since the last step are
     # exchanged here (policy_ranks.py), flagged in the amax all-reduce where there is one
-    ranks = policy_ranks.world(group) > 1
+    ranks = not _is_local(group) and policy_ranks.world(group) > 1
     if ranks:
         _check_not_broadcast(layers)
     exchange = ranks and policy_ranks.takes_part(layers)

@@ -913,3 +913,67 @@ def test_layer_skipped_on_some_ranks_keeps_one_process_histories(tmp_path):
     assert r0[2][1][0][1].gt(0).all() and not r0[2][1][0][-1].any()   # step 2 rolled a zero row
     # rank 1 cast nothing of expert 1 before step 3: it casts its first call with current scales
     assert r0[0][1][2] and not r1[2][1][2] and r1[3][1][2]
+
+
+def _own_model(rank):
+    """Each rank's own model (pipeline stages, or independent models of one launch): rank 1's
+    inputs are 100x rank 0's."""
+    torch.manual_seed(rank)
+    m = nn.Sequential(nn.Linear(32, 32))
+    m[0] = Fp8Linear.from_linear(m[0], Fp8Config(amax_history_len=4, policy="always"))
+    m[0].fp8_on_cpu = True
+    return m
+
+
+def _train_own(m, rank, steps=3):
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    g = torch.Generator().manual_seed(7 + rank)
+    for _ in range(steps):
+        m(torch.randn(16, 32, generator=g) * (1 + 99 * rank)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return m[0].fp8_scale.clone()
+
+
+def _scaling_group_worker(rank, world, tmp):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    out = {}
+    try:
+        own = [dist.new_group([r]) for r in range(world)]  # (every rank makes every group)
+        m = _own_model(rank)
+        assert fp8ops.set_scaling_group(m, "local") == 1
+        out["local"] = _train_own(m, rank)
+        m = _own_model(rank)
+        fp8ops.set_scaling_group(m, own[rank])
+        out["own_group"] = _train_own(m, rank)
+        if rank == 0:  # a model only rank 0 steps, while rank 1 waits: no collective to join
+            m = _own_model(rank)
+            fp8ops.set_scaling_group(m, "local")
+            out["alone"] = _train_own(m, rank)
+        dist.barrier()
+    finally:
+        torch.save(out, f"{tmp}/group{rank}.pt")
+        _teardown()
+    _leave()
+
+
+def test_a_scaling_group_keeps_the_amaxes_to_its_ranks(tmp_path):
+    """Ranks that do not hold copies of one model (pipeline stages, several models) reduce
+    their amaxes over their own group, or none: each rank's scales are those of its own data
+    in one process (over every rank, rank 0's input scale would be rank 1's, 100x too small;
+    a model only rank 0 steps would wait on rank 1 for good)."""
+    import torch.multiprocessing as mp
+    mp.spawn(_scaling_group_worker, args=(WORLD, str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"group{rank}.pt", weights_only=False)
+        want = _train_own(_own_model(rank), rank)
+        assert torch.equal(got["local"], want) and torch.equal(got["own_group"], want), rank
+        if rank == 0:
+            assert torch.equal(got["alone"], want)
+
+
+def test_set_scaling_group_refuses_other_values():
+    with pytest.raises(TypeError, match=r"group must be a torch.distributed ProcessGroup or \"local\", found int"):
+        fp8ops.set_scaling_group(nn.Sequential(Fp8Linear(16, 16)), 3)
