@@ -46,6 +46,9 @@ class GPTConfig:
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}, found {self.arch!r}")
+        if self.n_head < 1 or self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head}); "
+                             "pass --n_embd and --n_head that divide")
 
     @classmethod
     def preset(cls, name, **overrides):

@@ -56,38 +56,55 @@ def _path() -> str:
         os.path.expanduser("~"), ".cache", "fp8ops", "policy.json")
 
 
+def _read(path: str) -> dict:
+    """The timings in the file at path: a file that cannot be read or is not fp8ops' (not a
+    JSON object of six positive timings per key) counts as empty, an entry that is not as none."""
+    out = {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return out
+    for k, v in (data.items() if isinstance(data, dict) else ()):
+        try:
+            t = Timing(*map(float, v))
+        except (TypeError, ValueError):  # (an older fp8ops' (wins, speedup), or anything else)
+            continue
+        if all(x > 0 and math.isfinite(x) for x in t):  # (a 0 would divide by zero in the speedups)
+            out[k] = t
+    return out
+
+
 def _load() -> dict:
-    """The timings cached on disk: a file that cannot be read or is not fp8ops' (not a JSON
-    object of six positive timings per key) counts as empty, an entry that is not as none."""
+    """The timings cached on disk, read once per process."""
     global _timings
     if _timings is None:
-        _timings = {}
-        try:
-            with open(_path()) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            return _timings
-        for k, v in (data.items() if isinstance(data, dict) else ()):
-            try:
-                t = Timing(*map(float, v))
-            except (TypeError, ValueError):  # (an older fp8ops' (wins, speedup), or anything else)
-                continue
-            if all(x > 0 and math.isfinite(x) for x in t):  # (a 0 would divide by zero in the speedups)
-                _timings[k] = t
+        _timings = _read(_path())
     return _timings
 
 
 def _save() -> None:
+    """Write this process's timings, merged into what the file holds now (other processes,
+    e.g. the other ranks of a run, may have written since this one read it)."""
+    tmp = None
     try:
         folder = os.path.dirname(_path())
         if folder:  # (FP8OPS_POLICY_CACHE=policy.json: the working directory)
             os.makedirs(folder, exist_ok=True)
+        merged = {**_read(_path()), **_timings}
         tmp = _path() + f".{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({k: list(v) for k, v in _timings.items()}, f, indent=0, sort_keys=True)
+            json.dump({k: list(v) for k, v in merged.items()}, f, indent=0, sort_keys=True)
         os.replace(tmp, _path())
+        tmp = None
     except OSError:
         pass  # a read-only home only costs a re-measure next run
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)  # (the replace failed: e.g. the path is a directory)
+            except OSError:
+                pass
 
 
 # bumped when what is measured changes, so timings of an older fp8ops are not reused

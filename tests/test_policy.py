@@ -94,6 +94,25 @@ def test_timings_cache_round_trip_and_old_files(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "here.json").read_text()) == {"k": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]}
 
 
+def test_timings_cache_keeps_what_another_process_wrote_and_no_temporary_file(tmp_path, monkeypatch):
+    """Two processes (the ranks of one run) share the file: each write merges into what is
+    there now, instead of putting back the file this process read at its start. A write that
+    cannot replace the file (the path is a folder) leaves no temporary file behind."""
+    path = tmp_path / "policy.json"
+    monkeypatch.setenv("FP8OPS_POLICY_CACHE", str(path))
+    monkeypatch.setattr(policy, "_timings", None)
+    policy._load()                                               # this process reads: empty
+    path.write_text(json.dumps({"other": [1, 1, 1, 1, 1, 1]}))  # another process writes
+    policy._load()["mine"] = T(2.0, 2.0, 2.0, 2.0, 2.0, 2.0)
+    policy._save()
+    assert set(json.loads(path.read_text())) == {"other", "mine"}
+    folder = tmp_path / "a_folder"
+    folder.mkdir()
+    monkeypatch.setenv("FP8OPS_POLICY_CACHE", str(folder))
+    policy._save()
+    assert sorted(tmp_path.iterdir()) == sorted([path, folder])
+
+
 # ------------------------------------------------ the trial's steps, on CPU with a simulated loop
 
 

@@ -463,6 +463,14 @@ def test_example_names_the_bad_flag(argv, said, capsys):
     assert e.value.code == 2 and said in capsys.readouterr().err
 
 
+def test_a_head_count_the_presets_width_does_not_divide_is_refused_by_name():
+    """--n_head alone, against the preset's width: refused when the config is made, which the
+    example turns into a "model flags" message (it was a traceback from inside GPT())."""
+    from gpt2 import GPTConfig
+    with pytest.raises(ValueError, match=r"n_embd \(128\) must be a multiple of n_head \(3\)"):
+        GPTConfig.preset("tiny", n_head=3)
+
+
 def test_a_run_without_fp8_is_named_by_its_precision():
     """An FP32 run (the CPU) is not labelled bf16: the summary, which the example writes to
     metrics.json and its plots, names the precision the layers run in."""
