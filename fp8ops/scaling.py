@@ -457,6 +457,8 @@ def scaling_state_dict(model: torch.nn.Module) -> dict:
                 "scale_inv": m.fp8_scale_inv.detach().cpu().clone(),
                 "step": m.fp8_step,
                 "primed": m._fp8_delayed_ready,
+                # (cumulative over the run, as report and the example's TensorBoard show them)
+                "overflow_count": m.fp8_overflow_count.detach().cpu().clone(),
             }
     return out
 
@@ -485,8 +487,8 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
                 or ("config" in s and _recipe_and_format(s["config"]) != _recipe_and_format(m.fp8_config.short_str()))):
             skipped.append(name)
             continue
-        for what in ("scale", "scale_inv"):
-            if tuple(s[what].shape) != tuple(m._buffers["fp8_" + what].shape):
+        for what in ("scale", "scale_inv", "overflow_count"):
+            if what in s and tuple(s[what].shape) != tuple(m._buffers["fp8_" + what].shape):
                 raise ValueError(f"load_scaling_state_dict: {name}'s saved {what} has shape {tuple(s[what].shape)}, "
                                  f"expected {tuple(m._buffers['fp8_' + what].shape)} (one per input, weight and "
                                  "gradient); the state is not from scaling_state_dict of this fp8ops. Nothing was "
@@ -504,6 +506,8 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
             m.fp8_amax_history.copy_(s["amax_history"])
             m.fp8_scale.copy_(s["scale"])
             m.fp8_scale_inv.copy_(s["scale_inv"])
+            if "overflow_count" in s:  # (not in a state an fp8ops before the twenty-seventh session saved)
+                m.fp8_overflow_count.copy_(s["overflow_count"])
         m.fp8_step = int(s["step"])
         m._fp8_delayed_ready = bool(s.get("primed", True))
         m._w_cache = None  # the cached weight cast was made with the old weight scale

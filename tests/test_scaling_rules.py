@@ -119,6 +119,28 @@ def test_a_loaded_state_keeps_the_step_count_and_primed_flag():
     assert again[0].fp8_scale[X].item() == (torch.tensor(448.0) / xs[1].abs().max()).item()
 
 
+def test_a_loaded_state_keeps_the_overflow_counts():
+    """The NaN/inf counts are the run's, cumulative (report, the example's TensorBoard): a
+    resume goes on from them; a state saved without them (an older fp8ops) keeps zeros."""
+    src = nn.Sequential(_layer())
+    opt = torch.optim.SGD(src.parameters(), lr=0.0)
+    for step in range(3):
+        x = torch.randn(16, 32)
+        if step == 2:
+            x[0, 0] = float("inf")
+        src(x).sum().backward()
+        opt.step()
+    state = fp8ops.scaling_state_dict(src)
+    assert state["0"]["overflow_count"].tolist() == [1, 0, 0]
+    dst = nn.Sequential(_layer())
+    fp8ops.load_scaling_state_dict(dst, state, strict=True)
+    assert dst[0].fp8_overflow_count.tolist() == [1, 0, 0]
+    del state["0"]["overflow_count"]
+    old = nn.Sequential(_layer())
+    fp8ops.load_scaling_state_dict(old, state, strict=True)
+    assert old[0].fp8_overflow_count.tolist() == [0, 0, 0]
+
+
 def test_nested_optimizers_over_part_of_the_model_update_every_layer_once_per_step():
     """An outer optimizer that steps an inner one over some of the parameters (SAM-like): the
     layers only the outer one owns are updated every step, the inner's once per step too."""
