@@ -3,6 +3,7 @@ format's gradient dtype, the margin on the gradient's scale, amax_compute_algo="
 on a layer, two forwards before one backward under current scaling, what a saved scaling
 state restores (step count, primed or not), nested optimizers over part of a model, and the
 SQNR helper every numerics test relies on."""
+import pytest
 import torch
 import torch.nn as nn
 
@@ -10,6 +11,8 @@ import fp8ops
 from fp8ops._reference import sqnr
 from fp8ops.config import Fp8Config
 from fp8ops.linear import Fp8Linear
+
+from conftest import FP8_DEVICES
 
 X, W, G = 0, 1, 2
 
@@ -200,20 +203,21 @@ def _zero_init_mlp():
     return m
 
 
-def test_a_tensor_with_no_amax_yet_stays_on_current_scaling(monkeypatch):
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_a_tensor_with_no_amax_yet_stays_on_current_scaling(device, monkeypatch):
     """Step 1 of a model whose last projection starts at 0: that layer's weight amax and the
     first layer's gradient amax are exactly 0, so the first update has no scale for them
     (they would keep the fresh state's 1.0). Both layers stay on current scaling for step 2,
     whose gradients are then as close to FP32's as a primed step's; then delayed scaling."""
     from conftest import convert_as_on_fp8_gpu
-    ref = _zero_init_mlp()
-    fp8 = convert_as_on_fp8_gpu(_zero_init_mlp(), monkeypatch)
+    ref = _zero_init_mlp().to(device)
+    fp8 = convert_as_on_fp8_gpu(_zero_init_mlp().to(device), monkeypatch, device)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt_f = torch.optim.AdamW(fp8.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     first, last = fp8[0], fp8[2]
     for step in range(3):
-        x, t = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)
+        x, t = torch.randn(32, 64, generator=g).to(device), torch.randn(32, 64, generator=g).to(device)
         with torch.no_grad():  # the same weights for both, so only this step's gradients differ
             for pf, pr in zip(fp8.parameters(), ref.parameters()):
                 pf.copy_(pr)
@@ -249,17 +253,18 @@ def test_a_tensor_that_stays_zero_turns_to_delayed_scaling_after_a_few_updates(m
     assert [r[1] for r in ready] == [False] * (scaling._PRIMING_UPDATES - 1) + [True, True]
 
 
-def test_a_layer_no_optimizer_steps_counts_its_nan_amaxes(monkeypatch):
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_a_layer_no_optimizer_steps_counts_its_nan_amaxes(device, monkeypatch):
     """A frozen layer (a LoRA base) gets no scale update: it casts with current scales for
     good, so its casts count their NaN/inf amaxes; a stepped layer's first update then
     counts nothing more for that step (once per cast, not twice)."""
     from conftest import convert_as_on_fp8_gpu
-    m = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), monkeypatch)
+    m = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)).to(device), monkeypatch, device)
     m[0].weight.requires_grad_(False)
     m[0].bias.requires_grad_(False)
     opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.01)
     for step in range(3):
-        x = torch.randn(16, 32)
+        x = torch.randn(16, 32, device=device)
         if step == 2:  # (the last: a NaN gradient would make the next step's weight NaN)
             x[0, 0] = float("nan")
         m(x).sum().backward()
@@ -271,9 +276,9 @@ def test_a_layer_no_optimizer_steps_counts_its_nan_amaxes(monkeypatch):
     # the stepped layer, delayed by step 2: its NaN input counted once, by that step's update
     assert stepped.fp8_overflow_count.tolist() == [1, 0, 0]
     # a NaN in the first step of a stepped layer (current scales then): counted by the cast only
-    fresh = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32)), monkeypatch)
+    fresh = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32)).to(device), monkeypatch, device)
     opt = torch.optim.SGD(fresh.parameters(), lr=0.0)
-    x = torch.randn(16, 32)
+    x = torch.randn(16, 32, device=device)
     x[3, 3] = float("inf")
     fresh(x).sum().backward()
     opt.step()
