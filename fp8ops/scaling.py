@@ -180,7 +180,7 @@ def _find_compiled_casts(layers: list[Fp8Linear]) -> list[Fp8Linear]:
     gen = _linear._TRACES[0]
     if gen == 0:
         return []  # (no compiled FP8 forward in this process: eager code set every flag)
-    todo: dict = {}
+    todo = []
     no_cast = []
     for layer in layers:
         d = layer.__dict__
@@ -190,16 +190,29 @@ def _find_compiled_casts(layers: list[Fp8Linear]) -> list[Fp8Linear]:
         if d["_fp8_cast_looked_at"] == (gen, h._version):
             no_cast.append(layer)  # (nothing wrote its history since the last look)
         else:
-            todo.setdefault(h.device, []).append(layer)
-    for device, found in todo.items():
-        if device.type == "meta" or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            continue  # (looked up at a later update)
-        for layer, cast in zip(found, _row0_written(found)):
-            if cast:
-                layer.__dict__["_fp8_cast_since_update"] = True
-            else:
-                no_cast.append(layer)
+            todo.append(layer)
+    # (a layer on a device that cannot be read now is looked up at a later update)
+    for layer, cast in _by_readable_device(todo, _row0_written):
+        if cast:
+            layer.__dict__["_fp8_cast_since_update"] = True
+        else:
+            no_cast.append(layer)
     return no_cast
+
+
+def _by_readable_device(layers: list[Fp8Linear], read) -> list[tuple[Fp8Linear, bool]]:
+    """(layer, read's verdict on it): read takes the layers of one device and returns a bool
+    each, in one read of their histories (one sync). Layers on the meta device, or on a CUDA
+    device during a graph capture (where a read cannot sync), are left out."""
+    by_device: dict = {}
+    for layer in layers:
+        by_device.setdefault(layer._buffers["fp8_amax_history"].device, []).append(layer)
+    out = []
+    for device, found in by_device.items():
+        if device.type == "meta" or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            continue
+        out += zip(found, read(found))
+    return out
 
 
 def _row0_written(layers: list[Fp8Linear]) -> list[bool]:
@@ -207,6 +220,14 @@ def _row0_written(layers: list[Fp8Linear]) -> list[bool]:
     with torch.no_grad():
         rows = torch.stack([layer._buffers["fp8_amax_history"][0] for layer in layers])
         return rows.ne(0).any(dim=1).tolist()
+
+
+def _row0_primed(layers: list[Fp8Linear]) -> list[bool]:
+    """Does row 0 of each layer's amax history hold a finite amax > 0 for every tensor? One
+    read for all (one device)."""
+    with torch.no_grad():
+        rows = torch.stack([layer._buffers["fp8_amax_history"][0] for layer in layers])
+        return (rows.isfinite() & rows.gt(0)).all(dim=1).tolist()
 
 
 # updates a layer waits on current scaling for a usable amax of each of its tensors (see
@@ -225,24 +246,15 @@ def _unprimed(layers: list[Fp8Linear]) -> set:
     step). Read after the all-reduce (every rank decides alike), before the update rolls row 0
     away: one read of all such layers of a device, in practice at the first update only. Not
     during a CUDA graph capture, where a read cannot sync, nor on the meta device: ready there."""
-    todo: dict = {}
-    for layer in layers:
-        todo.setdefault(layer._buffers["fp8_amax_history"].device, []).append(layer)
     out = set()
-    for device, found in todo.items():
-        if device.type == "meta" or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            continue
-        with torch.no_grad():
-            rows = torch.stack([layer._buffers["fp8_amax_history"][0] for layer in found])
-            primed = (rows.isfinite() & rows.gt(0)).all(dim=1).tolist()
-        for layer, ok in zip(found, primed):
-            d = layer.__dict__
-            waited = d.get("_fp8_priming_waits", 0)
-            if not ok and waited + 1 < _PRIMING_UPDATES:
-                d["_fp8_priming_waits"] = waited + 1
-                out.add(layer)
-            else:
-                d["_fp8_priming_waits"] = 0
+    for layer, ok in _by_readable_device(layers, _row0_primed):
+        d = layer.__dict__
+        waited = d.get("_fp8_priming_waits", 0)
+        if not ok and waited + 1 < _PRIMING_UPDATES:
+            d["_fp8_priming_waits"] = waited + 1
+            out.add(layer)
+        else:
+            d["_fp8_priming_waits"] = 0
     return out
 
 
