@@ -918,9 +918,11 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
   FP8OPS_TRY(require_scalar_f32(op, "g_scale_inv", &gsi, &g, "gy"));
   const int64_t M = g.sizes[0], N = g.sizes[1];
   int64_t K = 0;
+  /* both output dtypes, needed or not: an output not asked for is still allocated (empty) */
+  FP8OPS_TRY(hp_code(op, "dx_dtype", dx_dtype, &dxd));
+  FP8OPS_TRY(hp_code(op, "dw_dtype", dw_dtype, &dwd));
   if (need_dx) {
     FP8OPS_TRY(fp8_code(op, "w8t", wt.dtype, &wf));
-    FP8OPS_TRY(hp_code(op, "dx_dtype", dx_dtype, &dxd));
     FP8OPS_REQUIRE(!(gf == FP8OPS_E5M2 && wf == FP8OPS_E5M2), "%s: g_fp8_dtype and w8t are "
                    "both float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand", op);
     FP8OPS_REQUIRE(wt.ndim == 2 && wt.sizes[1] == N, "%s: w8t must be [K, N] for gy %s "
@@ -932,7 +934,6 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
   }
   if (need_dw) {
     FP8OPS_TRY(fp8_code(op, "x8t", xt.dtype, &xf));
-    FP8OPS_TRY(hp_code(op, "dw_dtype", dw_dtype, &dwd));
     FP8OPS_REQUIRE(!(gf == FP8OPS_E5M2 && xf == FP8OPS_E5M2), "%s: g_fp8_dtype and x8t are "
                    "both float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand", op);
     FP8OPS_REQUIRE(xt.ndim == 2 && xt.sizes[1] == M && (!need_dx || xt.sizes[0] == K),

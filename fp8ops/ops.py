@@ -503,11 +503,9 @@ def linear_bwd(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_
                                                need_dw, need_db)
 
 
-def _chk_bwd_operand(op, name, t, g_fp8_dtype, out_name, out_dtype, gy):
+def _chk_bwd_operand(op, name, t, g_fp8_dtype):
     e5 = torch.float8_e5m2
     _chk(t.dtype in FP8_DTYPES, f"{op}: {name} must be float8_e4m3fn or float8_e5m2, found {_dname(t.dtype)}")
-    _chk(out_dtype in HP_DTYPES,
-         f"{op}: {out_name} must be float32, bfloat16 or float16, found {_dname(out_dtype)}")
     _chk(not (g_fp8_dtype == e5 and t.dtype == e5),
          f"{op}: g_fp8_dtype and {name} are both float8_e5m2; FP8 tensor cores need at least one "
          f"float8_e4m3fn operand")
@@ -524,6 +522,8 @@ def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_
     _chk_contig(op, "gy", gy)
     for name, t in (("g_scale", g_scale), ("g_amax", g_amax), ("g_scale_inv", g_scale_inv)):
         _chk_scalar_f32(op, name, t, "gy", gy)
+    for name, d in (("dx_dtype", dx_dtype), ("dw_dtype", dw_dtype)):  # needed or not, as the C op checks
+        _chk(d in HP_DTYPES, f"{op}: {name} must be float32, bfloat16 or float16, found {_dname(d)}")
     M, N = gy.shape
     if gelu_input.numel() > 0:
         _chk(tuple(gelu_input.shape) == (M, N), f"{op}: gelu_input must be [M, N] = {list(gy.shape)} like gy (the "
@@ -534,7 +534,7 @@ def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_
         _chk_device(op, "gelu_input", gelu_input, "gy", gy)
     K = 0
     if need_dx:
-        _chk_bwd_operand(op, "w8t", w8t, g_fp8_dtype, "dx_dtype", dx_dtype, gy)
+        _chk_bwd_operand(op, "w8t", w8t, g_fp8_dtype)
         _chk(w8t.dim() == 2 and w8t.shape[1] == N,
              f"{op}: w8t must be [K, N] for gy {list(gy.shape)} (the transposed FP8 weight), found {list(w8t.shape)}")
         _chk_contig(op, "w8t", w8t)
@@ -542,7 +542,7 @@ def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_
         _chk_scalar_f32(op, "w_scale_inv", w_scale_inv, "gy", gy)
         K = w8t.shape[0]
     if need_dw:
-        _chk_bwd_operand(op, "x8t", x8t, g_fp8_dtype, "dw_dtype", dw_dtype, gy)
+        _chk_bwd_operand(op, "x8t", x8t, g_fp8_dtype)
         with_k = " with K = w8t.shape[0]" if need_dx else ""
         _chk(x8t.dim() == 2 and x8t.shape[1] == M and (not need_dx or x8t.shape[0] == K),
              f"{op}: x8t must be [K, M]{with_k} for gy {list(gy.shape)} (the transposed FP8 input), "

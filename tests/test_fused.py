@@ -4,6 +4,7 @@ kernels) and CUDA; the amax folding into a history slot; their argument
 checks; opcheck (fake kernels, mutation of the amax slot) and compile."""
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fp8ops import ops
 
@@ -279,6 +280,19 @@ def test_linear_bwd_errors(device):
     # an operand that is not needed is not checked
     dx, dw, db = ops.linear_bwd(gy, w8t, bad_x8t, s, torch.zeros(1, device=device), s, s, s, E5, need_dw=False)
     assert dx.shape == (32, 48) and dw.numel() == 0 and db.numel() == 0
+    # an output's dtype is checked whether it is computed or not (an empty one is still made),
+    # in the C op and in its fake kernel alike
+    for need in (True, False):
+        with pytest.raises(RuntimeError, match=r"linear_bwd: dw_dtype must be float32, bfloat16 or float16, "
+                                               r"found int32"):
+            ops.linear_bwd(gy, w8t, x8t, s, torch.zeros(1, device=device), s, s, s, dw_dtype=torch.int32,
+                           need_dw=need)
+        with FakeTensorMode() as mode:
+            fake = [mode.from_tensor(t) for t in (gy, w8t, x8t, s)]
+            with pytest.raises(RuntimeError, match=r"linear_bwd: dx_dtype must be float32, bfloat16 or float16, "
+                                                   r"found int32"):
+                ops.linear_bwd(fake[0], fake[1], fake[2], fake[3], fake[3].clone(), fake[3], fake[3], fake[3],
+                               dx_dtype=torch.int32, need_dx=need)
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
