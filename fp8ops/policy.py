@@ -115,13 +115,35 @@ _KEY_VERSION = 5
 
 
 def key(device: torch.device, M: int, K: int, N: int, dtype: torch.dtype, bias: bool, gelu: bool = False,
-        swiglu: bool = False, setup: str = "") -> str:
+        swiglu: bool = False, setup: str = "", norm: str = "") -> str:
     """gelu, swiglu: the layer's input is a fused GELU's or SwiGLU's (Fp8Linear.fp8_gelu_input,
-    fp8_swiglu_input): timed with it on both sides. setup: what else changes the FP8 side's
-    cost (setup_of: recipe, format, fast accumulation, the weight's dtype)."""
+    fp8_swiglu_input); norm: a fused LayerNorm's or RMSNorm's (norm_of): timed with it on both
+    sides. setup: what else changes the FP8 side's cost (setup_of: recipe, format, fast
+    accumulation, the weight's dtype)."""
     return (f"v{_KEY_VERSION}|{torch.cuda.get_device_name(device)}|torch{torch.__version__}|"
             f"{M}x{K}->{N}|{str(dtype).replace('torch.', '')}|bias{int(bias)}" + ("|gelu" if gelu else "")
-            + ("|swiglu" if swiglu else "") + (f"|{setup}" if setup else ""))
+            + ("|swiglu" if swiglu else "") + (f"|{norm}" if norm else "") + (f"|{setup}" if setup else ""))
+
+
+def norm_of(layer) -> str:
+    """The fused norm before the layer (Fp8Linear.fp8_ln_input), as the key names it: what
+    decides its cost on both sides (its kind, affine parameters and their dtype), "" if none."""
+    ln = layer.fp8_ln_input
+    if ln is None:
+        return ""
+    kind = "rms" if isinstance(ln, nn.RMSNorm) else "ln"
+    w, b = ln.weight, getattr(ln, "bias", None)
+    return kind + ("" if w is None else f"-w{str(w.dtype).replace('torch.', '')}") + ("" if b is None else "-b")
+
+
+def _norm_like(ln: nn.Module, dev: torch.device) -> nn.Module:
+    """A fresh norm with ln's shape, eps, affine parameters and dtype, for the timing layers
+    (the user's own module is left alone: no hooks run, no parameters shared)."""
+    w, b = ln.weight, getattr(ln, "bias", None)
+    dtype = w.dtype if w is not None else None
+    if isinstance(ln, nn.RMSNorm):
+        return nn.RMSNorm(ln.normalized_shape, ln.eps, w is not None, device=dev, dtype=dtype)
+    return nn.LayerNorm(ln.normalized_shape, ln.eps, w is not None, bias=b is not None, device=dev, dtype=dtype)
 
 
 def setup_of(layer) -> str:
@@ -243,14 +265,14 @@ def _time_queued(fn, host_hint_ms: float, reps: int = 20) -> tuple[float, float]
 
 def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
     """Timing of BF16 and FP8 fwd+bwd for this layer's shape at M rows."""
-    from .linear import Fp8Linear  # noqa: PLC0415
+    from .linear import Fp8Linear, _normalize  # noqa: PLC0415
     from . import ops  # noqa: PLC0415
     from .swiglu import swiglu as swiglu_op  # noqa: PLC0415
 
     dev = layer.weight.device
     gelu, swiglu = layer.fp8_gelu_input, layer.fp8_swiglu_input
     k = key(dev, M, layer.in_features, layer.out_features, cdtype, layer.bias is not None, gelu, swiglu,
-            setup_of(layer))
+            setup_of(layer), norm_of(layer))
     # (the first forward may come under inference_mode, e.g. a validation sanity check:
     # the timing layers and tensors below must be ordinary ones, which autograd takes; and
     # making them draws random numbers, which must not move the user's generators: the same
@@ -267,6 +289,8 @@ def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
         fp8.fp8_policy_measuring = True
         fp8.fp8_gelu_input = gelu
         fp8.fp8_swiglu_input = swiglu
+        ln = None if layer.fp8_ln_input is None else _norm_like(layer.fp8_ln_input, dev)
+        fp8.__dict__["fp8_ln_input"] = ln  # (as layernorm_fusion sets it: not a submodule)
         # time the steady state: delayed casts from the history's scales (not the
         # first step's current scaling, which costs an extra amax pass per cast)
         fp8._fp8_delayed_ready = True
@@ -279,9 +303,9 @@ def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
                 with torch.autocast("cuda", dtype=cdtype, enabled=cdtype != torch.float32):
                     if mod is fp8:
                         y = mod(x)
-                    else:  # the plain path: the activation (as Fp8Linear._plain_forward runs it), the linear
+                    else:  # the plain path: the activation or norm (as Fp8Linear._plain_forward runs it), the linear
                         h = F.gelu(x, approximate="tanh") if gelu else swiglu_op(x) if swiglu else x
-                        y = F.linear(h, mod.weight, mod.bias)
+                        y = F.linear(h if ln is None else _normalize(ln, h), mod.weight, mod.bias)
                 y.backward(g)
                 if mod is fp8:
                     # what an optimizer step costs FP8: the scale update (one
@@ -304,7 +328,7 @@ def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
                     host[mod].append(alone[mod][-1] if q is None else q[1])
         t = Timing(min(alone[ref]), min(alone[fp8]), min(gpu[ref]), min(gpu[fp8]), min(host[ref]),
                    min(host[fp8]))
-        del ref, fp8, x, g
+        del ref, fp8, ln, x, g
         _timings[k] = t
         _save()
         return t

@@ -1,5 +1,6 @@
 """policy="auto": the verdict from the two timings (policy.py) and, where they
 disagree, the trial of the caller's own loop, in blocks of BF16 and FP8 steps (loop_trial.py)."""
+import contextlib
 import json
 import logging
 import types
@@ -417,6 +418,58 @@ def test_measure_times_both_ways(fresh_policy):
     assert policy.cached(k) == t and k.endswith("|delayed/hybrid/accfast/wfloat32")
     # the sleep kernel's calibration: GPU clocks are 0.5-3 GHz (a timed first launch once made it 50 MHz)
     assert 5e5 < policy._cycles_per_ms() < 3e6
+
+
+def test_measure_times_a_fused_norm_on_both_sides(fresh_policy, monkeypatch):
+    """A layer with a fused LayerNorm or RMSNorm is timed with that norm on both sides (the FP8
+    layer fuses it, BF16 runs it before F.linear), under a key of its own; the user's norm is
+    not run. Timed here by counting the timing layers' calls (the CPU has no CUDA events)."""
+    seen = []
+    real_normalize = fp8ops.linear._normalize
+
+    def normalize(ln, x):
+        seen.append(type(ln).__name__)
+        return real_normalize(ln, x)
+
+    def alone(fn, reps=20):
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(fp8ops.linear, "_normalize", normalize)
+    monkeypatch.setattr(policy, "_time_alone", alone)
+    monkeypatch.setattr(policy, "_time_queued", lambda fn, hint, reps=20: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "cpu")
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    real_init = Fp8Linear.__init__
+
+    def init(self, *args, **kwargs):  # the timing layers run the C reference kernels here
+        real_init(self, *args, **kwargs)
+        self.fp8_on_cpu = True
+
+    monkeypatch.setattr(Fp8Linear, "__init__", init)
+    fn = fp8ops.linear._Fp8LayerNormLinearFn
+    real_forward, fused = fn.forward, []
+
+    def fused_forward(ctx, *args):
+        fused.append(1)
+        return real_forward(ctx, *args)
+
+    monkeypatch.setattr(fn, "forward", staticmethod(fused_forward))
+    for norm, want in ((torch.nn.LayerNorm(64, bias=False, dtype=torch.float32), "ln-wfloat32"),
+                       (torch.nn.RMSNorm(64, elementwise_affine=False), "rms")):
+        seen.clear(), fused.clear()
+        user_calls = []
+        norm.register_forward_pre_hook(lambda *a: user_calls.append(1))
+        layer = Fp8Linear(64, 32, config=Fp8Config(policy="auto"))
+        layer.__dict__["fp8_ln_input"] = norm
+        assert policy.norm_of(layer) == want
+        t = policy.measure(layer, 16, torch.float32)
+        assert t == policy.Timing(1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+        # both timed steps of each side ran the norm: BF16's before F.linear, FP8's fused
+        assert len(seen) == 2 and len(fused) == 2, (seen, fused)
+        assert not user_calls  # the user's module was copied, not run
+        k = policy.key(torch.device("cpu"), 16, 64, 32, torch.float32, True, setup=policy.setup_of(layer), norm=want)
+        assert policy.cached(k) == t and f"|{want}|" in k
 
 
 @requires_fp8
