@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import _loader, loop_trial, ops, policy_ranks
+from . import _loader, loop_trial, ops, policy, policy_ranks
 from . import linear as _linear
 from .linear import Fp8Linear, _settled_bf16
 
@@ -472,7 +472,47 @@ def scaling_state_dict(model: torch.nn.Module) -> dict:
                 # (cumulative over the run, as report and the example's TensorBoard show them)
                 "overflow_count": m.fp8_overflow_count.detach().cpu().clone(),
             }
+            verdicts = _saved_verdicts(m)
+            if verdicts is not None:
+                out[name]["policy"] = verdicts
     return out
+
+
+def _gpu_name(m: Fp8Linear) -> str | None:
+    """The GPU whose speed m's policy "auto" verdicts are for (its own, or the current one
+    while m still sits on the CPU or meta device); None without CUDA."""
+    dev = m.fp8_amax_history.device
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def _saved_verdicts(m: Fp8Linear) -> dict | None:
+    """m's settled policy "auto" verdicts, with the GPU and torch they were measured on (a
+    resume elsewhere measures again): a resumed run then runs each shape as before, without
+    its trial steps (which alternate BF16 and FP8). None where there are none."""
+    if not m.fp8_policy:
+        return None
+    return {"gpu": _gpu_name(m), "torch": str(torch.__version__), "setup": policy.setup_of(m),
+            "verdicts": [(M, str(dtype).replace("torch.", ""), bool(wins), float(speedup),
+                          m.fp8_policy_why.get((M, dtype)))
+                         for (M, dtype), (wins, speedup) in m.fp8_policy.items()]}
+
+
+def _restore_verdicts(m: Fp8Linear, saved: dict | None) -> None:
+    """Settle m's verdicts as saved, where they were measured on this GPU and torch, for
+    m's recipe, format, accumulation and weight dtype (policy.setup_of), and m's policy is
+    "auto". Under torch.distributed they are exchanged at the next step like
+    any verdict (policy_ranks.settled): ranks that loaded different states still agree."""
+    if (saved is None or m.fp8_config.policy != "auto" or saved.get("gpu") is None
+            or saved.get("gpu") != _gpu_name(m) or saved.get("torch") != torch.__version__
+            or saved.get("setup") != policy.setup_of(m)):
+        return
+    for M, dtype, wins, speedup, why in saved["verdicts"]:
+        key = (int(M), getattr(torch, dtype))
+        m._fp8_pending.pop(key, None)
+        loop_trial.forget(m, key)
+        policy_ranks.settled(m, key, bool(wins), float(speedup), f"{why}; restored" if why else "restored from the saved scaling state")
 
 
 def _recipe_and_format(config: str) -> list[str]:
@@ -527,4 +567,5 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
         m._fp8_pristine = False  # its history is the loaded one
         m._fp8_cast_since_update = False  # (ready, or not, as saved)
         m._fp8_cast_looked_at = None
+        _restore_verdicts(m, s.get("policy"))
     return skipped

@@ -4,6 +4,7 @@ dtype changes, wrong inputs, double backward, arguments, wrapped models (torch.c
 parent) in report and the scaling state, and a frozen weight updated through .data. All on the
 CPU reference kernels (conftest.convert_as_on_fp8_gpu)."""
 import copy
+import dataclasses
 import functools
 import io
 import pickle
@@ -15,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fp8ops
-from fp8ops import Fp8Config
+from fp8ops import Fp8Config, policy
 from fp8ops._reference import FP8_MAX, sqnr
 from fp8ops.linear import X, Fp8Linear
 
@@ -227,6 +228,49 @@ def test_scaling_state_of_another_format_is_not_loaded(monkeypatch):
     assert dst[0].fp8_scale.tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(KeyError, match="another amax history length, recipe or FP8 format"):
         fp8ops.load_scaling_state_dict(dst, state, strict=True)
+
+
+def test_policy_verdicts_are_saved_and_restored_on_the_same_gpu(monkeypatch):
+    """policy "auto"'s settled verdicts travel with the scaling state (through torch.save with
+    weights_only): a resume on the same GPU and torch runs each shape as the run before, with
+    no trial steps again (a pending one is dropped); on another GPU, or into a layer whose policy
+    or setup differs, nothing is restored and the layer measures again."""
+    from fp8ops import policy_ranks  # noqa: PLC0415
+    gpu = ["NVIDIA H200"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu[0])
+    key = (1024, torch.bfloat16)
+
+    def converted(policy="auto", **cfg):
+        model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, **cfg)
+        for m in (model[0], model[2]):
+            m.fp8_config = dataclasses.replace(m.fp8_config, policy=policy)
+        return model
+
+    src = converted()
+    _train(src)
+    policy_ranks.settled(src[0], key, False, 0.8, "trial: 1.00 vs 0.90 ms per step")
+    policy_ranks.settled(src[2], key, True, 1.4)
+    buf = io.BytesIO()
+    torch.save(fp8ops.scaling_state_dict(src), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    assert state["0"]["policy"]["gpu"] == "NVIDIA H200"
+    dst = converted()
+    dst[0]._fp8_pending[key] = policy.Timing(1.0, 2.0, 1.5, 1.0, 0.2, 0.4)  # (a trial under way)
+    assert fp8ops.load_scaling_state_dict(dst, state, strict=True) == []
+    assert dst[0].fp8_policy == {key: (False, 0.8)} and dst[2].fp8_policy == {key: (True, 1.4)}
+    assert dst[0].fp8_policy_why[key] == "trial: 1.00 vs 0.90 ms per step; restored"
+    assert dst[2].fp8_policy_why[key] == "restored from the saved scaling state" and key not in dst[0]._fp8_pending
+    rows = {r["name"]: r for r in fp8ops.report(dst, print_table=False)}
+    assert "restored" in rows["0"]["reason"]
+    # measured elsewhere, or for another setup or policy: measured again
+    for gpu[0], cfg, pol in (("NVIDIA H100 80GB HBM3", {}, "auto"), ("NVIDIA H200", {"fast_accum": False}, "auto"),
+                             ("NVIDIA H200", {}, "always")):
+        dst = converted(pol, **cfg)
+        assert fp8ops.load_scaling_state_dict(dst, state, strict=True) == []
+        assert dst[0].fp8_policy == {} and dst[2].fp8_policy == {}
+        assert torch.equal(dst[0].fp8_scale, src[0].fp8_scale)  # (the scales load all the same)
 
 
 def test_report_shows_no_amax_where_a_one_row_history_kept_none(monkeypatch, capsys):
