@@ -424,6 +424,18 @@ class _DequantGathered(torch.autograd.Function):
         return g, None
 
 
+def _hook_registration_that_warns(name: str, kind: str, sees_input: bool, sees_grad_output: bool):
+    """nn.Module's `name` (a hook registration) on an Fp8Linear: warns first if the layer is
+    fused (Fp8Linear._warn_hook_on_fused), then registers as nn.Module does."""
+    base = getattr(nn.Module, name)
+
+    @functools.wraps(base)
+    def register(self, hook, *args, **kwargs):
+        self._warn_hook_on_fused(kind, sees_input, sees_grad_output)
+        return base(self, hook, *args, **kwargs)
+    return register
+
+
 class Fp8Linear(nn.Linear):
     """nn.Linear with FP8 forward and backward. Same parameters, same
     state_dict keys, shapes and dtypes as the nn.Linear it replaces."""
@@ -542,21 +554,15 @@ class Fp8Linear(nn.Linear):
                 "hooks before convert (a hooked linear is left unfused), or convert with Fp8Config("
                 "fuse_layernorm=False, fuse_gelu=False, fuse_swiglu=False)", stacklevel=3)
 
-    def register_forward_pre_hook(self, hook, *args, **kwargs):
-        self._warn_hook_on_fused("forward pre-hook", True, False)
-        return super().register_forward_pre_hook(hook, *args, **kwargs)
-
-    def register_forward_hook(self, hook, *args, **kwargs):
-        self._warn_hook_on_fused("forward hook", True, False)
-        return super().register_forward_hook(hook, *args, **kwargs)
-
-    def register_full_backward_pre_hook(self, hook, *args, **kwargs):
-        self._warn_hook_on_fused("backward pre-hook", False, True)
-        return super().register_full_backward_pre_hook(hook, *args, **kwargs)
-
-    def register_full_backward_hook(self, hook, *args, **kwargs):
-        self._warn_hook_on_fused("backward hook", True, True)
-        return super().register_full_backward_hook(hook, *args, **kwargs)
+    # nn.Module's hook registrations, each warning first where a hook of its kind would see what
+    # nn.Linear's would not (kind, sees the input, sees the output's gradient)
+    register_forward_pre_hook = _hook_registration_that_warns("register_forward_pre_hook", "forward pre-hook",
+                                                              True, False)
+    register_forward_hook = _hook_registration_that_warns("register_forward_hook", "forward hook", True, False)
+    register_full_backward_pre_hook = _hook_registration_that_warns("register_full_backward_pre_hook",
+                                                                    "backward pre-hook", False, True)
+    register_full_backward_hook = _hook_registration_that_warns("register_full_backward_hook", "backward hook",
+                                                                True, True)
 
     # ------------------------------------------------------------------ scales
 
