@@ -186,6 +186,11 @@ def enable_fsdp_fp8_all_gather(model: nn.Module) -> list[str]:
         w = m._parameters.get("weight")
         if w is None or owners.get(id(w), 0) > 1 or fp8_all_gather_enabled(m):
             continue
+        if hasattr(w, "_local_tensor"):  # (a DTensor: sharded already; wrapping it breaks FSDP2's lazy init)
+            raise RuntimeError(
+                f"fp8ops.enable_fsdp_fp8_all_gather: the weight of {name or '<root>'} is already sharded (a "
+                "DTensor): call it after fp8ops.convert(model) and before fully_shard, which then gathers "
+                "the FP8 weights; nothing was changed")
         m.weight = nn.Parameter(_Fp8MasterWeight(w.data), requires_grad=w.requires_grad)
         m.__dict__["_w_cache"] = None
         m.register_state_dict_post_hook(_plain_weight_in_state_dict)

@@ -48,6 +48,8 @@ GELU_BOX = "_fp8ops_gelu_box"
 V_S, V_SI, V_H = 0, 3, 6   # scale[i:i+1], scale_inv[i:i+1], history[0, i]: per-tensor views
 V_OVERFLOW = 9             # fp8_overflow_count
 V_BUFFERS = 10             # fp8_amax_history, fp8_scale, fp8_scale_inv, fp8_max (whole)
+# the scaling state's buffers (not persistent: no state_dict holds them)
+_SCALING_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_max", "fp8_overflow_count")
 
 # Each Fp8Linear's place in the order of creation, kept by copies and pickles (a model that one
 # rank built and sent to the others orders alike everywhere), with copies counted apart (_COPIES,
@@ -658,18 +660,21 @@ class Fp8Linear(nn.Linear):
         return c
 
     def _reset_fp8_state(self, keep_step: bool = False) -> None:
-        """Fresh scaling state, as convert() made it: amax history 0, scales 1,
-        overflow counts 0, no steps seen unless keep_step (the buffers stay where they are)."""
+        """Fresh scaling state, as convert() made it: amax history 0, scales 1, no steps seen
+        and overflow counts 0 unless keep_step (the step count, which sets the phase of
+        `interval`, and the run's NaN/inf counts go on). The buffers stay where they are."""
         bufs = self._buffers
         with torch.no_grad():
             bufs["fp8_amax_history"].zero_()
             bufs["fp8_scale"].fill_(1.0)
             bufs["fp8_scale_inv"].fill_(1.0)
             bufs["fp8_max"].copy_(torch.tensor([FP8_MAX[dt] for dt in self.fp8_dtypes], dtype=torch.float32))
-            bufs["fp8_overflow_count"].zero_()
+            if not keep_step:
+                bufs["fp8_overflow_count"].zero_()
         d = self.__dict__
         if not keep_step:
             d["fp8_step"] = 0
+        d.pop("_fp8_scaling_loaded", None)
         d["_fp8_delayed_ready"] = False
         d["_fp8_priming_waits"] = 0
         d["_fp8_cast_since_update"] = False
@@ -697,6 +702,12 @@ class Fp8Linear(nn.Linear):
                 self._buffers[n] = old.to(new.device)
         if was_meta and not any(self._buffers[n].is_meta for n in keep):
             self._reset_fp8_state()
+        self._forget_placement()
+        return ret
+
+    def _forget_placement(self) -> None:
+        """Drop what belongs to the old device and dtype: the cached weight cast, the buffer
+        views, policy "auto"'s BF16 shortcut and a trial under way."""
         d = self.__dict__
         d["_w_cache"] = None
         d["_fp8_bf16_key"] = None
@@ -706,7 +717,6 @@ class Fp8Linear(nn.Linear):
             from .loop_trial import forget  # noqa: PLC0415
             forget(self)
             d["_fp8_pending"] = {}
-        return ret
 
     def _param(self, name: str):
         """self.<name> without Module.__getattr__ on the hot path; a
@@ -820,13 +830,25 @@ class Fp8Linear(nn.Linear):
         # the unsharded weight the cache key reads: drop the cached cast here.
         self._w_cache = None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if prefix + "weight" in state_dict:
-            # other weights (the best checkpoint, a rollback): the amaxes and scales of the old
-            # ones mean nothing for them, and delayed scaling would cast with those for up to
-            # amax_history_len steps. The layer scales as if converted after the load: its
-            # first casts use current scales. (load_scaling_state_dict after this restores a
-            # saved scaling state, as a resume does)
+        bufs = self._buffers
+        meta = [n for n in _SCALING_BUFFERS if bufs.get(n) is not None and bufs[n].is_meta]
+        if meta and not self.weight.is_meta:
+            # load_state_dict(assign=True) into a model built on the meta device: the weight
+            # now has storage, the scaling state (not in any state dict) is given its own here,
+            # as to_empty() would (_apply)
+            for n in meta:
+                bufs[n] = torch.empty_like(bufs[n], device=self.weight.device)
             self._reset_fp8_state()
+            self._forget_placement()
+        elif prefix + "weight" in state_dict and not self.__dict__.get("_fp8_scaling_loaded"):
+            # other weights (the best checkpoint, a rollback, an evaluation's swap): the amaxes
+            # and scales of the old ones mean nothing for them, and delayed scaling would cast
+            # with those for up to amax_history_len steps. The layer scales as if converted
+            # after the load: its first casts use current scales. The step count (the phase of
+            # `interval`) and the run's NaN/inf counts go on. (A scaling state restored by
+            # load_scaling_state_dict before this load, and not yet stepped, is kept: it was
+            # saved for the weights a resume loads beside it.)
+            self._reset_fp8_state(keep_step=True)
 
     # ----------------------------------------------------------------- forward
 
@@ -846,7 +868,7 @@ class Fp8Linear(nn.Linear):
                 d["fp8_fallback_calls"] += 1
                 return self._plain_forward(x)
         if (not isinstance(x, torch.Tensor) or x.dtype not in ops.HP_DTYPES or (not x.is_cuda and not d["fp8_on_cpu"])
-                or x.numel() == 0 or (not compiling and torch._C._are_functorch_transforms_active())):
+                or x.numel() == 0 or torch._C._are_functorch_transforms_active()):
             # (what nn.Linear does with it: an integer, bool, complex, float64 or FP8 input, or a
             # list, raises torch's error or runs under the caller's autocast; torch.func
             # transforms see the plain computation, which they can differentiate and batch)
@@ -865,7 +887,7 @@ class Fp8Linear(nn.Linear):
             if not compiling:
                 d["fp8_fallback_calls"] += 1
             return self._plain_forward(x)
-        if not compiling and _is_dtensor(weight):
+        if _is_dtensor(weight):  # (compiled code too: an isinstance check, no guard of its own)
             raise RuntimeError(
                 "Fp8Linear: the weight is a DTensor (a sharded FSDP2 or tensor-parallel parameter). Under "
                 "FSDP2, call the model through a fully_shard-ed module that contains this layer, so that "

@@ -10,12 +10,24 @@ from . import loop_trial
 from .conversion import decisions_of
 from .conv1d import is_hf_conv1d
 from .fsdp import fp8_all_gather_enabled
+from . import ops
 from .linear import G, W, X, Fp8Linear
 from .policy import rows_label
 
 
 # what a layer runs now (report's "runs" column)
 RUNS_FP8, RUNS_BF16_POLICY, RUNS_TRIAL, RUNS_NOT_YET, RUNS_BF16 = "FP8", "BF16 (policy)", "trial", "not yet", "BF16"
+RUNS_PLAIN = "nn.Linear"  # converted, but with its weight's dtype now every call falls back
+
+
+def cannot_run_fp8(m: Fp8Linear) -> str | None:
+    """Why every call of m runs nn.Linear's computation now, whatever it ran before (its
+    weight's dtype: model.double()), or None. (A layer whose inputs leave the GPU is
+    counted per call in fallback_calls instead: tests run the GPU's paths on the CPU.)"""
+    w = m.weight
+    if w.dtype not in ops.HP_DTYPES:
+        return f"its weight is {str(w.dtype).replace('torch.', '')}, not float32, bfloat16 or float16"
+    return None
 
 
 def runs_now(m: Fp8Linear) -> str:
@@ -24,7 +36,10 @@ def runs_now(m: Fp8Linear) -> str:
     while policy auto's trial in the loop is deciding; "not yet" before any
     FP8 cast (never called, or every call fell back). A converted layer is not
     the same as a layer running FP8: under policy auto it can be BF16 from its
-    first forward on."""
+    first forward on. "nn.Linear" where its weight's dtype or device now sends
+    every call down nn.Linear's computation (cannot_run_fp8)."""
+    if cannot_run_fp8(m) is not None:
+        return RUNS_PLAIN
     verdicts = [v[0] for v in m.fp8_policy.values()]
     if any(verdicts):
         return RUNS_FP8            # FP8 for at least one of its input shapes
@@ -39,8 +54,8 @@ def runs_now(m: Fp8Linear) -> str:
 
 def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     """One row per linear layer: name, backend ("fp8ops" | "bf16": converted
-    or not), runs (what it runs now: "FP8", "BF16 (policy)", "trial", "not yet"
-    or, unconverted, "BF16"; see runs_now), reason,
+    or not), runs (what it runs now: "FP8", "BF16 (policy)", "trial", "not yet",
+    "nn.Linear" or, unconverted, "BF16"; see runs_now), reason,
     recipe, scale_x/w/g, amax_x/w/g (the latest completed step's amaxes; None
     under delayed scaling with amax_history_len=1 once a step has completed,
     since a one-row history keeps none),
@@ -75,8 +90,11 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
             h = m.fp8_amax_history.detach().float().cpu()
             # the newest completed step sits in the last row after a roll; before
             # any update the running maxima are in row 0
-            last = h[-1] if m.fp8_step > 0 and h.shape[0] > 1 else h[0]
-            kept = h.shape[0] > 1 or m.fp8_step == 0 or m.fp8_config.recipe != "delayed"
+            # any update (delayed scaling: the first that found a cast, which is not the first
+            # step under `interval` > 1; none since a load or a rest reset the state)
+            rolled = not m._fp8_pristine if m.fp8_config.recipe == "delayed" else m.fp8_step > 0
+            last = h[-1] if rolled and h.shape[0] > 1 else h[0]
+            kept = h.shape[0] > 1 or not rolled or m.fp8_config.recipe != "delayed"
             s = m.fp8_scale.detach().float().cpu()
             fp8_max = m.fp8_max.detach().float().cpu()
             cfg = m.fp8_config
@@ -113,7 +131,10 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                 rows[-1]["reason"] += f"; {rows_label(k[0])}: {'FP8' if m.fp8_policy[k][0] else 'BF16'} ({why})"
             for k in m._fp8_pending:  # not decided yet: its first steps run BF16 and FP8 in turns
                 rows[-1]["reason"] += f"; {rows_label(k[0])}: {loop_trial.progress(m, k)}"
-            if m.fp8_fallback_calls and not m.fp8_policy and not m._fp8_pending:
+            plain = cannot_run_fp8(m)
+            if plain is not None:
+                rows[-1]["reason"] += f"; every call runs nn.Linear's computation now: {plain}"
+            elif m.fp8_fallback_calls and not m.fp8_policy and not m._fp8_pending:
                 # (policy auto's BF16 calls are counted too: its verdicts say why above)
                 rows[-1]["reason"] += (f"; {m.fp8_fallback_calls} calls ran nn.Linear's computation (an input "
                                        "not on a CUDA GPU, a row count not a multiple of 16, an empty input, "
@@ -166,13 +187,14 @@ def _f(v):
 
 def headline(rows: list[dict]) -> str:
     """"n of N converted, k running FP8" and, where some converted layers do
-    not run FP8, how many run BF16 by the policy, wait on its trial or have
-    not cast yet."""
+    not run FP8, how many run BF16 by the policy, wait on its trial, have not
+    cast yet or run nn.Linear's computation where their weights now are."""
     conv = [r for r in rows if r["backend"] == "fp8ops"]
     line = (f"{len(conv)}/{len(rows)} linear layers converted, "
             f"{sum(r['runs'] == RUNS_FP8 for r in conv)} running FP8")
     for runs, what in ((RUNS_BF16_POLICY, "BF16 by policy auto (FP8 not faster here)"),
-                       (RUNS_TRIAL, "in policy auto's trial"), (RUNS_NOT_YET, "not cast yet")):
+                       (RUNS_TRIAL, "in policy auto's trial"), (RUNS_NOT_YET, "not cast yet"),
+                       (RUNS_PLAIN, "running nn.Linear's computation (weight dtype)")):
         n = sum(r["runs"] == runs for r in conv)
         if n:
             line += f"; {n} {what}"

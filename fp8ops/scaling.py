@@ -339,6 +339,7 @@ def _update_group(layers: list[Fp8Linear], group, serial: int) -> None:
         d = layer.__dict__
         d["fp8_step"] = d["fp8_step"] + 1  # not Module.__setattr__: per layer per step
         d["_fp8_updated_at"] = serial
+        d.pop("_fp8_scaling_loaded", None)  # (a weight load from now on restarts the scaling)
     # each layer: the scales of its 3 tensors, the history roll, and the count of
     # this step's NaN/inf amaxes (the scale was kept for those). CUDA layers: all
     # of a device's layers in one launch (32 per launch) through _C; others (CPU)
@@ -567,5 +568,6 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
         m._fp8_pristine = False  # its history is the loaded one
         m._fp8_cast_since_update = False  # (ready, or not, as saved)
         m._fp8_cast_looked_at = None
+        m.__dict__["_fp8_scaling_loaded"] = True  # (a weight load before the next step keeps it)
         _restore_verdicts(m, s.get("policy"))
     return skipped

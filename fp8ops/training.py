@@ -269,7 +269,7 @@ def run_summary(model, info) -> str:
         return info["summary"]
     # the extension may be absent on the other backends' paths: imported here
     from .linear import Fp8Linear  # noqa: PLC0415
-    from .report import RUNS_BF16_POLICY, RUNS_FP8, RUNS_NOT_YET, RUNS_TRIAL, runs_now  # noqa: PLC0415
+    from .report import RUNS_BF16_POLICY, RUNS_FP8, RUNS_NOT_YET, RUNS_PLAIN, RUNS_TRIAL, runs_now  # noqa: PLC0415
 
     runs = [runs_now(m) for m in model.modules() if isinstance(m, Fp8Linear)]
     parts = [f"{runs.count(RUNS_FP8)} of {len(runs)} converted layers ran FP8"]
@@ -280,6 +280,9 @@ def run_summary(model, info) -> str:
         parts.append(f"{runs.count(RUNS_TRIAL)} still in policy auto's trial")
     if runs.count(RUNS_NOT_YET):
         parts.append(f"{runs.count(RUNS_NOT_YET)} never ran FP8")
+    if runs.count(RUNS_PLAIN):
+        parts.append(f"{runs.count(RUNS_PLAIN)} run nn.Linear's computation: their weights' dtype "
+                     "(fp8ops.report(model) says why)")
     kept = sum(type(m) is nn.Linear for m in model.modules())
     if kept:
         parts.append(f"{kept} not converted")

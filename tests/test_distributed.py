@@ -341,14 +341,23 @@ def _other_weights():
 
 def _dtensor_guard():
     """A layer called on its own while its FSDP2 parent is sharded sees a DTensor weight: a
-    clear error, not an operator without a sharding strategy."""
+    clear error, not an operator without a sharding strategy, eager and compiled (compiled
+    code once skipped the check: "as_strided not supported with DTensor"). And the FP8
+    all-gather enabled after fully_shard: a clear error at the call, not an AttributeError in
+    FSDP2's lazy init at the first forward."""
     model = make_model()
     fully_shard(model)
+    out = {}
+    for name, fn in (("eager", model.head), ("compiled", torch.compile(model.head, backend="aot_eager"))):
+        try:
+            fn(torch.randn(8, D))
+        except RuntimeError as e:
+            out[name] = str(e)
     try:
-        model.head(torch.randn(8, D))
+        fp8ops.enable_fsdp_fp8_all_gather(model)
     except RuntimeError as e:
-        return str(e)
-    return None
+        out["enable"] = str(e)
+    return out
 
 
 def _policy_agreement(rank):
@@ -647,8 +656,11 @@ def test_fsdp2_state_dict_load_invalidates_weight_cast(dist_results):
 @requires_fsdp2
 def test_fsdp2_sharded_weight_gives_a_clear_error(dist_results):
     for res in dist_results:
-        assert res["dtensor_guard"] is not None and "DTensor" in res["dtensor_guard"]
-        assert "fully_shard" in res["dtensor_guard"]
+        for when in ("eager", "compiled"):
+            assert "Fp8Linear: the weight is a DTensor" in res["dtensor_guard"].get(when, ""), when
+            assert "fully_shard" in res["dtensor_guard"][when]
+        assert "is already sharded (a DTensor): call it after fp8ops.convert(model) and before fully_shard" \
+            in res["dtensor_guard"].get("enable", "")
 
 
 @pytest.mark.parametrize("recipe", ["current", "delayed"])

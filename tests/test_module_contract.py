@@ -273,6 +273,115 @@ def test_policy_verdicts_are_saved_and_restored_on_the_same_gpu(monkeypatch):
         assert torch.equal(dst[0].fp8_scale, src[0].fp8_scale)  # (the scales load all the same)
 
 
+def test_assign_load_into_a_meta_model_gives_the_scaling_state_storage(monkeypatch):
+    """PyTorch's meta-device recipe: build on meta, convert, load_state_dict(assign=True). The
+    scaling buffers (in no state dict) get storage on the weights' device and fresh values, and
+    the model trains as one built with to_empty() and loaded."""
+    sd = _mlp().state_dict()
+    runs = []
+    for assign in (False, True):
+        with torch.device("meta"):
+            model = _mlp()
+        convert_as_on_fp8_gpu(model, monkeypatch)
+        if assign:
+            model.load_state_dict(sd, assign=True)
+        else:
+            model.to_empty(device="cpu").load_state_dict(sd)
+        assert all(b.device.type == "cpu" for b in model.buffers())
+        assert model[0].fp8_scale.tolist() == [1.0, 1.0, 1.0] and model[0].fp8_max[0] == FP8_MAX[torch.float8_e4m3fn]
+        _train(model)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_a_weight_load_restarts_scaling_but_keeps_the_step_and_the_counts(monkeypatch):
+    """load_state_dict of other weights restarts the scaling (current scales first), while the
+    step count (the phase of `interval`) and the run's NaN/inf counts go on."""
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, interval=2)
+    _train(model, steps=3)
+    lin = model[0]
+    with torch.no_grad():
+        lin.fp8_overflow_count[X] = 2  # (as two NaN amaxes of its input would have counted)
+    lin.load_state_dict(_mlp(seed=1)[0].state_dict())
+    assert lin.fp8_step == 3 and lin.fp8_overflow_count.tolist() == [2, 0, 0]
+    assert not lin.fp8_amax_history.any() and lin.fp8_scale.tolist() == [1.0, 1.0, 1.0]
+    assert not lin._fp8_delayed_ready
+
+
+def test_a_scaling_state_loaded_before_the_weights_is_kept(monkeypatch):
+    """A resume that restores the scaling state first and the weights after it (the order the
+    README does not ask for) continues bit for bit as the uninterrupted run, as the other order
+    does; a weight load after the next optimizer step restarts the scaling again."""
+    xs = [torch.randn(16, 32, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def make():
+        model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(model, opt, batch):
+        outs = []
+        for x in batch:
+            y = model(x)
+            y.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(y.detach())
+        return outs
+
+    model, opt = make()
+    ref = train(model, opt, xs)
+    model, opt = make()
+    train(model, opt, xs[:3])
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
+                           "fp8": fp8ops.scaling_state_dict(model)})
+    for scaling_first in (False, True):
+        ck = copy.deepcopy(saved)  # (the optimizer's load keeps its step tensors: a copy per resume)
+        resumed, opt = make()
+        if scaling_first:
+            assert fp8ops.load_scaling_state_dict(resumed, ck["fp8"]) == []
+            resumed.load_state_dict(ck["model"])
+        else:
+            resumed.load_state_dict(ck["model"])
+            assert fp8ops.load_scaling_state_dict(resumed, ck["fp8"]) == []
+        opt.load_state_dict(ck["opt"])
+        assert all(torch.equal(a, b) for a, b in zip(ref[3:], train(resumed, opt, xs[3:]))), scaling_first
+    resumed.load_state_dict(ck["model"])  # (stepped since the scaling load: a restart)
+    assert not resumed[0].fp8_amax_history.any()
+
+
+def test_report_says_a_layer_whose_weight_moved_runs_nn_linear(monkeypatch, capsys):
+    """After model.double() every call of a converted layer runs nn.Linear's computation:
+    report, its headline and the example's run summary say so rather than FP8, whatever the
+    layer ran before."""
+    from fp8ops.report import RUNS_PLAIN  # noqa: PLC0415
+    from fp8ops.training import run_summary  # noqa: PLC0415
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    _train(model, steps=2)
+    assert {r["runs"] for r in fp8ops.report(model, print_table=False)} == {"FP8"}
+    model.double()
+    model(torch.randn(16, 32, dtype=torch.float64)).sum().backward()
+    rows = fp8ops.report(model)
+    assert all(r["runs"] == RUNS_PLAIN for r in rows)
+    assert "its weight is float64, not float32, bfloat16 or float16" in rows[0]["reason"]
+    assert "0 running FP8; 2 running nn.Linear's computation" in capsys.readouterr().out
+    assert "0 of 2 converted layers ran FP8; 2 run nn.Linear's computation" in run_summary(
+        model, {"backend": "fp8ops", "summary": ""})
+    model.float()
+    assert {r["runs"] for r in fp8ops.report(model, print_table=False)} == {"FP8"}
+
+
+def test_report_reads_the_running_amax_until_the_first_update_under_an_interval(monkeypatch):
+    """Under interval > 1 the first steps roll nothing: the report shows row 0's running
+    maxima (the casts' amaxes so far), not the zeros of a history row no update has written."""
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, interval=3)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    opt = _train(model, steps=1)
+    row = fp8ops.report(model, print_table=False)[0]
+    assert row["amax_x"] == pytest.approx(float(x.abs().max()), rel=1e-6) and row["amax_w"] > 0
+    _train(model, steps=2, opt=opt)  # (the third step's update rolls the history)
+    assert fp8ops.report(model, print_table=False)[0]["amax_x"] > 0
+
+
 def test_report_shows_no_amax_where_a_one_row_history_kept_none(monkeypatch, capsys):
     model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, amax_history_len=1)
     _train(model, steps=1)
@@ -634,6 +743,17 @@ def test_torch_func_transforms_take_the_plain_path(monkeypatch):
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
     assert model[0].fp8_fallback_calls == 1 and not model[0].fp8_amax_history.any()
+    # compiled alike (compiled code once ran the FP8 autograd function inside the transform,
+    # whose gradients came back all zero), and vmap over the batch
+    torch._dynamo.reset()
+    got = torch.compile(grad(loss(model)))(params)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k])
+        assert got[k].abs().sum() > 0
+    rows = torch.randn(4, 16, 32)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(torch.vmap(model))(rows), torch.vmap(ref)(rows))
+    assert not model[0].fp8_amax_history.any()
 
 
 def test_converting_again_with_another_config_warns_that_it_is_kept(monkeypatch):
@@ -678,7 +798,8 @@ def test_loading_weights_into_a_trained_model_scales_them_as_a_fresh_conversion(
     fresh = convert_as_on_fp8_gpu(copy.deepcopy(other), monkeypatch)
     x = torch.randn(16, 32)
     assert torch.equal(trained(x), fresh(x))
-    assert trained[0].fp8_step == 0 and torch.equal(trained[0].fp8_scale, fresh[0].fp8_scale)
+    # (the step count goes on: the phase of `interval`)
+    assert trained[0].fp8_step == 3 and torch.equal(trained[0].fp8_scale, fresh[0].fp8_scale)
     state = fp8ops.scaling_state_dict(fresh)
     _train(fresh)
     fp8ops.load_scaling_state_dict(fresh, fp8ops.scaling_state_dict(trained))   # resume: after the weights
