@@ -846,8 +846,8 @@ class Fp8Linear(nn.Linear):
             # with those for up to amax_history_len steps. The layer scales as if converted
             # after the load: its first casts use current scales. The step count (the phase of
             # `interval`) and the run's NaN/inf counts go on. (A scaling state restored by
-            # load_scaling_state_dict before this load, and not yet stepped, is kept: it was
-            # saved for the weights a resume loads beside it.)
+            # load_scaling_state_dict just before this load, not yet used by a cast or a step,
+            # is kept: it was saved for the weights a resume loads beside it.)
             self._reset_fp8_state(keep_step=True)
 
     # ----------------------------------------------------------------- forward
@@ -973,6 +973,7 @@ class Fp8Linear(nn.Linear):
                 gelu_grad_pass.install()  # (inductor's pass that may hand the GELU's gradient to the producer)
         elif not d["_fp8_cast_since_update"]:  # (once: see update_scales)
             d["_fp8_cast_since_update"] = True
+            d.pop("_fp8_scaling_loaded", None)  # (a loaded scaling state in use: a weight load restarts it)
         grad = torch.is_grad_enabled()
         need_wgrad = grad and weight.requires_grad
         # (x2: after an unfused LayerNorm, whose parameters need the gradient too)

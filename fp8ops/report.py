@@ -6,11 +6,10 @@ import math
 
 import torch.nn as nn
 
-from . import loop_trial
+from . import loop_trial, ops
 from .conversion import decisions_of
 from .conv1d import is_hf_conv1d
 from .fsdp import fp8_all_gather_enabled
-from . import ops
 from .linear import G, W, X, Fp8Linear
 from .policy import rows_label
 
@@ -36,8 +35,8 @@ def runs_now(m: Fp8Linear) -> str:
     while policy auto's trial in the loop is deciding; "not yet" before any
     FP8 cast (never called, or every call fell back). A converted layer is not
     the same as a layer running FP8: under policy auto it can be BF16 from its
-    first forward on. "nn.Linear" where its weight's dtype or device now sends
-    every call down nn.Linear's computation (cannot_run_fp8)."""
+    first forward on. "nn.Linear" where its weight's dtype now sends every
+    call down nn.Linear's computation (cannot_run_fp8)."""
     if cannot_run_fp8(m) is not None:
         return RUNS_PLAIN
     verdicts = [v[0] for v in m.fp8_policy.values()]
@@ -90,8 +89,8 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
             h = m.fp8_amax_history.detach().float().cpu()
             # the newest completed step sits in the last row after a roll; before
             # any update the running maxima are in row 0
-            # any update (delayed scaling: the first that found a cast, which is not the first
-            # step under `interval` > 1; none since a load or a rest reset the state)
+            # has an update rolled the history? (delayed scaling: one that found a cast, so not
+            # before the interval's first update, nor since a weight load or a rest reset it)
             rolled = not m._fp8_pristine if m.fp8_config.recipe == "delayed" else m.fp8_step > 0
             last = h[-1] if rolled and h.shape[0] > 1 else h[0]
             kept = h.shape[0] > 1 or not rolled or m.fp8_config.recipe != "delayed"

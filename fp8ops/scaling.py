@@ -568,6 +568,6 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
         m._fp8_pristine = False  # its history is the loaded one
         m._fp8_cast_since_update = False  # (ready, or not, as saved)
         m._fp8_cast_looked_at = None
-        m.__dict__["_fp8_scaling_loaded"] = True  # (a weight load before the next step keeps it)
+        m.__dict__["_fp8_scaling_loaded"] = True  # (a weight load before its next cast or step keeps it)
         _restore_verdicts(m, s.get("policy"))
     return skipped

@@ -347,6 +347,11 @@ def test_a_scaling_state_loaded_before_the_weights_is_kept(monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(ref[3:], train(resumed, opt, xs[3:]))), scaling_first
     resumed.load_state_dict(ck["model"])  # (stepped since the scaling load: a restart)
     assert not resumed[0].fp8_amax_history.any()
+    fresh, _ = make()
+    fp8ops.load_scaling_state_dict(fresh, saved["fp8"])
+    fresh(xs[0])  # (a cast: the loaded state is in use, and a weight load restarts it)
+    fresh.load_state_dict(saved["model"])
+    assert not fresh[0].fp8_amax_history.any() and fresh[0].fp8_step == saved["fp8"]["0"]["step"]
 
 
 def test_report_says_a_layer_whose_weight_moved_runs_nn_linear(monkeypatch, capsys):
