@@ -138,6 +138,7 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
         return model
 
     decided: dict[int, tuple[str, str]] = {}  # id(module) -> its decision, for its other names
+    earlier = decisions_of(model)  # (a layer converted again keeps the notes of its fusions)
 
     def convert_one(name: str, mod: nn.Module) -> None:
         if id(mod) in decided:  # another name of a module already decided
@@ -155,10 +156,11 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
 
     def _decide(name: str, mod: nn.Module) -> tuple[str, str]:
         if isinstance(mod, Fp8Linear):
+            notes = _fusion_notes(earlier.get(name))
             if mod.fp8_config != config:
                 kept_config.append(name)
-                return "fp8ops", f"already converted (keeps its config {mod.fp8_config.short_str()})"
-            return "fp8ops", "already converted"
+                return "fp8ops", f"already converted (keeps its config {mod.fp8_config.short_str()}){notes}"
+            return "fp8ops", f"already converted{notes}"
         reason = _layer_reason(mod)
         if reason is None and module_filter_fn is not None and not module_filter_fn(mod, name):
             reason = "excluded by module_filter_fn"
@@ -174,6 +176,23 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
     if isinstance(model, nn.Linear):  # a root-level layer (converted in place): nothing to fuse
         _store(model, decisions)
         return model
+    if config.recipe != "delayed" or config.gemm_emulated:
+        # the fused casts run only on delayed scaling's steady path with real FP8 GEMMs (current
+        # scaling's amax pass comes first; emulated GEMMs take BF16): nothing would use a fusion
+        log.info("fp8ops: no fusion for %s (the fused casts need delayed scaling and FP8 GEMMs)",
+                 config.short_str())
+    else:
+        _fuse(model, config, decisions)
+    n_fp8 = sum(1 for b, _ in decisions.values() if b == "fp8ops")
+    log.info("fp8ops: %d of %d linear layers converted to FP8 (%s)", n_fp8, len(decisions), config.short_str())
+    if n_fp8 == 0 and decisions:
+        warnings.warn("fp8ops: no layer was converted to FP8; see fp8ops.report(model) for the reasons", stacklevel=2)
+    _store(model, decisions)
+    return model
+
+
+def _fuse(model: nn.Module, config: Fp8Config, decisions: dict) -> None:
+    """The fusions config asks for, each noted in its layers' decisions."""
     if config.fuse_gelu:
         from .gelu_fusion import fuse_gelu  # noqa: PLC0415 -- gelu_fusion imports torch.fx
         for f in fuse_gelu(model):
@@ -193,12 +212,13 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
             backend, reason = decisions.get(f.consumer, ("fp8ops", "converted"))
             norm = "RMSNorm" if isinstance(model.get_submodule(f.layernorm), nn.RMSNorm) else "LayerNorm"
             decisions[f.consumer] = (backend, f"{reason}; {norm} {f.layernorm} fused into its input cast")
-    n_fp8 = sum(1 for b, _ in decisions.values() if b == "fp8ops")
-    log.info("fp8ops: %d of %d linear layers converted to FP8 (%s)", n_fp8, len(decisions), config.short_str())
-    if n_fp8 == 0 and decisions:
-        warnings.warn("fp8ops: no layer was converted to FP8; see fp8ops.report(model) for the reasons", stacklevel=2)
-    _store(model, decisions)
-    return model
+
+
+def _fusion_notes(decision: tuple[str, str] | None) -> str:
+    """The "; ... fused into ..." notes of an earlier decision's reason."""
+    if decision is None:
+        return ""
+    return "".join(f"; {part}" for part in decision[1].split("; ")[1:] if " fused into " in part)
 
 
 def decisions_of(model: nn.Module) -> dict[str, tuple[str, str]]:

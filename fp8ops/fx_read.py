@@ -32,7 +32,8 @@ def graphs_in_both_modes(m: nn.Module, tracer: type[torch.fx.Tracer] = torch.fx.
     """m.forward as fx reads it in train mode and in eval mode (raises where fx
     cannot read it); every submodule's mode is left as it was.
 
-    Each graph's `escaped_nodes`: the nodes whose values the forward stored on a
+    Each graph's `inplace_modules`: the module calls that change their input in
+    place (mutated_in_place). Its `escaped_nodes`: the nodes whose values the forward stored on a
     module (self.last_act = h, or self.acts.append(h), for a statistic or a loss
     term). fx records no use for such a store, so a fusion must check that it
     changes none of them. Every module gets its attributes back after each read,
@@ -54,11 +55,26 @@ def graphs_in_both_modes(m: nn.Module, tracer: type[torch.fx.Tracer] = torch.fx.
                 m.train(mode)
                 graph = tracer(**tracer_args).trace(m, concrete_args=concrete)
                 graph.escaped_nodes = frozenset(_stored_nodes(saved))
+                graph.inplace_modules = _inplace_modules(m, graph)
                 _restore(saved)
                 graphs.append(graph)
         return graphs
     finally:
         _restore(saved)
+
+
+def _inplace_modules(m: nn.Module, graph: torch.fx.Graph) -> frozenset:
+    """The targets of the graph's module calls that change their input in place (torch.nn's
+    activations and dropouts built with inplace=True), for mutated_in_place."""
+    out = set()
+    for node in graph.nodes:
+        if node.op == "call_module":
+            try:
+                if getattr(m.get_submodule(node.target), "inplace", False) is True:
+                    out.add(node.target)
+            except AttributeError:
+                pass
+    return frozenset(out)
 
 
 def _defaults(m: nn.Module) -> dict:
@@ -101,22 +117,48 @@ _INPLACE_OPERATORS = frozenset(("iadd", "isub", "imul", "imatmul", "itruediv", "
                                 "iand", "ior", "ixor", "ilshift", "irshift", "setitem"))
 
 
+def _name(node: torch.fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+
+
+def _is_operator(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__module__", "") in ("_operator", "operator")
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """A view of its first argument (or, conservatively, a reshape or contiguous that may be one)."""
+    return ((node.op == "call_method" and node.target in _VIEW_METHODS) or (_is_operator(node) and _name(node) == "getitem"))
+
+
 def mutated_in_place(node: torch.fx.Node, depth: int = 4) -> bool:
-    """Does the forward modify node's value in place (h.mul_(0.5), h += 1, x[..., :16].mul_(2)),
-    itself or through a view of it? A fused activation or norm reads its input when the
-    consumer casts it, after such a change."""
+    """Does the forward modify node's value in place (h.mul_(0.5), h += 1, x[..., :16].mul_(2),
+    torch.relu_(h), F.relu(h, inplace=True), an nn.ReLU(inplace=True) child, an out= argument),
+    itself, through a view of it, or through the tensor it is a view of and that tensor's
+    other views? A fused activation or norm reads its input when the consumer casts it,
+    after such a change."""
+    root = node
+    for _ in range(depth):  # (up to the tensor the views were taken of)
+        if not (_is_view(root) and root.args and isinstance(root.args[0], torch.fx.Node)):
+            break
+        root = root.args[0]
+    return _changed_below(root, depth)
+
+
+def _changed_below(node: torch.fx.Node, depth: int) -> bool:
+    inplace_modules = getattr(node.graph, "inplace_modules", frozenset())
     for user in node.users:
+        if user.kwargs.get("out") is node:
+            return True
         if not user.args or user.args[0] is not node:
             continue
-        name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
-        if user.op == "call_method" and name.endswith("_") and not name.startswith("__"):
-            return True
-        if user.op == "call_function" and getattr(user.target, "__module__", "") in ("_operator", "operator"):
-            if name in _INPLACE_OPERATORS:
-                return True   # h += 1 (operator.iadd), h[..., :16] = 0 (operator.setitem), ...
-            if name == "getitem" and depth and mutated_in_place(user, depth - 1):
-                return True
-        if user.op == "call_method" and name in _VIEW_METHODS and depth and mutated_in_place(user, depth - 1):
+        name = _name(user)
+        if user.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("__"):
+            return True   # h.mul_(0.5), torch.relu_(h)
+        if user.kwargs.get("inplace") is True or (user.op == "call_module" and user.target in inplace_modules):
+            return True   # F.relu(h, inplace=True), nn.ReLU(inplace=True)
+        if _is_operator(user) and name in _INPLACE_OPERATORS:
+            return True   # h += 1 (operator.iadd), h[..., :16] = 0 (operator.setitem), ...
+        if _is_view(user) and depth and _changed_below(user, depth - 1):
             return True
     return False
 

@@ -43,14 +43,18 @@ class Fused(NamedTuple):
 
 
 class _Tracer(torch.fx.Tracer):
-    """Stops at linears, GELUs and the given modules: only the data flow between them matters."""
+    """Stops at linears, GELUs, the given modules and hooked modules: only the data flow
+    between them matters. (A hooked module read through would run its hooks on fx's
+    stand-ins, and a wrapper's hook would see a fused input or keep an output whose
+    gradient the fusion changes, unseen: opaque, nothing inside it is fused with anything
+    outside.)"""
 
     def __init__(self, leaves=()):
         super().__init__()
         self._leaves = {id(m) for m in leaves}
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return (id(m) in self._leaves or isinstance(m, (nn.Linear, nn.GELU))
+        return (id(m) in self._leaves or isinstance(m, (nn.Linear, nn.GELU)) or hooked(m)
                 or super().is_leaf_module(m, qualname))
 
 

@@ -131,6 +131,27 @@ class GeluInputChangedInPlace(GeluTwice):
         return self.b(g)
 
 
+class GeluInputChangedByInplaceModule(GeluTwice):
+    def __init__(self):
+        super().__init__()
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.a(x)
+        g = self.gelu(h)
+        r = self.relu(h)  # (in place on h: fused, the consumer would apply the GELU to relu(h))
+        return self.b(g) + r.sum()
+
+
+class GeluInputChangedByInplaceFunction(GeluTwice):
+    def forward(self, x):
+        h = self.a(x)
+        g = self.gelu(h)
+        F.relu(h, inplace=True)
+        torch.relu_(h)
+        return self.b(g)
+
+
 class GeluUnderNoGrad(GeluTwice):
     def forward(self, x):  # a stop-gradient activation: fused, a gradient would pass through it
         with torch.no_grad():
@@ -237,6 +258,7 @@ def test_stores_block_only_the_fusions_they_touch(monkeypatch):
 
 @pytest.mark.parametrize("cls", [GeluTwice, GeluAlsoResidual, GeluFunctional, GeluBranching, LinearTwice,
                                  TrainOnlyDropout, GeluStored, GeluAppended, GeluDeque, GeluInputChangedInPlace,
+                                 GeluInputChangedByInplaceModule, GeluInputChangedByInplaceFunction,
                                  GeluUnderNoGrad, GeluAlsoInAnotherMethod])
 def test_gelu_not_fused_where_unsafe(cls, monkeypatch):
     torch.manual_seed(0)
@@ -247,7 +269,8 @@ def test_gelu_not_fused_where_unsafe(cls, monkeypatch):
     assert type(model.gelu) is nn.GELU
     x = torch.randn(16, 32)
     x = -x.abs() if cls is GeluBranching else x
-    torch.testing.assert_close(model(x), ref(x), rtol=0.1, atol=0.1)  # FP8, but the same function
+    with torch.no_grad():  # (the in-place cases: the original itself refuses a backward)
+        torch.testing.assert_close(model(x), ref(x), rtol=0.1, atol=0.1)  # FP8, but the same function
     if cls is GeluStored:  # what it stores is the GELU's output (not a tracing Proxy, not its input)
         assert type(model.last_act) is torch.Tensor and model.last_act.min() >= -0.1701
     if cls in (GeluAppended, GeluDeque):  # the reads left no Proxy; the forward appended the GELU's output
@@ -276,6 +299,59 @@ def test_gelu_not_fused_erf_shared_or_hooked(monkeypatch):
     hooked.c_proj.register_forward_pre_hook(lambda m, a: None)  # would see h instead of gelu(h)
     convert_as_on_fp8_gpu(hooked, monkeypatch)
     assert type(hooked.gelu) is nn.GELU and not hooked.c_proj.fp8_gelu_input
+
+
+class _Wrapped(nn.Module):
+    """A linear inside a module of the user's (as HF wraps its projections)."""
+
+    def __init__(self, i, o):
+        super().__init__()
+        self.linear = nn.Linear(i, o)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+class WrappedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj = _Wrapped(32, 64), nn.GELU(approximate="tanh"), _Wrapped(64, 32)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+def test_a_hook_on_a_wrapper_keeps_what_it_sees(monkeypatch):
+    """A hook on a module that wraps a linear sees and keeps what that wrapper computes: a
+    forward hook that keeps c_fc's output for an activation penalty (its gradient then
+    reaches c_fc's backward beside the GELU's), a pre-hook that probes c_proj's input. The
+    wrapper is read as one opaque call (nothing inside it is fused with anything outside),
+    and convert runs no hook (it once ran them on torch.fx's stand-ins)."""
+    torch.manual_seed(0)
+    base = WrappedMLP()
+    x = torch.randn(16, 32)
+    ref = copy.deepcopy(base)
+    model = copy.deepcopy(base)
+    kept, seen = [], []
+    model.c_fc.register_forward_hook(lambda m, a, out: kept.append(out))
+    model.c_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    convert_as_on_fp8_gpu(model, monkeypatch)
+    assert kept == [] and seen == []
+    assert type(model.gelu) is nn.GELU
+    assert not model.c_fc.linear.fp8_gelu_output and not model.c_proj.linear.fp8_gelu_input
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for _ in range(3):  # (past delayed scaling's first step, where a fusion would run)
+        kept.clear(), seen.clear()
+        y = model(x)
+        (y.square().mean() + 0.05 * kept[0].square().sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    h = ref.c_fc(x)
+    torch.testing.assert_close(seen[0], F.gelu(kept[0], approximate="tanh"), rtol=0, atol=0)
+    (ref.c_proj(F.gelu(h, approximate="tanh")).square().mean() + 0.05 * h.square().sum()).backward()
+    y = model(x)
+    (y.square().mean() + 0.05 * kept[-1].square().sum()).backward()
+    assert sqnr(ref.c_fc.linear.weight.grad, model.c_fc.linear.weight.grad) > 18
 
 
 def test_fuse_gelu_logs_untraceable_parent(caplog):

@@ -126,6 +126,41 @@ class LnInputChangedInPlace(LnAlsoResidual):
         return self.lin(h) + x
 
 
+class LnInputChangedByFunction(LnAlsoResidual):
+    def forward(self, x):
+        x = x * 1.0
+        h = self.ln(x)
+        torch.relu_(x)  # (torch's in-place function, not the method)
+        return self.lin(h) + x
+
+
+class LnInputChangedByInplaceArgument(LnAlsoResidual):
+    def forward(self, x):
+        x = x * 1.0
+        h = self.ln(x)
+        torch.nn.functional.relu(x, inplace=True)
+        return self.lin(h) + x
+
+
+class LnInputChangedByInplaceModule(LnAlsoResidual):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        x = x * 1.0
+        h = self.ln(x)
+        return self.lin(h) + self.act(x)
+
+
+class LnOfAViewWhoseBaseChanges(LnAlsoResidual):
+    def forward(self, x):
+        x = x * 1.0
+        h = self.ln(x.view(-1, 32))
+        x.relu_()  # (the tensor the norm's input is a view of)
+        return self.lin(h).view(x.shape) + x
+
+
 class LnAlsoInAnotherMethod(LnAlsoResidual):
     def features(self, x):  # fused, the norm would be a pass-through here
         return self.ln(x)
@@ -145,7 +180,9 @@ def test_layernorm_fused_beside_a_tensor_constant(monkeypatch):
 
 
 @pytest.mark.parametrize("cls", [LnAlsoResidual, LnTwoDims, LnThenRelu, LnByKeyword, LnStored, LnOptionalContext,
-                                 LnUnderNoGrad, LnInputChangedInPlace, LnAlsoInAnotherMethod])
+                                 LnUnderNoGrad, LnInputChangedInPlace, LnInputChangedByFunction,
+                                 LnInputChangedByInplaceArgument, LnInputChangedByInplaceModule,
+                                 LnOfAViewWhoseBaseChanges, LnAlsoInAnotherMethod])
 def test_layernorm_not_fused_where_unsafe(cls, monkeypatch):
     torch.manual_seed(0)
     model = cls()
@@ -154,6 +191,38 @@ def test_layernorm_not_fused_where_unsafe(cls, monkeypatch):
     assert type(model.ln) is nn.LayerNorm and model.lin.fp8_ln_input is None
     x = torch.randn(8, 4, 32)
     torch.testing.assert_close(model(x), ref(x), rtol=0.1, atol=0.1)
+
+
+class _Wrapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class LnIntoAWrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.proj = nn.LayerNorm(32), _Wrapped()
+
+    def forward(self, x):
+        return x + self.proj(self.ln(x))
+
+
+def test_layernorm_into_a_hooked_wrapper_is_not_fused(monkeypatch):
+    """A pre-hook on a module that wraps the consumer (registered before convert) sees the
+    norm's output; convert runs no hook. The same model unhooked is fused."""
+    seen = []
+    model = LnIntoAWrapper()
+    model.proj.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    convert_as_on_fp8_gpu(model, monkeypatch)
+    assert seen == [] and type(model.ln) is nn.LayerNorm and model.proj.lin.fp8_ln_input is None
+    x = torch.randn(16, 32)
+    model(x)
+    torch.testing.assert_close(seen[0], model.ln(x), rtol=0, atol=0)
+    assert convert_as_on_fp8_gpu(LnIntoAWrapper(), monkeypatch).proj.lin.fp8_ln_input is not None
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
@@ -181,6 +250,16 @@ def test_current_recipe_and_bf16_fallback_apply_the_layernorm(monkeypatch):
     cur = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, recipe="current")
     cur_plain = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch, recipe="current", fuse_layernorm=False)
     torch.testing.assert_close(cur(x), cur_plain(x), rtol=0, atol=0)
+    # current scaling runs no fused cast: convert fuses nothing, and the report says no fusion
+    assert type(cur.ln_1) is nn.LayerNorm and cur.c_attn.fp8_ln_input is None
+    assert all("fused" not in r["reason"] for r in fp8ops.report(cur, print_table=False))
+    # converted again (delayed): each layer's fusion notes stay in the report
+    fused = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
+    before = {r["name"]: r["reason"] for r in fp8ops.report(fused, print_table=False)}
+    convert_as_on_fp8_gpu(fused, monkeypatch)
+    after = {r["name"]: r["reason"] for r in fp8ops.report(fused, print_table=False)}
+    assert before["c_attn"] == "converted; LayerNorm ln_1 fused into its input cast"
+    assert after["c_attn"] == "already converted; LayerNorm ln_1 fused into its input cast"
     bf = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
     for m in bf.modules():
         if isinstance(m, Fp8Linear):
