@@ -19,12 +19,10 @@ def smooth(values, window):
     """Trailing moving average: per-step loss is noisy, the trend is what compares."""
     if window <= 1:
         return list(values)
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
+    out = []
+    for i in range(len(values)):
+        recent = values[max(0, i + 1 - window):i + 1]
+        out.append(sum(recent) / len(recent))  # (a NaN in the window gives NaN there only)
     return out
 
 
@@ -52,7 +50,11 @@ def main(argv=None):
     for path in args.metrics:
         try:
             with open(path) as f:
-                runs.append((path, json.load(f)))
+                m = json.load(f)
+            # (a diverged run's NaN/inf losses are written as null: plotted as gaps)
+            for key in ("train_loss", "val_loss"):
+                m[key] = [float("nan") if v is None else v for v in m.get(key, [])]
+            runs.append((path, m))
         except (OSError, ValueError) as e:
             p.error(f"{path}: {e} (a metrics.json that train_fp8.py wrote)")
 

@@ -495,20 +495,35 @@ def _main(argv=None):
         (bar.write if bar is not None else print)(msg)
 
     def flush_losses():
-        """Move the per-step loss tensors into metrics (one device sync for all of them)."""
+        """Move the per-step loss tensors into metrics (one device sync for all of them), and
+        note the first step whose loss is not finite (every rank reads the same means)."""
         if pending:
-            metrics["steps"] += [s for s, _ in pending]
-            metrics["train_loss"] += all_ranks_mean(torch.stack([l for _, l in pending]), dinfo).tolist()
+            steps = [s for s, _ in pending]
+            losses = all_ranks_mean(torch.stack([l for _, l in pending]), dinfo).tolist()
+            metrics["steps"] += steps
+            metrics["train_loss"] += losses
             pending.clear()
+            if not bad:
+                bad.extend([(s, l) for s, l in zip(steps, losses) if not math.isfinite(l)][:1])
 
-    def checkpoint(step, *names):
-        """Save once, then copy: serializing a large model twice costs more than a file copy."""
+    def diverged_message():
+        s, l = bad[0]
+        last = (f"step {last_saved} (ckpt_latest.pt)" if last_saved else f"the resumed step {start_step}"
+                if start_step else "none from this run")
+        return (f"the training loss is {l} at step {s}: training diverged; nothing is saved from there "
+                f"on (last checkpoint: {last}). Lower --lr, keep --grad_clip on, or lengthen --warmup_steps")
+
+    def checkpoint(step, *names) -> bool:
+        """Save once, then copy: serializing a large model twice costs more than a file copy.
+        Nothing is saved once a loss was not finite (the weights may hold NaN/inf): False."""
         flush_losses()
+        if bad:
+            return False
         # The plain model's full state dict and the single-process optimizer format, whatever
         # --ddp/--fsdp (under --fsdp every rank takes part in gathering them to rank 0).
         model_sd, optim_sd = full_state_dicts(model, optimizer, dinfo)
         if not dinfo.main:
-            return
+            return True
         sd = getattr(fp8ops, "scaling_state_dict", None)
         save_atomic({
             "model": model_sd,
@@ -530,6 +545,8 @@ def _main(argv=None):
             tmp = out_dir / (name + ".tmp")
             shutil.copyfile(out_dir / names[0], tmp)
             os.replace(tmp, out_dir / name)
+        written.update(names)
+        return True
 
     def write_metrics(step, save=True):
         flush_losses()
@@ -573,6 +590,8 @@ def _main(argv=None):
     stopper = StopOnInterrupt(log)
     step, stop_reason, diverged = start_step, None, None
     pending = []                     # (step, loss tensor): read back at log steps, not every step
+    bad = []                         # (step, loss) of the first loss that was not finite
+    written = set()                  # the checkpoint files this run wrote
     tb_from = len(metrics["steps"])  # metrics' first step not yet in TensorBoard's train/loss
     run_tok_s = []                   # tokens/s of this run's log windows
     window_t0, window_steps = time.perf_counter(), 0
@@ -626,18 +645,16 @@ def _main(argv=None):
                 tok_s = window_steps * tokens_per_step / (time.perf_counter() - window_t0)
                 flush_losses()
                 loss_now = metrics["train_loss"][-1]
-                if not math.isfinite(loss_now):
-                    # (every rank has the same mean: all stop here together)
-                    diverged = (f"the training loss is {loss_now} at step {step}: training diverged; "
-                                f"nothing is saved from here (the last checkpoint is step "
-                                f"{last_saved or start_step}). Lower --lr, keep --grad_clip on, or "
-                                f"lengthen --warmup_steps")
+                if bad:  # (every rank has the same means: all stop here together)
+                    diverged = diverged_message()
                     break
                 metrics["tokens_per_s_steps"].append(step)
                 metrics["tokens_per_s"].append(tok_s)
                 run_tok_s.append(tok_s)
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss_now:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+                elif dinfo.main:  # (no tqdm: the step line the bar would show)
+                    log(f"step {step}: train loss {loss_now:.4f}, {tok_s:,.0f} tokens/s")
                 if writer is not None:
                     # every step's loss, as metrics.json has them (the bar shows the last)
                     for s_, l_ in zip(metrics["steps"][tb_from:], metrics["train_loss"][tb_from:]):
@@ -661,16 +678,17 @@ def _main(argv=None):
                     writer.add_scalar("val/loss", val, step)
                     writer.flush()
                 best = val < best_val
-                if best:
+                if best and checkpoint(step, "ckpt_best.pt"):
                     best_val = val
-                    checkpoint(step, "ckpt_best.pt")
                     best_saved = step
                 log(f"step {step}: train loss {final_train_loss(metrics):.4f}, "
                     f"val loss {val:.4f}{' (best)' if best else ''}, lr {lr:.2e}")
                 write_metrics(step)
-            if step % args.save_every == 0:
-                checkpoint(step, "ckpt_latest.pt", f"ckpt_step{step}.pt")
+            if step % args.save_every == 0 and checkpoint(step, "ckpt_latest.pt", f"ckpt_step{step}.pt"):
                 last_saved = step
+            if bad:  # (a loss read back by the evaluation's or the checkpoint's flush)
+                diverged = diverged_message()
+                break
             window_t0 += time.perf_counter() - paused
     except KeyboardInterrupt:
         # The second Ctrl-C: the step may be half applied, so nothing is saved.
@@ -721,16 +739,21 @@ def _main(argv=None):
     # (a new run stopped before its first step wrote nothing: no paths to files that are not
     # its own, which may be an earlier run's in the same directory)
     ours = trained or start_step > 0
-    saved = sorted(p.name for p in out_dir.glob("ckpt_*.pt")) if ours else []
-    print(f"  checkpoints     {out_dir}/ {', '.join(saved)}" if saved else "  checkpoints     none")
-    if ours:
+    # (this run's files: others in the directory may be an earlier run's)
+    saved = sorted(written)
+    print(f"  checkpoints     {out_dir}/ {', '.join(saved)}" if saved else "  checkpoints     none from this run")
+    if trained:
         print(f"  continue with   {continue_command(sys.argv[1:] if argv is None else argv)}")
+    elif start_step > 0:
+        print(f"  continue with   the same command with --steps above {start_step}")
     if writer is not None and trained:
         print(f"  TensorBoard     tensorboard --logdir {out_dir / 'tb'}")
     if ours and (out_dir / "metrics.json").exists():
         print(f"  metrics         {out_dir / 'metrics.json'} (compare runs: examples/plot_curves.py)")
     report = getattr(fp8ops, "report", None)
-    if report is not None:
+    if report is not None and fp8_info["backend"] in ("fp8ops", "bf16"):
+        # (the fp8ops layers' table: torchao's and Transformer Engine's layers are not its own,
+        # the FP8 line above says what they ran)
         print()
         report(model)
     return 130 if stop_reason == "interrupted (Ctrl-C)" else 0

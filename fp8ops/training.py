@@ -168,7 +168,10 @@ def prepare_model(model, args, logger=print, module_filter_fn=None, precision="B
         backend_args = argparse.Namespace(**{**vars(args), "fp8_format": "hybrid"})
 
     prepare = _prepare_torchao if backend == "torchao" else _prepare_te
-    reason = prepare(model, backend_args, logger, module_filter_fn, info)
+    # (without a GPU that is the reason, not a missing package an install would not help)
+    reason = _gpu_reason(model) if not torch.cuda.is_available() else None
+    if reason is None:
+        reason = prepare(model, backend_args, logger, module_filter_fn, info)
     if reason is None:
         return info.pop("model", model), info
 

@@ -133,7 +133,7 @@ def test_prepare_model_fp8ops_falls_back_and_says_why(recwarn):
 
 
 @pytest.mark.parametrize("backend, module", [("torchao", "torchao"), ("te", "transformer_engine")])
-def test_prepare_model_missing_backend_continues(backend, module):
+def test_prepare_model_missing_backend_continues(backend, module, monkeypatch):
     try:
         __import__(module)
         pytest.skip(f"{module} is installed")
@@ -141,11 +141,18 @@ def test_prepare_model_missing_backend_continues(backend, module):
         pass
     model = tiny_gpt()
     lines = []
+    if not torch.cuda.is_available():
+        # without a GPU that is the reason given, not an install that would not help
+        out, info = prepare_model(model, parse("--use_fp8", "--fp8_backend", backend), logger=lines.append)
+        assert info["backend"] == "bf16" and "no CUDA GPU" in info["reason"] and "install" not in info["reason"]
+        lines.clear()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (as on a GPU machine)
     out, info = prepare_model(model, parse("--use_fp8", "--fp8_backend", backend),
                               logger=lines.append)
     assert out is model and info["backend"] == "bf16" and info["requested"] == backend
     assert "not installed" in info["reason"] and "--fp8_backend fp8ops" in info["reason"]
     assert len(lines) == 1 and "continuing in BF16" in lines[0]
+    monkeypatch.undo()
 
     # --fp8_fallback fp8ops: hand over to fp8ops, which makes its own decision
     lines.clear()
@@ -419,6 +426,9 @@ def test_resume_with_nothing_to_train_leaves_the_finished_run_as_it_is(trained, 
     assert r.returncode == 0, r.stdout + r.stderr
     assert "nothing to train" in r.stdout
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    # its summary names no file it did not write, and no command that would start afresh
+    assert "  checkpoints     none from this run" in r.stdout, r.stdout
+    assert "continue with   the same command with --steps above 6" in r.stdout and "--resume auto" not in r.stdout
 
 
 def test_resume_keeps_the_checkpoint_steps_tensorboard_points(tmp_path):
@@ -603,6 +613,23 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path):
         raise AssertionError(f"metrics.json holds {name}")
     m = json.loads((tmp_path / "metrics.json").read_text(), parse_constant=no_constants)
     assert m["train_loss"][-1] is None and m["last_step"] < 40
+    # checkpoints and evaluations between log steps: none is written once a loss was not finite,
+    # and the message names the first such step and the last checkpoint really written
+    r = run_example(*SMALL_RUN, "--steps", "40", "--device", "cpu", "--out_dir", str(tmp_path / "often"),
+                    "--no-tensorboard", "--lr", "1e6", "--grad_clip", "0", "--warmup_steps", "0",
+                    "--eval_every", "1", "--save_every", "1", "--log_every", "10")
+    assert r.returncode == 1, r.stdout + r.stderr
+    m = json.loads((tmp_path / "often" / "metrics.json").read_text())
+    first_bad = next(s for s, l in zip(m["steps"], m["train_loss"]) if l is None)
+    assert f"at step {first_bad}: training diverged" in r.stdout, r.stdout
+    saved = sorted(int(p.stem.removeprefix("ckpt_step")) for p in (tmp_path / "often").glob("ckpt_step*.pt"))
+    assert saved == list(range(1, first_bad)), (saved, first_bad)
+    assert (f"last checkpoint: step {first_bad - 1} (ckpt_latest.pt)" if first_bad > 1
+            else "last checkpoint: none from this run") in r.stdout
+    for name in ("ckpt_latest.pt", "ckpt_best.pt"):
+        if (tmp_path / "often" / name).exists():
+            ck = torch.load(tmp_path / "often" / name, weights_only=False)
+            assert ck["step"] < first_bad and all(torch.isfinite(t).all() for t in ck["model"].values())
 
 
 def test_resume_names_the_flags_that_differ_and_the_summary_repeats_the_run(tmp_path):
@@ -634,6 +661,15 @@ def test_plot_curves_takes_a_run_stopped_before_its_first_evaluation(tmp_path, c
     plot_curves.main([*runs, "-o", str(tmp_path / "c.png")])
     out = capsys.readouterr().out
     assert "b (fp8ops (0 of 8 converted layers ran FP8))" in out  # what ran, not only what was converted
+    # a diverged run (its NaN losses written as null) against the others
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "metrics.json").write_text(json.dumps({
+        "steps": [1, 2, 3], "train_loss": [3.0, None, None], "val_steps": [2], "val_loss": [None],
+        "final_train_loss": None, "final_val_loss": None, "backend": "fp8ops", "fp8_ran": "fp8ops", "last_step": 3}))
+    plot_curves.main([*runs, str(d / "metrics.json"), "-o", str(tmp_path / "c2.png")])
+    assert (tmp_path / "c2.png").stat().st_size > 0
+    assert plot_curves.smooth([1.0, float("nan"), 3.0, 5.0], 2)[3] == 4.0  # (a NaN spoils only its window)
 
 
 def test_resume_from_a_file_that_is_no_checkpoint_says_so(tmp_path):
