@@ -71,7 +71,7 @@ def parse_args(argv=None):
     m.add_argument("--n_head", type=int, help="override the preset's attention heads")
     m.add_argument("--n_embd", type=int, help="override the preset's width")
     m.add_argument("--block_size", type=int, help="override the preset's context length")
-    m.add_argument("--dropout", type=float, default=0.0)
+    m.add_argument("--dropout", type=float, default=None, help="dropout probability (default: 0.0)")
 
     d = p.add_argument_group("data")
     d.add_argument("--data", metavar="FILE",
@@ -245,16 +245,23 @@ RECIPE_FLAGS = ("steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_c
 SHAPE_FLAGS = ("model", "arch", "n_layer", "n_head", "n_embd", "block_size", "dropout")
 
 
-def resume_differences(args, saved: dict) -> list[str]:
+def resume_differences(args, saved: dict, model_config: dict) -> list[str]:
     """One line per recipe flag of this invocation that differs from the checkpoint's run, and
-    per model-shape flag given that the checkpoint overrides."""
+    per model-shape flag given that differs from the checkpoint's model (model_config: what
+    it was built with), which the resume keeps."""
     lines = []
     for name in RECIPE_FLAGS:
         if name in saved and getattr(args, name) != saved[name]:
             lines.append(f"--{name} {getattr(args, name)} (the checkpoint's run: {saved[name]})")
     for name in SHAPE_FLAGS:
-        if getattr(args, name) is not None and name in saved and getattr(args, name) != saved[name]:
-            lines.append(f"--{name} {getattr(args, name)} ignored: the model keeps the checkpoint's shape")
+        given = getattr(args, name)
+        if given is None:
+            continue
+        # (a preset names several fields: it differs where any of them not given by its own flag does)
+        want = ({k: v for k, v in {"arch": GPTConfig.arch, **PRESETS[given]}.items() if getattr(args, k) is None}
+                if name == "model" else {name: given})
+        if any(k in model_config and model_config[k] != v for k, v in want.items()):
+            lines.append(f"--{name} {given} ignored: the model keeps the checkpoint's shape")
     return lines
 
 
@@ -415,7 +422,7 @@ def _main(argv=None):
                              f"({type(e).__name__}: {str(e)[:200]})") from None
         print(f"resume: {resume_path} (step {ckpt['step']}, trained with "
               f"{ckpt.get('fp8_backend', 'bf16')}); model shape from the checkpoint")
-        for line in resume_differences(args, ckpt.get("args") or {}):
+        for line in resume_differences(args, ckpt.get("args") or {}, ckpt["model_config"]):
             print(f"resume: {line}")
     else:
         preset = args.model or ("small" if device.type == "cuda" else "tiny")

@@ -645,6 +645,12 @@ def test_resume_names_the_flags_that_differ_and_the_summary_repeats_the_run(tmp_
     assert "resume: --lr 0.0006 (the checkpoint's run: 0.001)" in r.stdout, r.stdout
     assert "resume: --steps 3 (the checkpoint's run: 2)" in r.stdout
     assert "resume: --n_layer 4 ignored: the model keeps the checkpoint's shape" in r.stdout
+    # shape flags that match the checkpoint's model say nothing (tiny is this machine's default preset)
+    r = run_example(*common, "--steps", "3", "--resume", "auto", "--arch", "gpt2", "--dropout", "0.0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ignored" not in r.stdout, r.stdout
+    r = run_example(*common, "--steps", "3", "--resume", "auto", "--model", "small")
+    assert "resume: --model small ignored: the model keeps the checkpoint's shape" in r.stdout, r.stdout
 
 
 def test_plot_curves_takes_a_run_stopped_before_its_first_evaluation(tmp_path, capsys):
