@@ -127,7 +127,8 @@ def _is_operator(node: torch.fx.Node) -> bool:
 
 def _is_view(node: torch.fx.Node) -> bool:
     """A view of its first argument (or, conservatively, a reshape or contiguous that may be one)."""
-    return ((node.op == "call_method" and node.target in _VIEW_METHODS) or (_is_operator(node) and _name(node) == "getitem"))
+    return ((node.op == "call_method" and node.target in _VIEW_METHODS)
+            or (_is_operator(node) and _name(node) == "getitem"))
 
 
 def mutated_in_place(node: torch.fx.Node, depth: int = 4) -> bool:

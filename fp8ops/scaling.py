@@ -513,7 +513,8 @@ def _restore_verdicts(m: Fp8Linear, saved: dict | None) -> None:
         key = (int(M), getattr(torch, dtype))
         m._fp8_pending.pop(key, None)
         loop_trial.forget(m, key)
-        policy_ranks.settled(m, key, bool(wins), float(speedup), f"{why}; restored" if why else "restored from the saved scaling state")
+        policy_ranks.settled(m, key, bool(wins), float(speedup),
+                             f"{why}; restored" if why else "restored from the saved scaling state")
 
 
 def _recipe_and_format(config: str) -> list[str]:
