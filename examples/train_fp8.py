@@ -265,8 +265,9 @@ def resume_differences(args, saved: dict, model_config: dict) -> list[str]:
     return lines
 
 
-def continue_command(argv) -> str:
-    """This invocation's flags with --resume auto: continuing it keeps its recipe."""
+def continue_command(argv, world: int = 1) -> str:
+    """This invocation's flags with --resume auto: continuing it keeps its recipe (and, under
+    torchrun, its number of ranks, which sets the global batch)."""
     out, skip = [], False
     for a in argv:
         if skip:
@@ -278,7 +279,9 @@ def continue_command(argv) -> str:
         if a.startswith("--resume="):
             continue
         out.append(shlex.quote(a))
-    return "python examples/train_fp8.py " + " ".join(out + ["--resume", "auto"])
+    launch = f"torchrun --nproc_per_node={world}" if world > 1 else "python"
+    # (the script's path from where it was run: the command works from that directory)
+    return f"{launch} {shlex.quote(os.path.relpath(__file__))} " + " ".join(out + ["--resume", "auto"])
 
 
 def find_resume(args):
@@ -424,6 +427,10 @@ def _main(argv=None):
               f"{ckpt.get('fp8_backend', 'bf16')}); model shape from the checkpoint")
         for line in resume_differences(args, ckpt.get("args") or {}, ckpt["model_config"]):
             print(f"resume: {line}")
+        saved_world = ckpt.get("world_size")  # (not in checkpoints before the twenty-eighth session)
+        if saved_world is not None and saved_world != dinfo.world:
+            print(f"resume: {dinfo.world} rank(s) (the checkpoint's run: {saved_world}): the global batch, "
+                  f"--batch_size x --grad_accum x ranks sequences per step, changes with it")
     else:
         preset = args.model or ("small" if device.type == "cuda" else "tiny")
         try:
@@ -543,6 +550,7 @@ def _main(argv=None):
                     "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
                     "data": gen.get_state()},
             "fp8_backend": fp8_info["backend"],
+            "world_size": dinfo.world,  # (with the batch flags: the global batch a resume keeps)
             # Scaling state (amax histories, scales) is kept out of model.state_dict() on purpose:
             # the model keys stay the BF16 model's. It rides along under its own key.
             "fp8_scaling": (sd(model) or None) if sd and fp8_info["backend"] == "fp8ops" else None,
@@ -750,7 +758,7 @@ def _main(argv=None):
     saved = sorted(written)
     print(f"  checkpoints     {out_dir}/ {', '.join(saved)}" if saved else "  checkpoints     none from this run")
     if trained:
-        print(f"  continue with   {continue_command(sys.argv[1:] if argv is None else argv)}")
+        print(f"  continue with   {continue_command(sys.argv[1:] if argv is None else argv, dinfo.world)}")
     elif start_step > 0:
         print(f"  continue with   the same command with --steps above {start_step}")
     if writer is not None and trained:

@@ -772,6 +772,13 @@ def test_train_fp8_torchrun_ddp_then_fsdp_resume_match_single_process(tmp_path):
     got = json.loads((run / "metrics.json").read_text())
     assert got["world_size"] == WORLD and got["tokens_per_step"] == 8 * 32
     assert got["train_loss"] == pytest.approx(ref[:3], rel=1e-5)
+    # its "continue with" keeps the ranks (they set the global batch); a resume on other ranks says so
+    line = next(ln for ln in log.splitlines() if "continue with" in ln)
+    assert f"torchrun --nproc_per_node={WORLD} " in line and line.endswith("--resume auto"), line
+    single_resume = tmp_path / "one"
+    shutil.copytree(run, single_resume)
+    log1 = _train_fp8(["--batch_size", "4", "--steps", "4", "--resume", "auto"], single_resume)
+    assert f"resume: 1 rank(s) (the checkpoint's run: {WORLD}): the global batch" in log1, log1
 
     log = _train_fp8(["--batch_size", "4", "--steps", "5", "--fsdp", "--resume", "auto"], run, ranks=WORLD)
     assert "resume:" in log

@@ -640,6 +640,7 @@ def test_resume_names_the_flags_that_differ_and_the_summary_repeats_the_run(tmp_
     assert r.returncode == 0, r.stdout + r.stderr
     line = next(ln for ln in r.stdout.splitlines() if "continue with" in ln)
     assert "--lr 1e-3" in line and line.endswith("--resume auto"), line
+    assert line.split("continue with")[1].split()[:2] == ["python", os.path.relpath(EXAMPLES / "train_fp8.py")]
     r = run_example(*common, "--steps", "3", "--resume", "auto", "--n_layer", "4")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resume: --lr 0.0006 (the checkpoint's run: 0.001)" in r.stdout, r.stdout
