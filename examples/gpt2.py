@@ -66,8 +66,6 @@ def LM_HEAD_FILTER(module, fqn):
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        if cfg.n_embd % cfg.n_head:
-            raise ValueError(f"n_embd ({cfg.n_embd}) must be a multiple of n_head ({cfg.n_head})")
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
         bias = cfg.arch == "gpt2"
