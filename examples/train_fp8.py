@@ -121,8 +121,9 @@ def parse_args(argv=None):
                    help="like --ddp, with FSDP2 (fully_shard of each block, then the root): "
                         "parameters, gradients and optimizer state sharded across the ranks")
     r.add_argument("--fsdp_fp8_all_gather", action="store_true",
-                   help="with --fsdp and fp8ops: all-gather the FP8 layers' weights in FP8 (1 byte per "
-                        "element) instead of the master weights (fp8ops.enable_fsdp_fp8_all_gather)")
+                   help="with --fsdp: all-gather the FP8 layers' weights in FP8 (1 byte per element) "
+                        "instead of the master weights (fp8ops.enable_fsdp_fp8_all_gather; under "
+                        "--fp8_backend torchao, torchao's enable_fsdp_float8_all_gather)")
     add_fp8_args(p)
     args = p.parse_args(argv)
     if args.ddp and args.fsdp:
@@ -453,7 +454,9 @@ def _main(argv=None):
     model, fp8_info = prepare_model(model, args, logger=print, module_filter_fn=LM_HEAD_FILTER,
                                     precision=dtype.upper())
     # --ddp: DDP(model); --fsdp: model sharded in place (before the optimizer: it holds the shards)
-    wrapped = wrap_distributed(model, dinfo, device, fp8_all_gather=args.fsdp_fp8_all_gather)
+    # (--fsdp_fp8_all_gather under torchao: prepare_model turned on torchao's own FP8 all-gather)
+    wrapped = wrap_distributed(model, dinfo, device,
+                               fp8_all_gather=args.fsdp_fp8_all_gather and fp8_info["backend"] == "fp8ops")
     optimizer = make_optimizer(model, args, device)
     if ckpt is not None:
         load_optimizer_state(model, optimizer, ckpt["optimizer"], dinfo)

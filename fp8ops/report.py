@@ -21,11 +21,14 @@ RUNS_PLAIN = "nn.Linear"  # converted, but with its weight's dtype now every cal
 
 def cannot_run_fp8(m: Fp8Linear) -> str | None:
     """Why every call of m runs nn.Linear's computation now, whatever it ran before (its
-    weight's dtype: model.double()), or None. (A layer whose inputs leave the GPU is
-    counted per call in fallback_calls instead: tests run the GPU's paths on the CPU.)"""
+    weight's dtype: model.double(); its weight off the GPU: a GPU-trained model moved to the
+    CPU), or None. (Only inputs off the GPU fall back, counted per call in fallback_calls; the
+    weight's device stands for theirs. Tests run the GPU's paths on the CPU: fp8_on_cpu.)"""
     w = m.weight
     if w.dtype not in ops.HP_DTYPES:
         return f"its weight is {str(w.dtype).replace('torch.', '')}, not float32, bfloat16 or float16"
+    if w.device.type not in ("cuda", "meta") and not m.__dict__.get("fp8_on_cpu"):
+        return f"its weight is on the {w.device.type.upper()}, and FP8 runs on a CUDA GPU (model.cuda() moves it back)"
     return None
 
 
@@ -193,7 +196,7 @@ def headline(rows: list[dict]) -> str:
             f"{sum(r['runs'] == RUNS_FP8 for r in conv)} running FP8")
     for runs, what in ((RUNS_BF16_POLICY, "BF16 by policy auto (FP8 not faster here)"),
                        (RUNS_TRIAL, "in policy auto's trial"), (RUNS_NOT_YET, "not cast yet"),
-                       (RUNS_PLAIN, "running nn.Linear's computation (weight dtype)")):
+                       (RUNS_PLAIN, "running nn.Linear's computation (weight dtype or device)")):
         n = sum(r["runs"] == runs for r in conv)
         if n:
             line += f"; {n} {what}"

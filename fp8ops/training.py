@@ -167,6 +167,13 @@ def prepare_model(model, args, logger=print, module_filter_fn=None, precision="B
                "using hybrid: E4M3 forward, E5M2 gradients")
         backend_args = argparse.Namespace(**{**vars(args), "fp8_format": "hybrid"})
 
+    name = {"torchao": "torchao", "te": "Transformer Engine"}[backend]
+    if getattr(args, "fp8_policy", "auto") != "auto":
+        logger(f"FP8: --fp8_policy {args.fp8_policy} is fp8ops' (per-layer FP8-or-BF16 by timing); {name} "
+               "runs every layer it converts in FP8, so it does not apply")
+    if backend == "te" and getattr(args, "fsdp_fp8_all_gather", False):
+        logger("FP8: --fsdp_fp8_all_gather is not wired for Transformer Engine here; FSDP2 gathers its "
+               "weights in their own dtype")
     prepare = _prepare_torchao if backend == "torchao" else _prepare_te
     # (without a GPU that is the reason, not a missing package an install would not help)
     reason = _gpu_reason(model) if not torch.cuda.is_available() else None
@@ -176,7 +183,6 @@ def prepare_model(model, args, logger=print, module_filter_fn=None, precision="B
         return info.pop("model", model), info
 
     # The requested backend cannot run here: say why, then carry on without it.
-    name = {"torchao": "torchao", "te": "Transformer Engine"}[backend]
     if not reason.startswith(name):
         reason = f"{name} cannot run here: {reason}"
     if getattr(args, "fp8_fallback", "bf16") == "fp8ops":
@@ -285,7 +291,7 @@ def run_summary(model, info) -> str:
         parts.append(f"{runs.count(RUNS_NOT_YET)} never ran FP8")
     if runs.count(RUNS_PLAIN):
         parts.append(f"{runs.count(RUNS_PLAIN)} run nn.Linear's computation: their weights' dtype "
-                     "(fp8ops.report(model) says why)")
+                     "or device (fp8ops.report(model) says why)")
     kept = sum(type(m) is nn.Linear for m in model.modules())
     if kept:
         parts.append(f"{kept} not converted")
@@ -389,6 +395,12 @@ def _prepare_torchao(model, args, logger, module_filter_fn, info):
     if args.fp8_recipe == "delayed":
         logger("FP8: torchao scales from each tensor's current amax (it removed delayed scaling);"
                " --fp8_recipe delayed, --fp8_margin, --fp8_interval and --fp8_amax_* do not apply")
+    if getattr(args, "fsdp_fp8_all_gather", False):
+        # (a training script's flag, e.g. the example's: torchao's own FP8 all-gather for FSDP2)
+        if "enable_fsdp_float8_all_gather" in getattr(Float8LinearConfig, "__dataclass_fields__", {}):
+            kwargs["enable_fsdp_float8_all_gather"] = True
+        else:
+            logger("FP8: this torchao has no FSDP2 FP8 all-gather; --fsdp_fp8_all_gather does not apply")
 
     n_before = sum(type(m) is nn.Linear for m in model.modules())
     model_filter = _eligible(module_filter_fn)

@@ -277,6 +277,42 @@ def test_prepare_model_torchao_plumbing(monkeypatch):
     assert any("FP8: on (torchao" in line for line in lines)
 
 
+def test_prepare_model_torchao_fp8ops_only_flags(monkeypatch):
+    """fp8ops' own flags are named as not applying under torchao, and the example's
+    --fsdp_fp8_all_gather turns on torchao's FSDP2 FP8 all-gather where its config has one."""
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass(frozen=True)
+    class Float8LinearConfig:
+        enable_fsdp_float8_all_gather: bool = False
+
+    seen = {}
+
+    def convert_to_float8_training(model, *, module_filter_fn=None, config=None):
+        seen["config"] = config
+        model[0].__class__ = type("Float8Linear", (nn.Linear,), {})
+        return model
+
+    f8 = types.SimpleNamespace(CastConfig=object, Float8LinearConfig=Float8LinearConfig,
+                               convert_to_float8_training=convert_to_float8_training)
+    _fake_modules(monkeypatch, {"torchao": types.ModuleType("torchao"), "torchao.float8": f8})
+    args = parse("--use_fp8", "--fp8_backend", "torchao", "--fp8_policy", "always")
+    args.fsdp_fp8_all_gather = True
+    lines = []
+    _, info = prepare_model(nn.Sequential(nn.Linear(32, 64)), args, logger=lines.append)
+    assert info["backend"] == "torchao" and seen["config"].enable_fsdp_float8_all_gather is True
+    assert any("--fp8_policy always is fp8ops'" in line and "does not apply" in line for line in lines)
+    # the default policy says nothing; a torchao without the field says the flag does not apply
+    monkeypatch.setattr(f8, "Float8LinearConfig", dataclasses.make_dataclass("Float8LinearConfig", []))
+    args = parse("--use_fp8", "--fp8_backend", "torchao")
+    args.fsdp_fp8_all_gather = True
+    lines = []
+    prepare_model(nn.Sequential(nn.Linear(32, 64)), args, logger=lines.append)
+    assert not any("--fp8_policy" in line for line in lines)
+    assert any("no FSDP2 FP8 all-gather; --fsdp_fp8_all_gather does not apply" in line for line in lines)
+
+
 def test_prepare_model_te_plumbing(monkeypatch):
     import contextlib
     import dataclasses
