@@ -31,6 +31,12 @@ def label_of(path, metrics):
     return f"{Path(path).parent.name or path} ({metrics.get('fp8_ran') or metrics.get('backend', '?')})"
 
 
+def tokens_per_s(metrics):
+    """A run's steady tokens/s: the median of its log windows, or the mean where only that was saved."""
+    v = metrics.get("median_tokens_per_s")
+    return metrics.get("mean_tokens_per_s") if v is None else v
+
+
 def rel(a, b):
     return f"{100 * (b - a) / a:+.2f}%" if a else "-"
 
@@ -64,9 +70,10 @@ def main(argv=None):
     print(f"{'run':<{width}}  {'steps':>6}  {'train':>8}  {'vs first':>9}  {'val':>8}  "
           f"{'vs first':>9}  {'tokens/s':>10}  {'vs first':>9}")
     for path, m in runs:
-        tr, va, tps = m.get("final_train_loss"), m.get("final_val_loss"), m.get("mean_tokens_per_s")
+        # (the median of the log windows; metrics.json files before it have the mean only)
+        tr, va, tps = m.get("final_train_loss"), m.get("final_val_loss"), tokens_per_s(m)
         btr, bva = base.get("final_train_loss"), base.get("final_val_loss")
-        btps = base.get("mean_tokens_per_s")
+        btps = tokens_per_s(base)
         print(f"{label_of(path, m):<{width}}  {m.get('last_step', 0):>6}  "
               f"{'-' if tr is None else format(tr, '.4f'):>8}  "
               f"{rel(btr, tr) if None not in (btr, tr) else '-':>9}  "

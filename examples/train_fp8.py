@@ -28,6 +28,7 @@ import os
 import shutil
 import shlex
 import signal
+import statistics
 import sys
 import sysconfig
 import time
@@ -568,7 +569,8 @@ def _main(argv=None):
 
     def write_metrics(step, save=True):
         flush_losses()
-        # This run's windows after the first (which holds warm-up and any compilation).
+        # This run's windows after the first (which holds warm-up and any compilation); the
+        # median too, which a later window with a recompilation in it does not move.
         steady = run_tok_s[1:] or run_tok_s
         summary = dict(metrics, label=fp8_info["summary"], backend=fp8_info["backend"],
                        fp8_ran=run_summary(model, fp8_info),  # what ran by now (policy auto may pick BF16)
@@ -576,6 +578,7 @@ def _main(argv=None):
                        tokens_per_step=tokens_per_step, last_step=step,
                        world_size=dinfo.world, parallel=dinfo.mode,
                        mean_tokens_per_s=sum(steady) / len(steady) if steady else None,
+                       median_tokens_per_s=statistics.median(steady) if steady else None,
                        final_val_loss=metrics["val_loss"][-1] if metrics["val_loss"] else None,
                        final_train_loss=final_train_loss(metrics))
         if dinfo.main and save:
@@ -750,9 +753,9 @@ def _main(argv=None):
           else "  train loss      -")
     print(f"  val loss        {fvl:.4f} (best {best_val:.4f})" if fvl is not None
           else "  val loss        -")
-    if summary["mean_tokens_per_s"]:
-        print(f"  tokens/s        {summary['mean_tokens_per_s']:,.0f} "
-              "(without warm-up, evaluation and checkpoint time)")
+    if summary["median_tokens_per_s"]:
+        print(f"  tokens/s        {summary['median_tokens_per_s']:,.0f} (median of the log windows after the "
+              "first; without warm-up, evaluation and checkpoint time)")
     print(f"  FP8             {summary['fp8_ran']}")
     # (a new run stopped before its first step wrote nothing: no paths to files that are not
     # its own, which may be an earlier run's in the same directory)

@@ -426,6 +426,9 @@ def test_example_runs_and_writes_checkpoints(trained):
     assert m["steps"] == [1, 2, 3, 4, 5, 6] and len(m["train_loss"]) == 6
     assert m["val_steps"] == [3, 6] and all(v == v for v in m["val_loss"])
     assert m["mean_tokens_per_s"] > 0 and m["last_step"] == 6
+    # (steps 1-6 logged every 2: three windows; the first, with the warm-up, is left out)
+    import statistics  # noqa: PLC0415
+    assert len(m["tokens_per_s"]) == 3 and m["median_tokens_per_s"] == statistics.median(m["tokens_per_s"][1:])
 
 
 def test_checkpoint_holds_the_plain_models_state(trained):
