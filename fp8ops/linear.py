@@ -824,12 +824,26 @@ class Fp8Linear(nn.Linear):
         from .scaling import track  # noqa: PLC0415 -- scaling imports this module
         track(self)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         # The load writes the weight in place. Under FSDP2 it writes the sharded
         # parameter, which moves neither the version counter nor the storage of
         # the unsharded weight the cache key reads: drop the cached cast here.
         self._w_cache = None
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        from .fsdp import _Fp8MasterWeight, fp8_all_gather_enabled  # noqa: PLC0415 -- fsdp imports this module
+        fp8_gather = fp8_all_gather_enabled(self)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        w = self._parameters.get("weight")
+        if fp8_gather and w is not None and not fp8_all_gather_enabled(self):
+            # load_state_dict(assign=True) put the checkpoint's plain tensor in the FP8 master
+            # weight's place: wrap it again, or FSDP2 would gather it in its own dtype, silently
+            if hasattr(w, "_local_tensor"):
+                error_msgs.append(f"{prefix}weight: load_state_dict(assign=True) replaced a weight that FSDP2 "
+                                "gathers in FP8 (fp8ops.enable_fsdp_fp8_all_gather) after fully_shard; load "
+                                "with assign=False, or before fully_shard and enable_fsdp_fp8_all_gather")
+            else:
+                self.weight = nn.Parameter(_Fp8MasterWeight(w.data), requires_grad=w.requires_grad)
         bufs = self._buffers
         meta = [n for n in _SCALING_BUFFERS if bufs.get(n) is not None and bufs[n].is_meta]
         if meta and not self.weight.is_meta:

@@ -56,6 +56,18 @@ def test_state_dict_holds_plain_tensors(tmp_path):
     assert torch.equal(plain[0].weight, model[0].weight.detach() * 1)
 
 
+def test_assign_load_keeps_the_fp8_all_gather():
+    """load_state_dict(assign=True) puts the checkpoint's plain tensor in the weight's place:
+    the layer wraps it again, so FSDP2 still gathers it in FP8 (it silently stopped)."""
+    model = nn.Sequential(_layer(), nn.ReLU(), _layer(bias=False))
+    assert fp8ops.enable_fsdp_fp8_all_gather(model) == ["0", "2"]
+    sd = {k: torch.randn_like(v) if k.endswith("weight") else v for k, v in model.state_dict().items()}
+    model.load_state_dict(sd, assign=True)
+    assert all(type(model[i].weight.data) is _Fp8MasterWeight for i in (0, 2))
+    assert torch.equal(model[0].weight.detach() * 1, sd["0.weight"]) and model[0].weight.requires_grad
+    assert "all-gathers its weight in FP8" in fp8ops.report(model, print_table=False)[0]["reason"]
+
+
 def _gathered(layer):
     """What fsdp_post_all_gather hands the forward, for an unsharded layer (world size 1)."""
     w = layer.weight.detach()
