@@ -7,6 +7,7 @@ fp8ops_auto variant runs the FP8 path like "always", and no verdict is recorded.
 import importlib
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -196,19 +197,22 @@ def _bench_train_on_cpu(monkeypatch, n_layer: int):
 def test_bench_train_runs_a_tiny_gpt_in_fp8_and_validates_it(monkeypatch, tmp_path, capsys):
     bench = _bench_train_on_cpu(monkeypatch, n_layer=2)
     out = tmp_path / "train.json"
-    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "bf16,fp8ops",
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "bf16,fp8ops,fp8ops_lmhead",
                                       "--steps", "3", "--warmup", "4", "--fp8-policy", "always",
                                       "--json", str(out)])
     assert bench.main() == 0
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
-    assert set(rows) == {"bf16", "fp8ops"} and not result["validation_failures"]
+    assert set(rows) == {"bf16", "fp8ops", "fp8ops_lmhead"} and not result["validation_failures"]
+    # the tied lm_head converted too, still tied (the validation's gradients are those of one weight)
+    assert rows["fp8ops_lmhead"]["note"].startswith("9/9 linears Fp8Linear") and rows["fp8ops_lmhead"]["valid"]
+    assert rows["fp8ops_lmhead"]["fp8_layers_ran"] == 9
     fp8 = rows["fp8ops"]
     assert fp8["valid"] and fp8["tokens_per_s"] > 0 and fp8["note"].startswith("8/9 linears Fp8Linear")
     assert fp8["fp8_layers_ran"] == 8 and "; 8 ran FP8" in fp8["note"]
     assert fp8["warmup_losses"] != rows["bf16"]["warmup_losses"]   # FP8 numerics, not the BF16 path again
     assert any(t["what"].startswith("small: fp8ops vs bf16 tokens/s") for t in result["targets"])
-    assert "small |  fp8ops" in capsys.readouterr().out
+    assert re.search(r"small \| +fp8ops +\|", capsys.readouterr().out)
     # after the warm-up, the settled path against BF16 from the same weights: FP8's rounding, not BF16's bits
     assert 10 < fp8["settled_check"]["grad_sqnr_db"] < 60, fp8["settled_check"]
     assert rows["bf16"]["settled_check"]["grad_sqnr_db"] > 100
