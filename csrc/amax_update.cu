@@ -100,6 +100,8 @@ __device__ __forceinline__ void amax_update_block(float* __restrict__ hist, floa
       if (isinf(t)) s = FLT_MAX;
       else if (t > 0.0f && isfinite(1.0f / t)) s = t;  // scale_inv must stay finite too
     }
+    // a scale that came in 0, negative, inf or NaN is not kept either (as on the CPU)
+    if (!(isfinite(s) && s > 0.0f && isfinite(1.0f / s))) s = 1.0f;
     scale[col] = s;
     scale_inv[col * scale_inv_stride] = 1.0f / s;
     if (overflow_count && !isfinite(h0)) overflow_count[col] += 1;  // one thread per column

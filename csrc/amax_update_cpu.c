@@ -45,6 +45,9 @@ int fp8ops_amax_update_cpu(float* amax_history, float* scale, float* scale_inv,
       if (isinf(t)) s = FLT_MAX;
       else if (t > 0.0f && isfinite(1.0f / t)) s = t; /* scale_inv must stay finite too */
     }
+    /* a scale that came in 0, negative, inf or NaN (written by hand, a corrupt checkpoint)
+     * is not kept either: 1 until an amax sets one */
+    if (!(isfinite(s) && s > 0.0f && isfinite(1.0f / s))) s = 1.0f;
     scale[i] = s;
     scale_inv[i * scale_inv_stride] = 1.0f / s;
   }

@@ -20,6 +20,7 @@
  * `bias` is "absent" when it has no elements (schemas avoid T?, see STYLE.md).
  */
 #include <dlfcn.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -106,6 +107,9 @@ static int describe(const char* op, const char* arg, AtenTensorHandle h, tinfo* 
   memset(t, 0, sizeof *t);
   t->h = h;
   int64_t* sizes;
+  bool defined = false;
+  SHIM(aoti_torch_is_defined(h, &defined)); /* (None for a Tensor argument arrives undefined) */
+  FP8OPS_REQUIRE(defined, "%s: %s is None (an undefined tensor); pass a tensor", op, arg);
   SHIM(aoti_torch_get_dtype(h, &t->dtype));
   SHIM(aoti_torch_get_device_type(h, &t->dev_type));
   SHIM(aoti_torch_get_device_index(h, &t->dev_index));
@@ -120,7 +124,15 @@ static int describe(const char* op, const char* arg, AtenTensorHandle h, tinfo* 
                      t->dev_type == aoti_torch_device_type_cuda(),
                  "%s: %s is on %s; expected a cpu or cuda tensor", op, arg,
                  device_name(t->dev_type));
-  if (t->numel > 0) SHIM(torch_get_mutable_data_ptr(h, &t->data));
+  if (t->numel > 0) {
+    /* storage resized to 0 bytes (FSDP frees unsharded parameters so): its data pointer is
+     * NULL, or NULL plus the storage offset, and no kernel may read it */
+    int64_t nbytes = 0;
+    SHIM(aoti_torch_get_storage_size(h, &nbytes));
+    FP8OPS_REQUIRE(nbytes > 0, "%s: %s has no storage (freed: resized to 0 bytes, as FSDP does to "
+                   "parameters outside their forward); pass a tensor that holds its data", op, arg);
+    SHIM(torch_get_mutable_data_ptr(h, &t->data));
+  }
   return FP8OPS_OK;
 }
 
@@ -423,6 +435,10 @@ static int run_amax_update(AtenTensorHandle hh, AtenTensorHandle hs, AtenTensorH
   FP8OPS_TRY(require_same_device(op, "scale", &s, "amax_history", &h));
   FP8OPS_TRY(require_same_device(op, "scale_inv", &si, "amax_history", &h));
   FP8OPS_TRY(require_same_device(op, "fp8_max", &m, "amax_history", &h));
+  /* (the op writes scale, then scale_inv = 1 / scale: one memory for both reads back 1/scale) */
+  FP8OPS_REQUIRE(s.numel == 0 || (s.data != si.data && s.data != h.data && si.data != h.data),
+                 "%s: scale, scale_inv and amax_history must be three tensors of their own, found "
+                 "two of them sharing memory; pass separate tensors", op);
   FP8OPS_REQUIRE(h.ndim == 1 || h.ndim == 2, "%s: amax_history must be [H] (one tensor) or "
                  "[H, n] (n tensors), found %lld dims", op, (long long)h.ndim);
   const int64_t H = h.sizes[0], n = h.ndim == 2 ? h.sizes[1] : 1;
@@ -744,7 +760,11 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
       FP8OPS_TRY(require_contiguous(op, names[i], pp[i]));
       FP8OPS_TRY(require_same_device(op, names[i], pp[i], "x", &x));
     }
-    FP8OPS_REQUIRE(ln->eps >= 0.0, "%s: eps must be >= 0, found %g", op, ln->eps);
+    /* (eps as the kernels take it, a float: 1e300 is inf there, and rstd would be 0) */
+    FP8OPS_REQUIRE(ln->eps >= 0.0 && isfinite((float)ln->eps), "%s: eps must be a finite float >= 0, "
+                   "found %g", op, ln->eps);
+    FP8OPS_REQUIRE(!ln->rms || lb.numel == 0, "%s: an RMSNorm has no bias (rms=True), found ln_bias "
+                   "with %lld elements; pass an empty ln_bias with rms=True", op, (long long)lb.numel);
     FP8OPS_REQUIRE(K > 0, "%s: x %s has no features to normalize (K = 0); a LayerNorm needs K > 0",
                    op, SHAPE(&x, sh1));
     const int64_t msz[1] = {M};

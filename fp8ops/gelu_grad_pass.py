@@ -57,7 +57,8 @@ def gelu_tanh_backward(g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 @gelu_tanh_backward.register_fake
 def _(g, h):
-    return torch.empty_like(g)
+    # (torch's own meta kernel: its shape, dtype and broadcasting checks, and the real op's strides)
+    return torch.ops.aten.gelu_backward(g, h, approximate="tanh")
 
 
 # ops that only reinterpret a contiguous tensor's shape (a chain of them back to the same

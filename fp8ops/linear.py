@@ -650,8 +650,11 @@ class Fp8Linear(nn.Linear):
                         and c[V_BUFFERS + 3] is m and c[V_OVERFLOW] is o and cptrs == ptrs:
                     return c
             if not _is_padded(si):
-                # .to() / .cuda() / a load made the buffer contiguous again
-                si = bufs["fp8_scale_inv"] = _padded(si)
+                # .to() / .cuda() / a load made the buffer contiguous again (a buffer made under
+                # inference_mode, an evaluation's first call, would be an inference tensor: no
+                # version counter, and training calls after it would fail)
+                with torch.inference_mode(False):
+                    si = bufs["fp8_scale_inv"] = _padded(si)
                 self.__dict__["_fp8_si_version"] = None  # (a new tensor: see scaling._check_not_broadcast)
                 ptrs = ptrs[:2] + (si.data_ptr(),) + ptrs[3:]
         c = (s[0:1], s[1:2], s[2:3], si[0:1], si[1:2], si[2:3], h[0, 0], h[0, 1], h[0, 2], o, h, s, si, m)
@@ -850,8 +853,9 @@ class Fp8Linear(nn.Linear):
             # load_state_dict(assign=True) into a model built on the meta device: the weight
             # now has storage, the scaling state (not in any state dict) is given its own here,
             # as to_empty() would (_apply)
-            for n in meta:
-                bufs[n] = torch.empty_like(bufs[n], device=self.weight.device)
+            with torch.inference_mode(False):  # (buffers of their own, whatever the load ran under)
+                for n in meta:
+                    bufs[n] = torch.empty_like(bufs[n], device=self.weight.device)
             self._reset_fp8_state()
             self._forget_placement()
         elif prefix + "weight" in state_dict and not self.__dict__.get("_fp8_scaling_loaded"):

@@ -7,6 +7,8 @@ checks one for one, so compiled code fails the same way eager code does.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _loader
@@ -42,6 +44,15 @@ def _as_dtype(d):
     return d if isinstance(d, torch.dtype) else _DTYPE_OF_CODE.get(d, d)
 
 
+def _dtypes(op, **kw):
+    """The wrappers' dtype arguments: torch.dtypes or ST's int codes. (torch.ops takes any int
+    as a ScalarType code, and an op with Python kernels crashes the process on one it does
+    not know.)"""
+    for name, d in kw.items():
+        if not (isinstance(d, torch.dtype) or (type(d) is int and d in _DTYPE_OF_CODE)):
+            raise TypeError(f"{op}: {name} must be a torch.dtype (e.g. torch.float8_e4m3fn), found {d!r}")
+
+
 def _bias_dtype(out_dtype: torch.dtype) -> torch.dtype:
     # cuBLASLt's FP8 rule (and torch._scaled_mm's): bf16 bias for an fp32 output
     return torch.bfloat16 if out_dtype == torch.float32 else out_dtype
@@ -68,6 +79,10 @@ def _require():
 
 def _chk(cond, msg):
     torch._check(cond, lambda: msg)
+
+
+def _chk_ndim(op, name, t):
+    _chk(t.dim() <= 8, f"{op}: {name} has {t.dim()} dims; at most 8 are supported")
 
 
 def _chk_contig(op, name, t):
@@ -114,12 +129,14 @@ def cast(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.fl
     """fp8 = sat(round(x * scale)) in one pass; returns (out, out_t, amax(|x|)).
     out_t is the [cols, rows] transpose of the [rows, cols] view, or empty."""
     _require()
+    _dtypes("cast", out_dtype=out_dtype)
     return torch.ops.fp8ops.cast.default(x, scale, out_dtype, transpose)
 
 
 def _cast_fake(x, scale, out_dtype, transpose, op="fp8ops::cast"):
     _chk(x.dtype in HP_DTYPES, f"{op}: x must be float32, bfloat16 or float16, found {_dname(x.dtype)}")
     _chk(out_dtype in FP8_DTYPES, f"{op}: out_dtype must be float8_e4m3fn or float8_e5m2, found {_dname(out_dtype)}")
+    _chk_ndim(op, "x", x)
     _chk_contig(op, "x", x)
     _chk_scalar_f32(op, "scale", scale, "x", x)
     _chk(x.dim() >= 1, f"{op}: x must have at least 1 dim, found a 0-dim tensor; use x.reshape(1)")
@@ -162,6 +179,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 def _amax_fake(x):
     op = "fp8ops::amax"
     _chk(x.dtype in HP_DTYPES, f"{op}: x must be float32, bfloat16 or float16, found {_dname(x.dtype)}")
+    _chk_ndim(op, "x", x)
     _chk_contig(op, "x", x)
     return x.new_empty((), dtype=torch.float32)
 
@@ -232,8 +250,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_in
     """out[M, N] = (a[M, K] @ b[N, K].T) * a_scale_inv * b_scale_inv (+ bias), fp32
     accumulation; a, b fp8 and K-major (the TN layout cuBLASLt FP8 needs)."""
     _require()
+    _dtypes("gemm", out_dtype=out_dtype)
     if bias is None:
-        bias = a.new_empty((0,), dtype=_bias_dtype(out_dtype))
+        bias = a.new_empty((0,), dtype=_bias_dtype(_as_dtype(out_dtype)))
     return torch.ops.fp8ops.gemm.default(a, b, a_scale_inv, b_scale_inv, bias, out_dtype, use_fast_accum)
 
 
@@ -289,6 +308,7 @@ def cast_accumulate(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     (amax = max(amax, max |x|), NaN wins) instead of returning it; e.g. amax is
     row 0 of an amax history, collecting a step's maximum. Returns (out, out_t)."""
     _require()
+    _dtypes("cast_accumulate", out_dtype=out_dtype)
     return torch.ops.fp8ops.cast_accumulate.default(x, scale, amax, out_dtype, transpose)
 
 
@@ -314,6 +334,7 @@ def linear_fwd(x, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
     (y [M, N], x8t [K, M] if save_xt, w8 [N, K] and w8t [K, N] if save_wt when
     w was cast here); what was not made comes back empty."""
     _require()
+    _dtypes("linear_fwd", x_fp8_dtype=x_fp8_dtype, w_fp8_dtype=w_fp8_dtype, out_dtype=out_dtype)
     bias, w_scale, w_amax = _fwd_defaults("linear_fwd", x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv)
     return torch.ops.fp8ops.linear_fwd.default(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv,
                                                bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_xt,
@@ -323,7 +344,7 @@ def linear_fwd(x, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
 def _fwd_defaults(op, x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv):
     """The forward ops' optional arguments as the ops take them: (bias, w_scale, w_amax)."""
     if bias is None:
-        bias = x.new_empty((0,), dtype=_bias_dtype(out_dtype))
+        bias = x.new_empty((0,), dtype=_bias_dtype(_as_dtype(out_dtype)))
     if w_scale is None:
         if w.dtype in HP_DTYPES:
             raise ValueError(f"{op}: w is in high precision and is cast here, so w_scale (the scale "
@@ -336,8 +357,7 @@ def _fwd_defaults(op, x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv):
 
 def _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv, bias, x_fp8_dtype,
                      w_fp8_dtype, out_dtype, use_fast_accum, save_xt, save_wt, gelu_input=False,
-                     swiglu_input=False):
-    op = "fp8ops::linear_fwd"
+                     swiglu_input=False, op="fp8ops::linear_fwd"):
     x_fp8_dtype, w_fp8_dtype, out_dtype = _as_dtype(x_fp8_dtype), _as_dtype(w_fp8_dtype), _as_dtype(out_dtype)
     _chk(x.dtype in HP_DTYPES, f"{op}: x must be float32, bfloat16 or float16, found {_dname(x.dtype)}")
     cast_w = w.dtype not in FP8_DTYPES
@@ -388,6 +408,7 @@ def ln_linear_fwd(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_inv, w
     mean (zeros for an RMSNorm) and rstd are what layernorm_bwd takes."""
     _require()
     _chk(not (rms and ln_bias is not None), "ln_linear_fwd: an RMSNorm has no bias; pass ln_bias=None with rms=True")
+    _dtypes("ln_linear_fwd", x_fp8_dtype=x_fp8_dtype, w_fp8_dtype=w_fp8_dtype, out_dtype=out_dtype)
     bias, w_scale, w_amax = _fwd_defaults("ln_linear_fwd", x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv)
     none = _empty_for(x, torch.float32)
     return torch.ops.fp8ops.ln_linear_fwd.default(
@@ -400,7 +421,7 @@ def _ln_linear_fwd_fake(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_
                         bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_wt, rms=False):
     op = "fp8ops::ln_linear_fwd"
     y, x8t, w8, w8t = _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv, bias,
-                                       x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, True, save_wt)
+                                       x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, True, save_wt, op=op)
     K = x.shape[1]
     for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
         if t.numel() == 0 and K > 0:
@@ -410,7 +431,11 @@ def _ln_linear_fwd_fake(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_
              f"{_dname(t.dtype)} with {t.numel()} elements")
         _chk_contig(op, name, t)
         _chk_device(op, name, t, "x", x)
-    _chk(eps >= 0, f"{op}: eps must be >= 0, found {eps}")
+    # (eps as the kernels take it, a float32: 1e300 is inf there)
+    _chk(eps >= 0 and math.isfinite(float(torch.tensor(eps, dtype=torch.float32))),
+         f"{op}: eps must be a finite float >= 0, found {eps}")
+    _chk(not rms or ln_bias.numel() == 0, f"{op}: an RMSNorm has no bias (rms=True), found ln_bias with "
+                                          f"{ln_bias.numel()} elements; pass an empty ln_bias with rms=True")
     _chk(K > 0, f"{op}: x {list(x.shape)} has no features to normalize (K = 0); a LayerNorm needs K > 0")
     M = x.shape[0]
     return y, x8t, w8, w8t, x.new_empty((M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32)
@@ -496,6 +521,7 @@ def linear_bwd(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_
     all of the above use dy = gy * gelu_tanh'(h), formed in the cast's pass.
     Returns (dx, dw, db); an output not asked for comes back empty."""
     _require()
+    _dtypes("linear_bwd", g_fp8_dtype=g_fp8_dtype, dx_dtype=dx_dtype, dw_dtype=dw_dtype)
     if gelu_input is None:
         gelu_input = gy.new_empty((0,))
     return torch.ops.fp8ops.linear_bwd.default(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv,
@@ -578,6 +604,7 @@ def swiglu_backward(dh: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _swiglu_chk(op, x):
     _chk(x.dtype in HP_DTYPES, f"{op}: x must be float32, bfloat16 or float16, found {_dname(x.dtype)}")
+    _chk_ndim(op, "x", x)
     _chk_contig(op, "x", x)
     _chk(x.dim() >= 1 and x.shape[-1] % 2 == 0, f"{op}: x {list(x.shape)} must have an even last dim (the gate "
                                                 "and up halves of one projection's output)")

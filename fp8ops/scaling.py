@@ -11,9 +11,11 @@ state_dict so checkpoints stay the BF16 model's).
 """
 from __future__ import annotations
 
+import numbers
 import sys
 import warnings
 import weakref
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,9 @@ def _layers_of(optimizer) -> list[Fp8Linear]:
 # one (SAM's base optimizer) then skips the layers the inner one updated
 
 
+# (the hooks are global: under torch.compile(opt.step), of any optimizer, dynamo would trace
+# them and fail on the optimizer attributes they write; they run as eager code instead)
+@torch.compiler.disable
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
     d = optimizer.__dict__
     if not d.get("_fp8ops_open"):
@@ -79,6 +84,7 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
             inner.__dict__["_fp8ops_inner"] = True
 
 
+@torch.compiler.disable
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     d = optimizer.__dict__
     if not d.get("_fp8ops_inner"):
@@ -521,6 +527,50 @@ def _recipe_and_format(config: str) -> list[str]:
     return config.split("/")[:2]
 
 
+def _bad_saved_entry(name: str, what: str) -> ValueError:
+    return ValueError(f"load_scaling_state_dict: {name}'s saved state {what}; it is not what "
+                      "scaling_state_dict saves (a corrupt or hand-made checkpoint). Nothing was loaded; "
+                      "leave the scaling state out of the load and the layers start their scaling afresh")
+
+
+def _check_saved_form(name: str, s) -> None:
+    """Refuse a layer's saved scaling state that is not scaling_state_dict's form (a dict of
+    tensors and a step), naming the layer, before anything is loaded."""
+    def bad(what: str) -> ValueError:
+        return _bad_saved_entry(name, what)
+    if not isinstance(s, Mapping):
+        raise bad(f"is a {type(s).__name__}, not a dict")
+    for key in ("amax_history", "scale", "scale_inv", "step"):
+        if key not in s:
+            raise bad(f"has no {key!r}")
+    for key in ("amax_history", "scale", "scale_inv", "overflow_count"):
+        if key in s and not (isinstance(s[key], torch.Tensor) and s[key].is_floating_point() == (key != "overflow_count")):
+            raise bad(f"{key} is {type(s[key]).__name__} {getattr(s[key], 'dtype', '')}, not a "
+                      f"{'floating-point' if key != 'overflow_count' else 'integer'} tensor")
+
+
+def _check_saved_values(name: str, s) -> None:
+    """Refuse saved values that would poison the layer's casts (a scale that is not finite and
+    > 0: NaN outputs, and a gradient scale that stays NaN; a scale_inv that is not its inverse:
+    outputs off by their ratio) or its bookkeeping, naming the layer, before anything loads."""
+    def bad(what: str) -> ValueError:
+        return _bad_saved_entry(name, what)
+    scale, scale_inv = s["scale"].detach().float().cpu(), s["scale_inv"].detach().float().cpu()
+    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        raise bad(f"holds the scales {scale.tolist()}: each must be finite and > 0")
+    if scale_inv.shape != scale.shape or not torch.allclose(scale_inv, 1.0 / scale, rtol=1e-5, atol=0.0):
+        raise bad(f"holds scale_inv {scale_inv.tolist()} for scale {scale.tolist()}: each must be 1 / scale")
+    step = s["step"]
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise bad(f"step is {step!r}: an int >= 0")
+    if not isinstance(s.get("primed", True), bool):
+        raise bad(f"primed is {s['primed']!r}: a bool")
+    if "overflow_count" in s and bool((s["overflow_count"] < 0).any()):
+        raise bad(f"overflow_count is {s['overflow_count'].tolist()}: counts >= 0")
+
+
 def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = False) -> list[str]:
     """Restore what scaling_state_dict saved (also from a state saved by an
     fp8ops that keyed a compiled or DDP-wrapped model by its wrapper's names).
@@ -537,6 +587,7 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
         s = state.get(name, bare.get(name))
         if s is not None:
             matched.add(name)
+            _check_saved_form(name, s)
         if (s is None or s["amax_history"].shape != m.fp8_amax_history.shape
                 or ("config" in s and _recipe_and_format(s["config"]) != _recipe_and_format(m.fp8_config.short_str()))):
             skipped.append(name)
@@ -547,7 +598,8 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
                                  f"expected {tuple(m._buffers['fp8_' + what].shape)} (one per input, weight and "
                                  "gradient); the state is not from scaling_state_dict of this fp8ops. Nothing was "
                                  "loaded")
-        loads.append((m, s))
+        _check_saved_values(name, s)
+        loads.append((m, {**s, "step": int(s["step"]), "primed": bool(s.get("primed", True))}))
     unknown = sorted(k for k in bare if k not in matched)
     if strict and (skipped or unknown):
         what = ([f"no compatible state for {skipped} (missing, or saved with another amax history length, "
@@ -562,8 +614,8 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
             m.fp8_scale_inv.copy_(s["scale_inv"])
             if "overflow_count" in s:  # (not in a state an fp8ops before the twenty-seventh session saved)
                 m.fp8_overflow_count.copy_(s["overflow_count"])
-        m.fp8_step = int(s["step"])
-        m._fp8_delayed_ready = bool(s.get("primed", True))
+        m.fp8_step = s["step"]
+        m._fp8_delayed_ready = s["primed"]
         m._w_cache = None  # the cached weight cast was made with the old weight scale
         m.__dict__["_fp8_si_version"] = None  # (written here, not by a broadcast)
         m._fp8_pristine = False  # its history is the loaded one

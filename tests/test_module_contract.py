@@ -294,6 +294,49 @@ def test_assign_load_into_a_meta_model_gives_the_scaling_state_storage(monkeypat
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+@pytest.mark.parametrize("remake", ["assign_load", "to_empty", "move"])
+def test_a_first_call_under_inference_mode_after_the_buffers_were_remade(monkeypatch, remake):
+    """A move or a meta model's load leaves the scale_inv buffer unpadded, and the next call
+    pads it. When that call ran under inference_mode (a validation before training), the new
+    buffer was an inference tensor: that call and every training call after it raised
+    "Inference tensors do not track version counter"."""
+    sd = _mlp().state_dict()
+    if remake == "move":
+        model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+        for m in (model[0], model[2]):
+            m.fp8_scale_inv = m.fp8_scale_inv.contiguous()  # (what .cuda() does to the strided buffer)
+    else:
+        with torch.device("meta"):
+            model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+        if remake == "assign_load":
+            with torch.inference_mode():
+                model.load_state_dict(sd, assign=True)
+        else:
+            model.to_empty(device="cpu").load_state_dict(sd)
+    assert model[0].fp8_scale_inv.stride() == (1,)
+    with torch.inference_mode():
+        model(torch.randn(16, 32))
+    assert not any(b.is_inference() for b in model.buffers())
+    _train(model)
+    assert model[0]._fp8_delayed_ready and model[0].fp8_step == 3
+
+
+def test_compiled_optimizer_steps_run_the_scale_updates(monkeypatch):
+    """The scale updates hang on global optimizer hooks: under torch.compile(opt.step) dynamo
+    traced them and failed (an AssertionError naming an optimizer attribute), for any
+    optimizer in the process once a layer was converted. They run as eager code."""
+    model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    plain = _mlp(seed=2)
+    for m, n in ((plain, 0), (model, 3)):
+        opt = torch.optim.SGD(m.parameters(), lr=torch.tensor(0.01))
+        step = torch.compile(opt.step, backend="eager")
+        for _ in range(3):
+            m(torch.randn(16, 32)).square().mean().backward()
+            step()
+            opt.zero_grad()
+    assert model[0].fp8_step == 3 and model[0]._fp8_delayed_ready and model[0].fp8_scale[X] != 1.0
+
+
 def test_a_weight_load_restarts_scaling_but_keeps_the_step_and_the_counts(monkeypatch):
     """load_state_dict of other weights restarts the scaling (current scales first), while the
     step count (the phase of `interval`) and the run's NaN/inf counts go on."""
@@ -791,6 +834,36 @@ def test_a_strict_scaling_state_load_checks_everything_before_loading_anything(m
     assert dst[0].fp8_scale.tolist() == [1.0, 1.0, 1.0] and dst[0].fp8_step == 0    # "0" was not loaded either
     assert fp8ops.load_scaling_state_dict(dst, {**state, "extra": state["0"]}) == []  # not strict: what fits
     assert torch.equal(dst[2].fp8_scale, src[2].fp8_scale)
+
+
+@pytest.mark.parametrize("entry, match", [
+    (dict(scale=torch.tensor([float("nan"), 1.0, 1.0])), r"holds the scales \[nan, 1.0, 1.0\]: each must be finite and > 0"),
+    (dict(scale=torch.tensor([0.0, 1.0, 1.0])), r"each must be finite and > 0"),
+    (dict(scale=torch.tensor([-2.0, 1.0, 1.0])), r"each must be finite and > 0"),
+    (dict(scale_inv=torch.tensor([7.0, 7.0, 7.0])), r"each must be 1 / scale"),
+    (dict(step="three"), r"step is 'three': an int >= 0"),
+    (dict(step=-1), r"step is -1: an int >= 0"),
+    (dict(primed="False"), r"primed is 'False': a bool"),
+    (dict(overflow_count=torch.tensor([-1, 0, 0])), r"overflow_count is \[-1, 0, 0\]: counts >= 0"),
+    (dict(amax_history=[[0.0] * 3]), r"amax_history is list , not a floating-point tensor"),
+    ("a tensor", r"is a str, not a dict"),
+])
+def test_a_scaling_state_that_would_poison_the_casts_is_refused(monkeypatch, entry, match):
+    """A saved scale that is NaN, 0 or negative (its casts give NaN, and the gradient's would
+    stay NaN), a scale_inv that is not its inverse (outputs off by its ratio), and entries
+    that are not scaling_state_dict's are refused naming the layer, before anything loads."""
+    src = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    _train(src)
+    state = fp8ops.scaling_state_dict(src)
+    if isinstance(entry, dict) and "scale" in entry:
+        entry = {**entry, "scale_inv": 1.0 / entry["scale"]}
+    dst = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    bad = {"0": state["0"], "2": {**state["2"], **entry} if isinstance(entry, dict) else entry}
+    with pytest.raises(ValueError, match="load_scaling_state_dict: 2's saved state .*" + match):
+        fp8ops.load_scaling_state_dict(dst, bad)
+    assert dst[0].fp8_scale.tolist() == [1.0, 1.0, 1.0] and dst[0].fp8_step == 0    # "0" was not loaded either
+    state["2"]["step"] = torch.tensor(state["2"]["step"])  # (a 0-d integer tensor is a step too)
+    assert fp8ops.load_scaling_state_dict(dst, state) == [] and isinstance(dst[2].fp8_step, int)
 
 
 def test_loading_weights_into_a_trained_model_scales_them_as_a_fresh_conversion(monkeypatch):
