@@ -179,9 +179,10 @@ def _scaled_grad_output(ctx, gy: torch.Tensor) -> torch.Tensor:
     """Backward's first step for both autograd functions: dy made contiguous and,
     under current scaling (or delayed scaling's first step), its scale set from
     its own amax before the cast."""
-    *_, current, margin, _need_wgrad, _need_dgrad, delayed, _act_in, _gelu_out = ctx.static
+    static = ctx.static
+    margin, delayed, current_g = static[6], static[9], static[12]
     g2 = gy.contiguous()
-    if current:
+    if current_g:
         _current_scale(g2, ctx.views, G, margin, keep_history=delayed)
     return g2
 
@@ -210,7 +211,7 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, w_in, w8t, b_lp, views, static, store):
         (x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed,
-         act_in, gelu_out) = static
+         act_in, gelu_out, _current_g) = static
         assert not ((act_in or gelu_out) and current), "the fused activations need known scales (forward unfuses them)"
         if current:
             _current_scale(x2, views, X, margin, keep_history=delayed)
@@ -311,7 +312,7 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, ln_w, ln_b, weight, bias, w_in, w8t, b_lp, views, static, store, eps, rms):
         (x_dtype, w_dtype, g_dtype, out_dtype, fast_accum, current, margin, need_wgrad, need_dgrad, delayed,
-         act_in, gelu_out) = static
+         act_in, gelu_out, _current_g) = static
         assert not current and not act_in, "the fused LayerNorm needs known scales and no fused activation input"
         # fp32 [K] copies of the norm's parameters (free for fp32 ones); none: an empty tensor
         lw = ops._empty_for(x2, torch.float32) if ln_w is None else ln_w.detach().float()
@@ -678,6 +679,7 @@ class Fp8Linear(nn.Linear):
         if not keep_step:
             d["fp8_step"] = 0
         d.pop("_fp8_scaling_loaded", None)
+        d.pop("_fp8_grad_unset", None)
         d["_fp8_delayed_ready"] = False
         d["_fp8_priming_waits"] = 0
         d["_fp8_cast_since_update"] = False
@@ -949,6 +951,8 @@ class Fp8Linear(nn.Linear):
         # flag's flip at the first update costs one recompile)
         delayed = cfg.recipe == "delayed"
         current = not delayed or not d["_fp8_delayed_ready"]
+        # dy from its own amax: with x and w, or while no gradient has set dy's scale (scaling._unprimed)
+        current_g = current or "_fp8_grad_unset" in d
         # the fused GELU needs known scales (a current scale needs the GELU's amax, or the
         # GELU-gradient's, before the cast) and the real GEMMs (the emulated ones have no
         # fused GELU); otherwise the GELU runs on its own, as it did in the model
@@ -972,8 +976,9 @@ class Fp8Linear(nn.Linear):
         # leaves the GELU's gradient to this layer's backward (never under compile: no
         # tensor attributes there; an inductor pass pairs the two in the backward graph
         # instead, gelu_grad_pass.py)
-        gelu_out = [False] if d["fp8_gelu_output"] and fusable and not compiling and torch.is_grad_enabled() \
-            else None
+        # (not while dy's scale comes from its own amax: the fused GELU gradient needs a known one)
+        gelu_out = [False] if d["fp8_gelu_output"] and fusable and not current_g and not compiling \
+            and torch.is_grad_enabled() else None
         ln = d["fp8_ln_input"]
         is_rms = isinstance(ln, nn.RMSNorm)
         # (the fused LayerNorm keeps x's dtype, torch's LayerNorm backward wants its weight's; an
@@ -1001,7 +1006,7 @@ class Fp8Linear(nn.Linear):
         w_in, w8t, b_lp, store = self._weight_fp8(cdtype, need_dgrad, views, compiling, current)
         x_dt, w_dt, g_dt = d["fp8_dtypes"]
         static = (x_dt, w_dt, g_dt, cdtype, cfg.fast_accum, current, float(cfg.margin), need_wgrad, need_dgrad,
-                  delayed, act_in, gelu_out)
+                  delayed, act_in, gelu_out, current_g)
         if ln_fused:
             # RMSNorm's eps None: F.rms_norm's, the epsilon of its fp32 arithmetic for every input dtype
             # this path takes (not the bf16 epsilon the docs suggest: measured, torch 2.11)

@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from . import _loader, loop_trial, ops, policy, policy_ranks
 from . import linear as _linear
-from .linear import Fp8Linear, _settled_bf16
+from .linear import G, Fp8Linear, _settled_bf16
 
 # Every live Fp8Linear (weak: dead models are not kept alive). The optimizer
 # hook matches layers by the identity of their *current* weight Parameter, so
@@ -228,12 +228,12 @@ def _row0_written(layers: list[Fp8Linear]) -> list[bool]:
         return rows.ne(0).any(dim=1).tolist()
 
 
-def _row0_primed(layers: list[Fp8Linear]) -> list[bool]:
-    """Does row 0 of each layer's amax history hold a finite amax > 0 for every tensor? One
-    read for all (one device)."""
+def _row0_primed(layers: list[Fp8Linear]) -> list[list[bool]]:
+    """Does row 0 of each layer's amax history hold a finite amax > 0, for each of its tensors
+    (x, w, dy)? One read for all (one device)."""
     with torch.no_grad():
         rows = torch.stack([layer._buffers["fp8_amax_history"][0] for layer in layers])
-        return (rows.isfinite() & rows.gt(0)).all(dim=1).tolist()
+        return (rows.isfinite() & rows.gt(0)).tolist()
 
 
 # updates a layer waits on current scaling for a usable amax of each of its tensors (see
@@ -253,15 +253,31 @@ def _unprimed(layers: list[Fp8Linear]) -> set:
     away: one read of all such layers of a device, in practice at the first update only. Not
     during a CUDA graph capture, where a read cannot sync, nor on the meta device: ready there."""
     out = set()
-    for layer, ok in _by_readable_device(layers, _row0_primed):
+    for layer, cols in _by_readable_device(layers, _row0_primed):
         d = layer.__dict__
         waited = d.get("_fp8_priming_waits", 0)
-        if not ok and waited + 1 < _PRIMING_UPDATES:
+        if not all(cols) and waited + 1 < _PRIMING_UPDATES:
             d["_fp8_priming_waits"] = waited + 1
             out.add(layer)
         else:
             d["_fp8_priming_waits"] = 0
+            if not cols[G]:
+                # no gradient has reached it yet (a frozen part, a loss term switched on later):
+                # its dy scale is still the fresh 1.0, which would flush the first gradient that
+                # comes. Its backward casts dy with dy's current scale until its weight has had a
+                # gradient at an update (_grad_seen); x and w go on to delayed scaling.
+                d["_fp8_grad_unset"] = True
     return out
+
+
+def _grad_seen(layers: list[Fp8Linear]) -> None:
+    """A layer whose dy scale no amax has set yet (_unprimed) and whose weight now has a
+    gradient: its backward cast dy with its current scale, which put dy's amax into the
+    history; delayed scaling takes it from here. (A host check: no read of the GPU.)"""
+    for layer in layers:
+        d = layer.__dict__
+        if d.get("_fp8_grad_unset") and layer.weight.grad is not None:
+            del d["_fp8_grad_unset"]
 
 
 def _note_no_cast(layers: list[Fp8Linear]) -> None:
@@ -353,6 +369,7 @@ def _update_group(layers: list[Fp8Linear], group, serial: int) -> None:
     fast = {}
     core = _loader._C  # None when the C core did not load (no layer then runs FP8 on CUDA)
     update = torch.ops.fp8ops.amax_update.default
+    _grad_seen(due)
     unprimed = _unprimed([l for l in due if l.__dict__["_fp8_cast_since_update"]
                           and not l.__dict__["_fp8_delayed_ready"]])
     for layer in due:
@@ -616,6 +633,9 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
                 m.fp8_overflow_count.copy_(s["overflow_count"])
         m.fp8_step = s["step"]
         m._fp8_delayed_ready = s["primed"]
+        m.__dict__.pop("_fp8_grad_unset", None)
+        if s["primed"] and not bool(s["amax_history"][:, G].ne(0).any()):
+            m.__dict__["_fp8_grad_unset"] = True  # (saved before any gradient reached it: see _unprimed)
         m._w_cache = None  # the cached weight cast was made with the old weight scale
         m.__dict__["_fp8_si_version"] = None  # (written here, not by a broadcast)
         m._fp8_pristine = False  # its history is the loaded one

@@ -6,6 +6,7 @@ SQNR helper every numerics test relies on."""
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fp8ops
 from fp8ops._reference import sqnr
@@ -251,6 +252,52 @@ def test_a_tensor_that_stays_zero_turns_to_delayed_scaling_after_a_few_updates(m
         ready.append((m[0]._fp8_delayed_ready, m[1]._fp8_delayed_ready))
     assert ready[0] == (True, False)
     assert [r[1] for r in ready] == [False] * (scaling._PRIMING_UPDATES - 1) + [True, True]
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_a_gradient_that_arrives_after_the_priming_wait_is_not_flushed(device, monkeypatch):
+    """A frozen part whose weights the optimizer holds (fastai's freeze/unfreeze), or a loss
+    term switched on later: no gradient reaches it during the priming updates, which then end
+    with dy's scale still the fresh 1.0. The first gradient after the unfreeze was cast with
+    it and flushed (dW at 0.7-12 dB against FP32 instead of ~20); it is cast with its own
+    current scale instead, and delayed scaling takes over after that step. A saved state
+    keeps the rule."""
+    from conftest import convert_as_on_fp8_gpu
+    from fp8ops import scaling
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                             nn.Linear(256, 10)).to(device)
+    ref, fp = build(), convert_as_on_fp8_gpu(build(), monkeypatch, device)
+    backbone = [p for m in (ref, fp) for i in (0, 2) for p in m[i].parameters()]
+    for p in backbone:
+        p.requires_grad_(False)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, fp)]
+    g = torch.Generator().manual_seed(1)
+    unfreeze = scaling._PRIMING_UPDATES + 2
+    for step in range(unfreeze + 2):
+        if step == unfreeze:
+            for p in backbone:
+                p.requires_grad_(True)
+            saved = fp8ops.scaling_state_dict(fp)
+        x, t = torch.randn(512, 64, generator=g).to(device), torch.randint(0, 10, (512,), generator=g).to(device)
+        with torch.no_grad():  # the same weights in both: this step's gradients compare
+            for pf, pr in zip(fp.parameters(), ref.parameters()):
+                pf.copy_(pr)
+        for m in (ref, fp):
+            F.cross_entropy(m(x), t).backward()
+        if step >= unfreeze:
+            assert fp[0]._fp8_delayed_ready and sqnr(ref[0].weight.grad, fp[0].weight.grad) > 15, step
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        # (set when the wait ends, at the last priming update; cleared by the update after the unfreeze)
+        assert ("_fp8_grad_unset" in fp[0].__dict__) == (scaling._PRIMING_UPDATES - 1 <= step < unfreeze), step
+        assert "_fp8_grad_unset" not in fp[4].__dict__  # (the head had its gradient from the start)
+    fresh = convert_as_on_fp8_gpu(build(), monkeypatch, device)
+    fp8ops.load_scaling_state_dict(fresh, saved)
+    assert "_fp8_grad_unset" in fresh[0].__dict__ and "_fp8_grad_unset" not in fresh[4].__dict__
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
