@@ -633,6 +633,12 @@ def _swiglu_setup(ctx, inputs, output):
 
 def _swiglu_grad(ctx, g):
     (x,) = ctx.saved_tensors
+    if torch.is_grad_enabled() and (x.requires_grad or g.requires_grad):
+        # backward(create_graph=True), a gradient penalty: the op's backward has no derivative of
+        # its own (it read as 0); torch's formula, differentiable, gives the second one
+        gate, up = x.chunk(2, dim=-1)
+        (dx,) = torch.autograd.grad(torch.nn.functional.silu(gate) * up, x, g.to(x.dtype), create_graph=True)
+        return dx
     return torch.ops.fp8ops.swiglu_backward.default(g.contiguous().to(x.dtype), x)
 
 

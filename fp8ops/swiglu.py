@@ -46,8 +46,10 @@ _DEVICES = (("cpu", "cuda") if _loader.build_info().get("cuda_kernels_registered
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of x = [gate | up] along the last dim: fp8ops' one-pass
-    op where it runs (a float tensor on a device in _DEVICES), torch's ops otherwise."""
-    if x.device.type in _DEVICES and x.dtype in ops.HP_DTYPES and x.dim() >= 1 and x.shape[-1] % 2 == 0:
+    op where it runs (a float tensor on a device in _DEVICES), torch's ops otherwise and under
+    torch.func's transforms (vmap, grad, jacrev: which the op's autograd formula does not take)."""
+    if x.device.type in _DEVICES and x.dtype in ops.HP_DTYPES and x.dim() >= 1 and x.shape[-1] % 2 == 0 \
+            and not torch._C._are_functorch_transforms_active():
         return ops.swiglu(x.contiguous())
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
