@@ -1,6 +1,7 @@
 """Fp8Config: the FP8 training recipe (Transformer Engine's meanings)."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ RECIPES = ("delayed", "current")
 FORMATS = ("hybrid", "e4m3", "e5m2")
 AMAX_ALGOS = ("max", "most_recent")
 POLICIES = ("auto", "always")
+MAX_HISTORY = 1 << 20  # amax_history_len's bound: a million steps, longer than any run's window
 
 
 @dataclass(frozen=True)
@@ -79,14 +81,20 @@ class Fp8Config:
         need(self.amax_compute_algo in AMAX_ALGOS,
              f"amax_compute_algo must be one of {AMAX_ALGOS}, found {self.amax_compute_algo!r}")
         need(self.policy in POLICIES, f"policy must be one of {POLICIES}, found {self.policy!r}")
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
+        def is_int(v):  # (numpy's integers too: numbers.Integral)
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
         need(is_int(self.interval) and self.interval >= 1, f"interval must be an int >= 1, found {self.interval!r}")
-        need(is_int(self.amax_history_len) and self.amax_history_len >= 1,
-             f"amax_history_len must be an int >= 1, found {self.amax_history_len!r}")
-        need(isinstance(self.margin, (int, float)) and not isinstance(self.margin, bool) and abs(self.margin) < 64,
-             f"margin must be a number in (-64, 64), found {self.margin!r}")
+        need(is_int(self.amax_history_len) and 1 <= self.amax_history_len <= MAX_HISTORY,
+             f"amax_history_len must be an int in [1, {MAX_HISTORY}] (steps of history; each layer keeps 12 "
+             f"bytes per step), found {self.amax_history_len!r}")
+        need(isinstance(self.margin, numbers.Real) and not isinstance(self.margin, bool)
+             and abs(self.margin) < 64, f"margin must be a number in (-64, 64), found {self.margin!r}")
+        # plain Python numbers from here on (a numpy scalar would print as np.int64(2) in short_str)
+        for name in ("interval", "amax_history_len"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        if not isinstance(self.margin, (int, float)):
+            object.__setattr__(self, "margin", int(self.margin) if is_int(self.margin) else float(self.margin))
         for flag in ("fast_accum", "fuse_gelu", "fuse_layernorm", "fuse_swiglu"):
             v = getattr(self, flag)
             need(isinstance(v, bool), f"{flag} must be True or False, found {v!r}")

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from .config import Fp8Config
-from .linear import Fp8Linear
+from .linear import Fp8Linear, swap_class
 
 
 def is_hf_conv1d(m: nn.Module) -> bool:
@@ -42,10 +42,10 @@ class Fp8Conv1D(Fp8Linear):
         if w.dim() != 2 or tuple(w.shape) != (mod.nx, mod.nf):
             raise ValueError(f"Fp8Conv1D.from_conv1d: weight must be [nx, nf] = [{mod.nx}, {mod.nf}], "
                              f"found {list(w.shape)}")
-        mod.__class__ = cls
-        mod.in_features, mod.out_features = mod.nx, mod.nf
-        mod._init_fp8_state(config)
-        return mod
+        def init():
+            mod.in_features, mod.out_features = mod.nx, mod.nf
+            mod._init_fp8_state(config)
+        return swap_class(mod, cls, init)
 
     def _param(self, name: str):
         p = super()._param(name)

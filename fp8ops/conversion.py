@@ -24,7 +24,7 @@ import torch.nn as nn
 from . import _loader
 from .config import Fp8Config
 from .conv1d import Fp8Conv1D, is_hf_conv1d
-from .linear import Fp8Linear
+from .linear import Fp8Linear, unswap_class
 
 log = logging.getLogger("fp8ops")
 
@@ -140,6 +140,8 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
     decided: dict[int, tuple[str, str]] = {}  # id(module) -> its decision, for its other names
     earlier = decisions_of(model)  # (a layer converted again keeps the notes of its fusions)
 
+    done: list = []  # (module, its class, attribute and buffer names) before conversion: to undo
+
     def convert_one(name: str, mod: nn.Module) -> None:
         if id(mod) in decided:  # another name of a module already decided
             decisions[name] = decided[id(mod)]
@@ -147,10 +149,12 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
         decisions[name] = decided[id(mod)] = _decide(name, mod)
         if decisions[name] == ("fp8ops", "converted"):
             # in place: the same module object, under every name it has
+            before = (mod, type(mod), set(mod.__dict__), set(mod._buffers))
             if is_hf_conv1d(mod):
                 Fp8Conv1D.from_conv1d(mod, config)
             else:
                 Fp8Linear.from_linear(mod, config)
+            done.append(before)
 
     kept_config: list[str] = []  # layers converted before with another config, which they keep
 
@@ -166,8 +170,14 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
             reason = "excluded by module_filter_fn"
         return ("bf16", reason) if reason is not None else ("fp8ops", "converted")
 
-    for name, mod in linears:
-        convert_one(name, mod)
+    try:
+        for name, mod in linears:
+            convert_one(name, mod)
+    except BaseException:
+        # (module_filter_fn raised, or a layer's state could not be made): no layer half-done
+        for before in reversed(done):
+            unswap_class(*before)
+        raise
     if kept_config:
         warnings.warn(f"fp8ops.convert: {len(kept_config)} layer(s) ({', '.join(kept_config[:3])}"
                       f"{', ...' if len(kept_config) > 3 else ''}) were already converted with another config, "

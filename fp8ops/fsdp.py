@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 from . import ops
 from .conv1d import Fp8Conv1D
 from .linear import V_H, V_S, W, Fp8Linear, _current_scale
+from .scaling import note_replaced
 
 # ops FSDP2 runs on a parameter while sharding, padding and moving it: their results
 # stay _Fp8MasterWeight so the local shard keeps the all-gather hooks. Every other
@@ -192,6 +193,7 @@ def enable_fsdp_fp8_all_gather(model: nn.Module) -> list[str]:
                 "DTensor): call it after fp8ops.convert(model) and before fully_shard, which then gathers "
                 "the FP8 weights; nothing was changed")
         m.weight = nn.Parameter(_Fp8MasterWeight(w.data), requires_grad=w.requires_grad)
+        note_replaced(w, name)  # (an optimizer built before this call would step w: its step raises)
         m.__dict__["_w_cache"] = None
         m.register_state_dict_post_hook(_plain_weight_in_state_dict)
         done.append(name)

@@ -187,6 +187,32 @@ def _scaled_grad_output(ctx, gy: torch.Tensor) -> torch.Tensor:
     return g2
 
 
+def swap_class(mod: nn.Module, cls: type, init) -> nn.Module:
+    """mod.__class__ = cls, then init() (which sets the new class's state): a conversion in
+    place. If init raises, mod is put back as it was (class, attributes, buffers): no
+    half-converted module is left behind."""
+    orig, keys, bufs = mod.__class__, set(mod.__dict__), set(mod._buffers)
+    mod.__class__ = cls
+    try:
+        init()
+    except BaseException:
+        unswap_class(mod, orig, keys, bufs)
+        raise
+    return mod
+
+
+def unswap_class(mod: nn.Module, orig: type, keys: set, bufs: set) -> None:
+    """Undo swap_class: the class, and the attributes and buffers mod did not have before."""
+    from .scaling import untrack  # noqa: PLC0415 -- scaling imports this module
+    untrack(mod)
+    mod.__class__ = orig
+    for k in set(mod.__dict__) - keys:
+        del mod.__dict__[k]
+    for k in set(mod._buffers) - bufs:
+        del mod._buffers[k]
+        mod._non_persistent_buffers_set.discard(k)
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     """views: the layer's _fp8_views() tuple (scaling buffers and their
     per-tensor slices); static: the call's constant settings (see forward).
@@ -516,9 +542,7 @@ class Fp8Linear(nn.Linear):
         if type(mod) is not nn.Linear:
             raise TypeError(f"Fp8Linear.from_linear: mod must be a plain nn.Linear, found {type(mod).__name__}; "
                             "subclasses may compute something else in forward")
-        mod.__class__ = cls
-        mod._init_fp8_state(config)
-        return mod
+        return swap_class(mod, cls, lambda: mod._init_fp8_state(config))
 
     def extra_repr(self) -> str:
         gelu = ", input=gelu_tanh(x) (fused)" if self.fp8_gelu_input else ""

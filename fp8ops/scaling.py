@@ -37,6 +37,41 @@ def track(layer: Fp8Linear) -> None:
     _install_hook()
 
 
+# the weights enable_fsdp_fp8_all_gather replaced by new Parameters: id -> (a weak reference to
+# the old one, its layer's name). An optimizer built before that call steps the old ones, which
+# no gradient reaches: its first step after it raises (checked again after each new call).
+_REPLACED: dict[int, tuple] = {}
+_replaced_calls = [0]
+
+
+def note_replaced(old: torch.nn.Parameter, name: str) -> None:
+    _REPLACED[id(old)] = (weakref.ref(old), name)
+    _replaced_calls[0] += 1
+
+
+def _check_not_replaced(optimizer) -> None:
+    d = optimizer.__dict__
+    if d.get("_fp8ops_replaced_checked") == _replaced_calls[0]:
+        return
+    stale = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _REPLACED.get(id(p))
+            if entry is not None and entry[0]() is p:
+                stale.append(entry[1])
+    if stale:
+        raise RuntimeError(
+            f"fp8ops: this optimizer holds weights that fp8ops.enable_fsdp_fp8_all_gather replaced ({len(stale)} "
+            f"layer(s): {', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}); they get no gradient, so those "
+            "layers would never train. Build the optimizer after enable_fsdp_fp8_all_gather (and fully_shard)")
+    d["_fp8ops_replaced_checked"] = _replaced_calls[0]
+
+
+def untrack(layer) -> None:
+    """Forget a layer (a conversion undone)."""
+    _LAYERS.discard(layer)
+
+
 def _install_hook() -> None:
     global _hook_handles
     if _hook_handles is None:
@@ -66,6 +101,8 @@ def _layers_of(optimizer) -> list[Fp8Linear]:
 @torch.compiler.disable
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
     d = optimizer.__dict__
+    if _REPLACED:
+        _check_not_replaced(optimizer)
     if not d.get("_fp8ops_open"):
         d["_fp8ops_seen"] = loop_trial.optimizer_steps()
         d["_fp8ops_open"] = True
@@ -95,6 +132,8 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
             layers = [layer for layer in layers if layer.__dict__.get("_fp8_updated_at", 0) <= seen]
         if layers:
             update_scales(layers)
+            for layer in layers:
+                layer.__dict__["_fp8_by_optimizer"] = True  # (fp8ops.step leaves it to the optimizer)
     d["_fp8ops_open"] = False
 
 
@@ -451,10 +490,28 @@ def _check_not_broadcast(layers: list[Fp8Linear]) -> None:
             return
 
 
+_warned_step = False
+
+
 def step(model: torch.nn.Module) -> None:
     """Mark an optimizer step by hand (only needed with optimizers that do not
-    subclass torch.optim.Optimizer)."""
-    update_scales([m for m in model.modules() if isinstance(m, Fp8Linear)])
+    subclass torch.optim.Optimizer). Layers a torch.optim optimizer steps have
+    their scales updated by its step already and are left out (a second update
+    per step would halve the history's window and count `interval` twice): a
+    warning says so, once."""
+    global _warned_step
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fp8ops.step: model must be an nn.Module (the converted model), found {type(model).__name__}")
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    mine = [m for m in layers if "_fp8_by_optimizer" not in m.__dict__]
+    if len(mine) < len(layers) and not _warned_step:
+        _warned_step = True
+        warnings.warn(f"fp8ops.step: {len(layers) - len(mine)} of the model's FP8 layers are stepped by a "
+                      "torch.optim optimizer, whose step updates their scales already; fp8ops.step left them "
+                      "out. Call it only for optimizers that do not subclass torch.optim.Optimizer",
+                      stacklevel=2)
+    if mine:
+        update_scales(mine)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:

@@ -27,9 +27,12 @@ import argparse
 import contextlib
 import logging
 import warnings
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
+
+from .config import MAX_HISTORY
 
 __all__ = ["add_fp8_args", "config_from_args", "prepare_model", "portable_state_dict"]
 
@@ -80,8 +83,8 @@ def add_fp8_args(parser):
                    help="scale = fp8_max / amax / 2**margin, an int in [-63, 63] (default: %(default)s)")
     g.add_argument("--fp8_interval", type=_int_in(1), default=1,
                    help="delayed scaling: update scales every N >= 1 steps (default: %(default)s)")
-    g.add_argument("--fp8_amax_history_len", type=_int_in(1), default=1024,
-                   help="delayed scaling: amax history length, >= 1 (default: %(default)s)")
+    g.add_argument("--fp8_amax_history_len", type=_int_in(1, MAX_HISTORY), default=1024,
+                   help=f"delayed scaling: amax history length, in [1, {MAX_HISTORY}] (default: %(default)s)")
     g.add_argument("--fp8_amax_compute_algo", choices=("max", "most_recent"), default="max",
                    help="delayed scaling: reduce the history by max or take the most recent "
                         "(default: %(default)s)")
@@ -116,6 +119,27 @@ def portable_state_dict(model):
     return {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
 
 
+def _with_fp8_defaults(args) -> argparse.Namespace:
+    """prepare_model's args as a Namespace holding every FP8 flag: parsed arguments, or a
+    hand-made Namespace or mapping (a config file's), the flags it lacks at add_fp8_args'
+    defaults; a value outside a flag's choices is refused, naming it."""
+    if isinstance(args, Mapping):
+        given = dict(args)
+    elif isinstance(args, argparse.Namespace) or hasattr(args, "__dict__"):
+        given = vars(args)
+    else:
+        raise TypeError(f"prepare_model: args must be the parsed arguments (an argparse.Namespace) or a mapping of "
+                        f"the FP8 flags, found {type(args).__name__}")
+    parser = argparse.ArgumentParser(add_help=False)
+    add_fp8_args(parser)
+    merged = {**vars(parser.parse_args([])), **given}
+    for action in parser._actions:
+        if action.choices is not None and merged.get(action.dest) not in action.choices:
+            raise ValueError(f"prepare_model: args.{action.dest} (--{action.dest}) must be one of "
+                             f"{tuple(action.choices)}, found {merged.get(action.dest)!r}")
+    return argparse.Namespace(**merged)
+
+
 def prepare_model(model, args, logger=print, module_filter_fn=None, precision="BF16"):
     """Set `model` up for the FP8 flags in `args`; the one call a training script makes.
 
@@ -136,6 +160,7 @@ def prepare_model(model, args, logger=print, module_filter_fn=None, precision="B
       autocast     zero-argument callable returning the context manager to run forward in
       config       the Fp8Config (fp8ops backend) or None
     """
+    args = _with_fp8_defaults(args)
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
     info = dict(backend="bf16", requested=None, fp8_layers=0, linear_layers=n_linear,
                 reason=None, summary="", autocast=contextlib.nullcontext, config=None)

@@ -56,6 +56,24 @@ def test_state_dict_holds_plain_tensors(tmp_path):
     assert torch.equal(plain[0].weight, model[0].weight.detach() * 1)
 
 
+def test_an_optimizer_built_before_enabling_raises_at_its_step():
+    """enable_fsdp_fp8_all_gather gives the layers new Parameters: an optimizer built before it
+    stepped the old ones, which get no gradient, so the layers never trained, silently. Its
+    step raises; one built after trains."""
+    model = nn.Sequential(_layer(), nn.ReLU(), Fp8Linear.from_linear(nn.Linear(16, 16), Fp8Config()))
+    model[2].fp8_on_cpu = True
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    early.step()  # (checked before the call too: nothing replaced yet)
+    fp8ops.enable_fsdp_fp8_all_gather(model)
+    model(torch.randn(16, 32)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"holds weights that fp8ops.enable_fsdp_fp8_all_gather replaced \(2 "
+                                           r"layer\(s\): 0, 2\).*Build the optimizer after"):
+        early.step()
+    w = model[0].weight.detach() * 1
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert not torch.equal(model[0].weight.detach() * 1, w)
+
+
 def test_assign_load_keeps_the_fp8_all_gather():
     """load_state_dict(assign=True) puts the checkpoint's plain tensor in the weight's place:
     the layer wraps it again, so FSDP2 still gathers it in FP8 (it silently stopped)."""

@@ -337,6 +337,48 @@ def test_compiled_optimizer_steps_run_the_scale_updates(monkeypatch):
     assert model[0].fp8_step == 3 and model[0]._fp8_delayed_ready and model[0].fp8_scale[X] != 1.0
 
 
+@pytest.mark.parametrize("fails", ["filter", "state"])
+def test_a_convert_that_raises_leaves_every_layer_as_it_was(monkeypatch, fails):
+    """A module_filter_fn that raises part-way, or a layer whose scaling state cannot be made:
+    the layers converted before it were left converted with no decisions stored, and the
+    failing one half-made (an Fp8Linear whose forward raised KeyError). Now nothing is."""
+    from fp8ops.linear import Fp8Linear as L  # noqa: PLC0415
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.Linear(32, 32))
+    before = {n: (type(m), set(m.__dict__), set(m._buffers)) for n, m in model.named_modules()}
+    filt = None
+    if fails == "filter":
+        def filt(mod, fqn):
+            if fqn == "3":
+                raise RuntimeError("a filter's own bug")
+            return True
+    else:
+        init = L._init_fp8_state
+        made = []
+
+        def failing_init(self, config):
+            made.append(self)
+            init(self, config)
+            if len(made) == 2:
+                raise MemoryError("no room for the scaling state")
+        monkeypatch.setattr(L, "_init_fp8_state", failing_init)
+    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
+    with pytest.raises((RuntimeError, MemoryError)):
+        fp8ops.convert(model, config=Fp8Config(policy="always"), module_filter_fn=filt)
+    assert {n: (type(m), set(m.__dict__), set(m._buffers)) for n, m in model.named_modules()} == before
+    x = torch.randn(16, 32)
+    assert torch.equal(model(x), nn.Sequential(*[copy.deepcopy(m) for m in model])(x))
+    assert fp8ops.report(model, print_table=False)[0]["runs"] == "BF16"
+
+
+def test_config_takes_numpy_numbers_as_python_ones():
+    np = pytest.importorskip("numpy")
+    cfg = Fp8Config(interval=np.int64(2), amax_history_len=np.int32(16), margin=np.float32(1.0))
+    assert cfg == Fp8Config(interval=2, amax_history_len=16, margin=1.0) and type(cfg.interval) is int
+    assert "np." not in cfg.short_str()
+    with pytest.raises(ValueError, match=r"amax_history_len must be an int in \[1, 1048576\]"):
+        Fp8Config(amax_history_len=10 ** 12)
+
+
 def test_a_weight_load_restarts_scaling_but_keeps_the_step_and_the_counts(monkeypatch):
     """load_state_dict of other weights restarts the scaling (current scales first), while the
     step count (the phase of `interval`) and the run's NaN/inf counts go on."""

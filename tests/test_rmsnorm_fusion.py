@@ -271,9 +271,8 @@ def test_example_llama_arch_fuses_its_rmsnorms(monkeypatch):
     for _ in range(6):
         _, loss = model(idx, idx)
         loss.backward()
-        opt.step()
+        opt.step()  # (its hook updates the scales)
         opt.zero_grad()
-        fp8ops.step(model)
         losses.append(loss.item())
     assert losses[-1] < losses[0], losses
     with pytest.raises(ValueError, match="arch must be one of"):

@@ -3,6 +3,8 @@ format's gradient dtype, the margin on the gradient's scale, amax_compute_algo="
 on a layer, two forwards before one backward under current scaling, what a saved scaling
 state restores (step count, primed or not), nested optimizers over part of a model, and the
 SQNR helper every numerics test relies on."""
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -252,6 +254,31 @@ def test_a_tensor_that_stays_zero_turns_to_delayed_scaling_after_a_few_updates(m
         ready.append((m[0]._fp8_delayed_ready, m[1]._fp8_delayed_ready))
     assert ready[0] == (True, False)
     assert [r[1] for r in ready] == [False] * (scaling._PRIMING_UPDATES - 1) + [True, True]
+
+
+def test_fp8ops_step_leaves_the_layers_a_torch_optimizer_steps(monkeypatch):
+    """fp8ops.step after a torch optimizer's step (whose hook updates the scales) updated
+    them twice per step: fp8_step doubled, every other history row a zero roll (half the
+    window), `interval` counted twice. It leaves those layers out, says so once, and still
+    updates the layers no torch optimizer steps."""
+    from conftest import convert_as_on_fp8_gpu
+    from fp8ops import scaling
+    monkeypatch.setattr(scaling, "_warned_step", False)
+    m = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), monkeypatch)
+    opt = torch.optim.SGD(m[0].parameters(), lr=0.01)  # m[1]: stepped by hand (a custom optimizer)
+    for k in range(3):
+        m(torch.randn(16, 32)).square().mean().backward()
+        opt.step()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fp8ops.step(m)
+        assert len(seen) == (k == 0) and (k or "1 of the model's FP8 layers are stepped by a torch.optim" in
+                                          str(seen[0].message))
+        opt.zero_grad()
+    assert m[0].fp8_step == 3 and m[1].fp8_step == 3
+    assert m[0].fp8_amax_history[-3:, 0].gt(0).all()  # (three steps' amaxes, no zero rolls between them)
+    with pytest.raises(TypeError, match="fp8ops.step: model must be an nn.Module"):
+        fp8ops.step(None)
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)

@@ -277,6 +277,20 @@ def test_prepare_model_torchao_plumbing(monkeypatch):
     assert any("FP8: on (torchao" in line for line in lines)
 
 
+def test_prepare_model_takes_hand_made_args():
+    """A Namespace with only some FP8 flags (AttributeError before), a mapping from a config
+    file (read as "FP8 not requested" before, with a hint to add --use_fp8) and a backend
+    outside the choices (a KeyError before) are handled or refused naming the flag."""
+    for args in (argparse.Namespace(use_fp8=True, fp8_backend="bf16"), {"use_fp8": True, "fp8_backend": "bf16"}):
+        _, info = prepare_model(tiny_gpt(), args, logger=lambda s: None)
+        assert info["reason"] == "--fp8_backend bf16"
+    with pytest.raises(ValueError, match=r"args.fp8_backend \(--fp8_backend\) must be one of \('fp8ops', 'torchao', "
+                                         r"'te', 'bf16'\), found 'TE'"):
+        prepare_model(tiny_gpt(), {"use_fp8": True, "fp8_backend": "TE"}, logger=lambda s: None)
+    with pytest.raises(TypeError, match="args must be the parsed arguments"):
+        prepare_model(tiny_gpt(), ["--use_fp8"], logger=lambda s: None)
+
+
 def test_prepare_model_torchao_fp8ops_only_flags(monkeypatch):
     """fp8ops' own flags are named as not applying under torchao, and the example's
     --fsdp_fp8_all_gather turns on torchao's FSDP2 FP8 all-gather where its config has one."""
