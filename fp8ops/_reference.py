@@ -43,6 +43,8 @@ def amax_update_ref(amax_history, scale, scale_inv, fp8_max, margin: float = 0.0
     # an underflow (to 0, or so small that 1/scale overflows) keeps the old scale
     ok = torch.isfinite(a) & (a > 0) & (s_new > 0) & torch.isfinite(1.0 / s_new)
     s = torch.where(ok, s_new, s_old)
+    # a kept scale that came in 0, negative, inf or NaN is not kept either: 1
+    s = torch.where(torch.isfinite(s) & (s > 0) & torch.isfinite(1.0 / s), s, torch.ones_like(s))
     h = torch.roll(h, -1, dims=0)
     h[0] = 0
     return h.reshape(amax_history.shape), s.reshape(scale.shape), (1.0 / s).reshape(scale_inv.shape)

@@ -34,6 +34,29 @@ def test_amax_update_matches_reference(H, n, margin, algo, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_poisoned_incoming_scale_is_not_kept(device):
+    """A scale that came in 0, negative, inf or NaN (written by hand, a corrupt state) was kept
+    wherever this step's amax keeps the scale (0 here), and so was its inverse: NaN outputs
+    for good. It becomes 1 (the columns with an amax get theirs as always)."""
+    bad = [float("nan"), 0.0, -2.0, float("inf"), 1e-39, 3.0]
+    n = len(bad)
+    hist = torch.zeros(4, n, device=device)
+    hist[0, -1] = 7.0
+    scale = torch.tensor(bad, device=device)
+    sinv, fmax = torch.empty(n, device=device), torch.full((n,), 448.0, device=device)
+    ref_h, ref_s, ref_si = amax_update_ref(hist, scale, sinv, fmax)
+    ops.amax_update(hist, scale, sinv, fmax)
+    assert scale.tolist() == [1.0] * (n - 1) + [64.0] == ref_s.tolist() and sinv.tolist() == ref_si.tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_and_scale_inv_must_not_share_memory(device):
+    hist, s = torch.zeros(4, 1, device=device), torch.ones(1, device=device)
+    with pytest.raises(RuntimeError, match="scale, scale_inv and amax_history must be three tensors of their own"):
+        ops.amax_update(hist, s, s, torch.tensor([448.0], device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_roll_direction(device):
     hist = torch.tensor([[5.0], [1.0], [2.0], [3.0]], device=device)
     scale, sinv, fmax = torch.ones(1, device=device), torch.ones(1, device=device), torch.tensor([448.0], device=device)

@@ -131,6 +131,38 @@ def test_cast_errors(device):
             fn()
 
 
+def _freed(t):
+    """t with its storage resized to 0 bytes, as FSDP frees a parameter outside its forward."""
+    t = t.clone()
+    t.untyped_storage().resize_(0)
+    return t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ops_refuse_undefined_and_freed_tensors(device):
+    """A freed tensor (numel > 0, no storage) crashed gemm and linear_bwd, and a freed bias or
+    norm weight was read as none; None for a Tensor argument gave "internal error: shim call
+    failed". Each now names the argument. Unknown dtype codes (torch crashes on them) too."""
+    x = torch.randn(16, 16, device=device)
+    s = torch.ones(1, device=device)
+    e4 = torch.float8_e4m3fn
+    a8 = ops.cast(x, s, e4)[0]
+    bias = torch.zeros(16, device=device, dtype=torch.bfloat16)
+    cases = [
+        (lambda: ops.cast(_freed(x), s, e4), r"fp8ops::cast: x has no storage \(freed"),
+        (lambda: ops.amax(_freed(x)), r"fp8ops::amax: x has no storage"),
+        (lambda: ops.gemm(_freed(a8), a8, s, s), r"fp8ops::gemm: a has no storage"),
+        (lambda: ops.gemm(a8, a8, s, s, bias=_freed(bias)), r"fp8ops::gemm: bias has no storage"),
+        (lambda: torch.ops.fp8ops.cast.default(x, None, ops.ST[e4], False),
+         r"fp8ops::cast: scale is None \(an undefined tensor\); pass a tensor"),
+    ]
+    for fn, pattern in cases:
+        with pytest.raises(RuntimeError, match=pattern):
+            fn()
+    with pytest.raises(TypeError, match=r"cast: out_dtype must be a torch.dtype .*found 99"):
+        ops.cast(x, s, 99)
+
+
 @requires_cuda
 @pytest.mark.gpu
 def test_cast_mixed_devices():

@@ -8,6 +8,7 @@ passes empty tensors (ones / zeros in the kernels).
 
 CPU tests run the C reference kernels; the CUDA parametrisations run the
 kernels on the device."""
+import contextlib
 import copy
 from pathlib import Path
 
@@ -170,6 +171,22 @@ def test_ln_linear_fwd_rms_refuses_a_bias(device):
     with pytest.raises(RuntimeError, match="an RMSNorm has no bias; pass ln_bias=None"):
         ops.ln_linear_fwd(x, None, torch.zeros(64, device=device), 1e-6, w8, one, torch.zeros(1, device=device),
                           one, one, rms=True)
+    # the op itself (and its fake) refuse it too (it applied the bias, whose gradient layernorm_bwd never makes),
+    # and an eps that is not a finite float (1e300 is inf as a float: every output was 0)
+    none, e4, f32 = torch.empty(0, device=device), ops.ST[E4], ops.ST[torch.float32]
+
+    def raw(ln_bias, eps, rms):
+        return torch.ops.fp8ops.ln_linear_fwd.default(x, none, ln_bias, eps, w8, one, torch.zeros(1, device=device),
+                                                      one, one, torch.zeros(1, device=device), one, none, e4, e4, f32,
+                                                      False, False, rms)
+    for mode in ("real", "fake"):
+        ctx = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) if mode == "fake" \
+            else contextlib.nullcontext()
+        with ctx, pytest.raises(RuntimeError, match="an RMSNorm has no bias \\(rms=True\\), found ln_bias with 64"):
+            raw(torch.zeros(64, device=device), 1e-6, True)
+        for eps in (float("inf"), 1e300):
+            with ctx, pytest.raises(RuntimeError, match="eps must be a finite float >= 0"):
+                raw(none, eps, False)
 
 
 def _rms_inputs(M, K, dtype, device, eps=1e-6):
