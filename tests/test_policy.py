@@ -346,6 +346,8 @@ def test_report_says_what_each_converted_layer_runs():
     from fp8ops.report import format_table, headline
     k = (16, torch.float32)
     layers = [Fp8Linear(16, 16) for _ in range(5)]
+    for layer in layers:
+        layer.fp8_on_cpu = True                                                 # (as on the GPU)
     layers[0].fp8_policy[k] = (False, 0.8)                                      # auto: BF16
     layers[1].fp8_policy.update({k: (True, 1.5), (8, torch.float32): (False, 0.9)})  # FP8 at M=16
     layers[2]._fp8_pending[k] = None                                           # trial running

@@ -74,7 +74,7 @@ def test_add_fp8_args_rejects_unknown_choices(argv, capsys):
 
 
 @pytest.mark.parametrize("argv, said", [(["--fp8_interval", "0"], "--fp8_interval: expected an integer >= 1, found 0"),
-                                        (["--fp8_amax_history_len", "-5"], "--fp8_amax_history_len: expected an integer >= 1"),
+                                        (["--fp8_amax_history_len", "-5"], "--fp8_amax_history_len: expected an integer in [1, 1048576], found -5"),
                                         (["--fp8_margin", "100"], "--fp8_margin: expected an integer in [-63, 63], found 100"),
                                         (["--fp8_margin", "1.5"], "--fp8_margin: expected an integer, found '1.5'")])
 def test_add_fp8_args_refuses_bad_values_at_parse_time(argv, said, capsys):
@@ -216,6 +216,8 @@ def test_run_summary_says_what_ran_at_the_end():
 
     k, k8 = (16, torch.bfloat16), (8, torch.bfloat16)
     layers = [Fp8Linear(16, 16) for _ in range(5)]
+    for layer in layers:
+        layer.fp8_on_cpu = True                                  # (as on the GPU: not "on the CPU")
     layers[0].fp8_policy[k] = (False, 0.8)                       # auto chose BF16
     layers[1].fp8_policy.update({k: (True, 1.5), k8: (False, 0.9)})  # FP8 for one shape
     layers[2]._fp8_pending[k] = None                             # trial not finished
