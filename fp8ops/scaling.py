@@ -45,6 +45,8 @@ _replaced_calls = [0]
 
 
 def note_replaced(old: torch.nn.Parameter, name: str) -> None:
+    for key in [k for k, (ref, _) in _REPLACED.items() if ref() is None]:  # (weights gone since)
+        del _REPLACED[key]
     _REPLACED[id(old)] = (weakref.ref(old), name)
     _replaced_calls[0] += 1
 
@@ -54,7 +56,8 @@ def _check_not_replaced(optimizer) -> None:
     if d.get("_fp8ops_replaced_checked") == _replaced_calls[0]:
         return
     stale = []
-    for group in optimizer.param_groups:
+    # (a ZeroRedundancyOptimizer has no param_groups until its inner optimizer exists)
+    for group in getattr(optimizer, "param_groups", None) or ():
         for p in group["params"]:
             entry = _REPLACED.get(id(p))
             if entry is not None and entry[0]() is p:
