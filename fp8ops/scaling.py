@@ -135,8 +135,9 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
             layers = [layer for layer in layers if layer.__dict__.get("_fp8_updated_at", 0) <= seen]
         if layers:
             update_scales(layers)
+            serial = loop_trial.optimizer_steps()
             for layer in layers:
-                layer.__dict__["_fp8_by_optimizer"] = True  # (fp8ops.step leaves it to the optimizer)
+                layer.__dict__["_fp8_hooked_at"] = serial  # (the next fp8ops.step leaves it out)
     d["_fp8ops_open"] = False
 
 
@@ -498,23 +499,27 @@ _warned_step = False
 
 def step(model: torch.nn.Module) -> None:
     """Mark an optimizer step by hand (only needed with optimizers that do not
-    subclass torch.optim.Optimizer). Layers a torch.optim optimizer steps have
-    their scales updated by its step already and are left out (a second update
-    per step would halve the history's window and count `interval` twice): a
-    warning says so, once."""
+    subclass torch.optim.Optimizer, or whose step runs where no optimizer hook
+    fires). Layers a torch.optim optimizer's step has updated since this
+    model's last fp8ops.step are left out (a second update per step would halve
+    the history's window and count `interval` twice): a warning says so, once."""
     global _warned_step
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fp8ops.step: model must be an nn.Module (the converted model), found {type(model).__name__}")
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    mine = [m for m in layers if "_fp8_by_optimizer" not in m.__dict__]
+    mine = [m for m in layers if m.__dict__.get("_fp8_hooked_at", 0) <= m.__dict__.get("_fp8_stepped_at", 0)]
     if len(mine) < len(layers) and not _warned_step:
         _warned_step = True
         warnings.warn(f"fp8ops.step: {len(layers) - len(mine)} of the model's FP8 layers are stepped by a "
-                      "torch.optim optimizer, whose step updates their scales already; fp8ops.step left them "
-                      "out. Call it only for optimizers that do not subclass torch.optim.Optimizer",
+                      "torch.optim optimizer, whose step updated their scales already; fp8ops.step left them "
+                      "out. Call it only for optimizers that do not subclass torch.optim.Optimizer (or whose "
+                      "step runs where no optimizer hook fires)",
                       stacklevel=2)
     if mine:
         update_scales(mine)
+    now = loop_trial.optimizer_steps()
+    for m in layers:
+        m.__dict__["_fp8_stepped_at"] = now  # (a hooked update after this call has a later count)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:

@@ -277,6 +277,11 @@ def test_fp8ops_step_leaves_the_layers_a_torch_optimizer_steps(monkeypatch):
         opt.zero_grad()
     assert m[0].fp8_step == 3 and m[1].fp8_step == 3
     assert m[0].fp8_amax_history[-3:, 0].gt(0).all()  # (three steps' amaxes, no zero rolls between them)
+    # steps where no optimizer hook fires (ZeroRedundancyOptimizer's overlap_with_ddp): updated by hand again
+    for _ in range(2):
+        m(torch.randn(16, 32)).square().mean().backward()
+        fp8ops.step(m)
+    assert m[0].fp8_step == 5 and m[1].fp8_step == 5
     with pytest.raises(TypeError, match="fp8ops.step: model must be an nn.Module"):
         fp8ops.step(None)
 
