@@ -237,9 +237,21 @@ def decisions_of(model: nn.Module) -> dict[str, tuple[str, str]]:
     converted module itself or wraps it (torch.compile, DDP, a parent module)."""
     out = {}
     for name, m in model.named_modules():
-        for k, v in m.__dict__.get(DECISIONS_ATTR, {}).items():
-            out[f"{name}.{k}" if name and k else name or k] = v
+        for k, (backend, reason) in m.__dict__.get(DECISIONS_ATTR, {}).items():
+            out[f"{name}.{k}" if name and k else name or k] = (backend, _notes_named_from(reason, name))
     return out
+
+
+# a fusion note's module name (see _fuse): "<kind> <name> fused into ..." or "GELU <name>'s gradient ..."
+_NOTE_NAME = re.compile(r"^((?:GELU|SwiGLU|LayerNorm|RMSNorm) )(\S+?)((?:'s gradient)? fused into )")
+
+
+def _notes_named_from(reason: str, prefix: str) -> str:
+    """reason with its fusion notes' module names (relative to the module convert was called
+    on, e.g. model.blocks[0]) named from the model that holds it (prefix: that module's name)."""
+    if not prefix or " fused into " not in reason:
+        return reason
+    return "; ".join(_NOTE_NAME.sub(lambda m: f"{m[1]}{prefix}.{m[2]}{m[3]}", part) for part in reason.split("; "))
 
 
 def _store(model: nn.Module, decisions: dict) -> None:

@@ -260,6 +260,11 @@ def test_current_recipe_and_bf16_fallback_apply_the_layernorm(monkeypatch):
     after = {r["name"]: r["reason"] for r in fp8ops.report(fused, print_table=False)}
     assert before["c_attn"] == "converted; LayerNorm ln_1 fused into its input cast"
     assert after["c_attn"] == "already converted; LayerNorm ln_1 fused into its input cast"
+    # a block converted on its own, read from a model that holds it: the notes name the norm from
+    # the model (they said "ln_1", relative to the block)
+    outer = nn.Sequential(convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch))
+    assert {r["name"]: r["reason"] for r in fp8ops.report(outer, print_table=False)}["0.c_attn"] == \
+        "converted; LayerNorm 0.ln_1 fused into its input cast"
     bf = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
     for m in bf.modules():
         if isinstance(m, Fp8Linear):
