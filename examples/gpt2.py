@@ -5,9 +5,10 @@ F.scaled_dot_product_attention, a 4x MLP with tanh-GELU, and an lm_head tied to 
 embedding; weights initialised as GPT-2 does. Every projection is a plain `nn.Linear` with a bias,
 because those are what `fp8ops.convert_to_fp8_training` swaps. The tied `lm_head` is kept a plain
 `nn.Linear` (`LM_HEAD_FILTER`), as torchtitan keeps its output layer out of FP8: the logits feed the
-loss directly. (fp8ops converts a layer in place, so converting it would keep it tied;
-`benchmarks/bench_train.py --fp8-lm-head` measures that. Transformer Engine's `te.Linear` would
-untie it, see `fp8ops.training`.)
+loss directly, and in FP8 the gradients read ~11 dB further from BF16's for +2-4 % tokens/s
+(benchmarks/RESULTS.md §5, `bench_train.py`'s `fp8ops_lmhead` variants). fp8ops converts a layer in
+place, so converting it would keep it tied; Transformer Engine's `te.Linear` would untie it (see
+`fp8ops.training`).
 
 arch="llama" swaps in Llama-style blocks: RMSNorm instead of LayerNorm, a SwiGLU MLP (one
 gate-and-up projection to 2 x ~8/3 d, then silu(gate) * up) and no biases; positions stay

@@ -146,7 +146,7 @@ def _apply(fn_cls, compiling: bool, *args):
 
 
 def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float, keep_history: bool = False,
-                   reduce=None):
+                   reduce=None, count: bool = True):
     """Current (dynamic) scaling of one tensor: its amax now -> scale. Reuses
     amax_update with most_recent, so the rules (zero / non-finite amax keeps the
     previous scale) are the same code, and a NaN/inf amax is counted in the
@@ -157,7 +157,8 @@ def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float, kee
     instead, and the update that ends this counts nothing for that step
     (scaling.update_scales): a layer no optimizer steps (a frozen LoRA base)
     stays here and still counts. reduce(amax): in place, e.g. the max over the
-    shards of an FSDP2 weight."""
+    shards of an FSDP2 weight. count=False: a NaN/inf amax is left to the update to count (a
+    layer on delayed scaling whose dy alone is scaled here, scaling._unprimed)."""
     history, scale, scale_inv, fp8_max = views[V_BUFFERS:V_BUFFERS + 4]
     with torch.no_grad():
         a = ops._amax_raw(t2d.detach())
@@ -172,7 +173,7 @@ def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float, kee
         # a NaN/inf amax keeps the previous scale; amax_update counts the event
         # in the same launch
         ops.amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent",
-                        overflow_count=views[V_OVERFLOW][col:col + 1])
+                        overflow_count=views[V_OVERFLOW][col:col + 1] if count else None)
 
 
 def _scaled_grad_output(ctx, gy: torch.Tensor) -> torch.Tensor:
@@ -180,10 +181,11 @@ def _scaled_grad_output(ctx, gy: torch.Tensor) -> torch.Tensor:
     under current scaling (or delayed scaling's first step), its scale set from
     its own amax before the cast."""
     static = ctx.static
-    margin, delayed, current_g = static[6], static[9], static[12]
+    current, margin, delayed, current_g = static[5], static[6], static[9], static[12]
     g2 = gy.contiguous()
     if current_g:
-        _current_scale(g2, ctx.views, G, margin, keep_history=delayed)
+        # (dy alone on its current scale, the layer on delayed scaling: the update counts its NaN/inf)
+        _current_scale(g2, ctx.views, G, margin, keep_history=delayed, count=current)
     return g2
 
 
@@ -843,6 +845,8 @@ class Fp8Linear(nn.Linear):
         # its first update; the history it brings then gives its delayed scales (a teacher's
         # would never be updated: its inputs and weights move away from them)
         state.pop("_fp8_updated_at", None)
+        for k in ("_fp8_hooked_at", "_fp8_stepped_at"):  # (the original's steps, counted by this process)
+            state.pop(k, None)
         state["_fp8_delayed_ready"] = False
         state.pop("_fp8_trace_key", None)  # (what an fp8ops from before _TRACES pickled)
         state.setdefault("_fp8_serial", next(_SERIAL))
@@ -918,6 +922,8 @@ class Fp8Linear(nn.Linear):
             # transforms see the plain computation, which they can differentiate and batch)
             if not compiling:  # an int read in compiled code is a guard: one recompile per call
                 d["fp8_fallback_calls"] += 1
+                if isinstance(x, torch.Tensor) and x.device.type != "cuda" and not d["fp8_on_cpu"]:
+                    d["_fp8_input_off_gpu"] = True  # (report: a model moved off the GPU, cannot_run_fp8)
             return self._plain_forward(x)
         width = 2 * self.in_features if d["fp8_swiglu_input"] else self.in_features
         if x.dim() == 0 or x.shape[-1] != width:

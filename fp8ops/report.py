@@ -21,14 +21,19 @@ RUNS_PLAIN = "nn.Linear"  # converted, but with its weight's dtype now every cal
 
 def cannot_run_fp8(m: Fp8Linear) -> str | None:
     """Why every call of m runs nn.Linear's computation now, whatever it ran before (its
-    weight's dtype: model.double(); its weight off the GPU: a GPU-trained model moved to the
-    CPU), or None. (Only inputs off the GPU fall back, counted per call in fallback_calls; the
-    weight's device stands for theirs. Tests run the GPU's paths on the CPU: fp8_on_cpu.)"""
+    weight's dtype: model.double(); a GPU-trained model moved to the CPU and called there), or
+    None. (Inputs off the GPU fall back, counted per call in fallback_calls: a layer whose
+    weight is off the GPU and that has been called with an input off the GPU reads as moved.
+    Not a sharded DTensor weight, nor one an offload moves to the GPU for each call: their
+    inputs are on the GPU. Tests run the GPU's paths on the CPU: fp8_on_cpu.)"""
     w = m.weight
     if w.dtype not in ops.HP_DTYPES:
         return f"its weight is {str(w.dtype).replace('torch.', '')}, not float32, bfloat16 or float16"
-    if w.device.type not in ("cuda", "meta") and not m.__dict__.get("fp8_on_cpu"):
-        return f"its weight is on the {w.device.type.upper()}, and FP8 runs on a CUDA GPU (model.cuda() moves it back)"
+    d = m.__dict__
+    if (w.device.type not in ("cuda", "meta") and not d.get("fp8_on_cpu") and not hasattr(w, "_local_tensor")
+            and d.get("_fp8_input_off_gpu")):
+        return (f"its weight is on the {w.device.type.upper()}, where its calls fell back, and FP8 runs on a CUDA "
+                "GPU (model.cuda() moves it back)")
     return None
 
 

@@ -100,8 +100,9 @@ def _layers_of(optimizer) -> list[Fp8Linear]:
 
 
 # (the hooks are global: under torch.compile(opt.step), of any optimizer, dynamo would trace
-# them and fail on the optimizer attributes they write; they run as eager code instead)
-@torch.compiler.disable
+# them and fail on the optimizer attributes they write; they run as eager code instead.
+# torch._disable_dynamo imports dynamo at the first call, not at fp8ops' import: +1.6 s there)
+@torch._disable_dynamo
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
     d = optimizer.__dict__
     if _REPLACED:
@@ -124,7 +125,7 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
             inner.__dict__["_fp8ops_inner"] = True
 
 
-@torch.compiler.disable
+@torch._disable_dynamo
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     d = optimizer.__dict__
     if not d.get("_fp8ops_inner"):
@@ -314,13 +315,17 @@ def _unprimed(layers: list[Fp8Linear]) -> set:
 
 
 def _grad_seen(layers: list[Fp8Linear]) -> None:
-    """A layer whose dy scale no amax has set yet (_unprimed) and whose weight now has a
-    gradient: its backward cast dy with its current scale, which put dy's amax into the
-    history; delayed scaling takes it from here. (A host check: no read of the GPU.)"""
-    for layer in layers:
-        d = layer.__dict__
-        if d.get("_fp8_grad_unset") and layer.weight.grad is not None:
-            del d["_fp8_grad_unset"]
+    """A layer whose dy scale no amax has set yet (_unprimed) once a backward has cast a dy with
+    a finite amax > 0 in it (with dy's current scale, the amax folded into row 0): delayed
+    scaling takes it from here. Read (one sync per device) only for such layers whose weight
+    has a gradient now, in practice once, at the step a frozen part first trains; a layer whose
+    weight never gets one (frozen, with its input's gradient needed) keeps scaling dy from its
+    own amax (one amax pass more per backward, no fused GELU gradient)."""
+    seen = [layer for layer in layers if "_fp8_grad_unset" in layer.__dict__ and layer.weight.grad is not None]
+    if seen:
+        for layer, cols in _by_readable_device(seen, _row0_primed):
+            if cols[G]:
+                del layer.__dict__["_fp8_grad_unset"]
 
 
 def _note_no_cast(layers: list[Fp8Linear]) -> None:
@@ -699,8 +704,11 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
         m.fp8_step = s["step"]
         m._fp8_delayed_ready = s["primed"]
         m.__dict__.pop("_fp8_grad_unset", None)
-        if s["primed"] and not bool(s["amax_history"][:, G].ne(0).any()):
-            m.__dict__["_fp8_grad_unset"] = True  # (saved before any gradient reached it: see _unprimed)
+        h = s["amax_history"]
+        if s["primed"] and h.shape[0] > 1 and not bool(h[:, G].ne(0).any()):
+            # saved before any gradient reached it (see _unprimed). (A one-row history is all 0
+            # after every update: it cannot tell.)
+            m.__dict__["_fp8_grad_unset"] = True
         m._w_cache = None  # the cached weight cast was made with the old weight scale
         m.__dict__["_fp8_si_version"] = None  # (written here, not by a broadcast)
         m._fp8_pristine = False  # its history is the loaded one

@@ -125,8 +125,11 @@ def _with_fp8_defaults(args) -> argparse.Namespace:
     defaults; a value outside a flag's choices is refused, naming it."""
     if isinstance(args, Mapping):
         given = dict(args)
-    elif isinstance(args, argparse.Namespace) or hasattr(args, "__dict__"):
+    elif isinstance(args, argparse.Namespace):
         given = vars(args)
+    elif not isinstance(args, (str, bytes, list, tuple, int, float)) and args is not None:
+        # a config object: its public attributes, class attributes and slots too
+        given = {k: v for k in dir(args) if not k.startswith("_") and not callable(v := getattr(args, k, None))}
     else:
         raise TypeError(f"prepare_model: args must be the parsed arguments (an argparse.Namespace) or a mapping of "
                         f"the FP8 flags, found {type(args).__name__}")

@@ -458,12 +458,16 @@ def test_report_says_a_layer_whose_weight_moved_runs_nn_linear(monkeypatch, caps
         model, {"backend": "fp8ops", "summary": ""})
     model.float()
     assert {r["runs"] for r in fp8ops.report(model, print_table=False)} == {"FP8"}
-    # a GPU-trained model moved to the CPU (here: the CPU no longer stands in for the GPU)
-    for m in model:
+    # a GPU-trained model moved to the CPU (here: the CPU no longer stands in for the GPU), once
+    # called there (before, a weight resting on the CPU may be an offload's, which casts on the GPU)
+    _train(model, steps=1)
+    for m in (model[0], model[2]):
         m.fp8_on_cpu = False
+    assert {r["runs"] for r in fp8ops.report(model, print_table=False)} == {"FP8"}
+    model(torch.randn(16, 32))
     rows = fp8ops.report(model, print_table=False)
-    assert all(r["runs"] == RUNS_PLAIN for r in rows)
-    assert "its weight is on the CPU, and FP8 runs on a CUDA GPU (model.cuda() moves it back)" in rows[0]["reason"]
+    assert [r["runs"] for r in rows] == [RUNS_PLAIN] * 2, rows
+    assert "its weight is on the CPU, where its calls fell back, and FP8 runs on a CUDA GPU" in rows[0]["reason"]
 
 
 def test_report_reads_the_running_amax_until_the_first_update_under_an_interval(monkeypatch):

@@ -283,7 +283,18 @@ def test_prepare_model_takes_hand_made_args():
     """A Namespace with only some FP8 flags (AttributeError before), a mapping from a config
     file (read as "FP8 not requested" before, with a hint to add --use_fp8) and a backend
     outside the choices (a KeyError before) are handled or refused naming the flag."""
-    for args in (argparse.Namespace(use_fp8=True, fp8_backend="bf16"), {"use_fp8": True, "fp8_backend": "bf16"}):
+    import dataclasses  # noqa: PLC0415
+
+    class Config:  # (flags as class attributes)
+        use_fp8 = True
+        fp8_backend = "bf16"
+
+    @dataclasses.dataclass(slots=True)
+    class Slots:
+        use_fp8: bool = True
+        fp8_backend: str = "bf16"
+    for args in (argparse.Namespace(use_fp8=True, fp8_backend="bf16"), {"use_fp8": True, "fp8_backend": "bf16"},
+                 Config(), Slots()):
         _, info = prepare_model(tiny_gpt(), args, logger=lambda s: None)
         assert info["reason"] == "--fp8_backend bf16"
     with pytest.raises(ValueError, match=r"args.fp8_backend \(--fp8_backend\) must be one of \('fp8ops', 'torchao', "
