@@ -332,6 +332,43 @@ def test_a_gradient_that_arrives_after_the_priming_wait_is_not_flushed(device, m
     assert "_fp8_grad_unset" in fresh[0].__dict__ and "_fp8_grad_unset" not in fresh[4].__dict__
 
 
+def test_a_loss_term_weighted_by_zero_then_switched_on_is_not_flushed(monkeypatch):
+    """A loss weighted by 0 for the first steps: the weights have gradients (all zero), which
+    cleared the waiting flag at once; the first real gradient was then cast with dy's fresh
+    scale 1.0 (16.5 dB against FP32). The flag waits for a dy with an amax > 0. A NaN gradient
+    of a waiting layer is counted once (it was counted by its cast and by the update)."""
+    from conftest import convert_as_on_fp8_gpu
+    from fp8ops import scaling
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10))
+    ref, fp = build(), convert_as_on_fp8_gpu(build(), monkeypatch)
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (ref, fp)]
+    g = torch.Generator().manual_seed(1)
+    on = scaling._PRIMING_UPDATES + 2
+    for step in range(on + 2):
+        x, t = torch.randn(512, 64, generator=g), torch.randint(0, 10, (512,), generator=g)
+        with torch.no_grad():
+            for pf, pr in zip(fp.parameters(), ref.parameters()):
+                pf.copy_(pr)
+        for m in (ref, fp):
+            (F.cross_entropy(m(x), t) * (1.0 if step >= on else 0.0)).backward()
+        if step >= on:
+            assert sqnr(ref[0].weight.grad, fp[0].weight.grad) > 18, step
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        assert ("_fp8_grad_unset" in fp[0].__dict__) == (scaling._PRIMING_UPDATES - 1 <= step < on), step
+    # a waiting layer's NaN gradient: counted once
+    for m in (fp[0], fp[2]):
+        m.__dict__["_fp8_grad_unset"] = True
+    before = fp[0].fp8_overflow_count.tolist()
+    (fp(torch.randn(16, 64)).sum() * float("nan")).backward()
+    opts[1].step()
+    assert fp[0].fp8_overflow_count.tolist() == [before[0], before[1], before[2] + 1]
+
+
 @pytest.mark.parametrize("device", FP8_DEVICES)
 def test_a_layer_no_optimizer_steps_counts_its_nan_amaxes(device, monkeypatch):
     """A frozen layer (a LoRA base) gets no scale update: it casts with current scales for
