@@ -159,6 +159,9 @@ def _cast_backward(ctx, g_out, g_out_t, g_amax):
     # straight-through: d(x * scale)/dx = scale; rounding and saturation are
     # treated as identity (the usual estimator for quantisers)
     (scale,) = ctx.saved_tensors
+    if ctx.needs_input_grad[1]:
+        raise RuntimeError("fp8ops.cast: no gradient with respect to scale (the rounding gives none worth "
+                           "using); pass scale.detach(), or learn a scale with an estimator of your own")
     g = torch.zeros(ctx.x_shape, dtype=torch.float32, device=scale.device)
     if g_out is not None:
         g = g + g_out.float()
@@ -292,8 +295,14 @@ def _gemm_backward(ctx, g):
     gf = g.float() * s
     ga = gf @ b.float() if ctx.needs_input_grad[0] else None
     gb = gf.t() @ a.float() if ctx.needs_input_grad[1] else None
+    gsa = gsb = None
+    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+        # the scales multiply the product: d/d(sa) = sum(g * a @ b.T) * sb, and the other way round
+        gp = (g.float() * (a.float() @ b.float().t())).sum()
+        gsa = (gp * sb.float()).reshape(sa.shape) if ctx.needs_input_grad[2] else None
+        gsb = (gp * sa.float()).reshape(sb.shape) if ctx.needs_input_grad[3] else None
     gbias = g.float().sum(0).to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[4] else None
-    return ga, gb, None, None, gbias, None, None
+    return ga, gb, gsa, gsb, gbias, None, None
 
 
 # ----------------------------------------------------------------------------

@@ -91,6 +91,23 @@ def test_gemm_autograd_bias():
     assert torch.equal(bias.grad, torch.full((16,), 16.0, dtype=torch.bfloat16))
 
 
+def test_gemm_and_cast_gradients_of_the_scales():
+    """A scale that requires grad got None from both formulas, silently: gemm's scales now get
+    their exact derivative (the product is linear in each), and cast refuses, saying why."""
+    a, b, sa, sb = _operands(16, 32, 16, E4, E4, "cpu")
+    sa, sb = sa.clone().requires_grad_(), sb.clone().requires_grad_()
+    w = torch.randn(16, 32)
+    (ops.gemm(a, b, sa, sb, None, torch.float32) * w).sum().backward()
+    ref_sa, ref_sb = sa.detach().clone().requires_grad_(), sb.detach().clone().requires_grad_()
+    ((a.float() @ b.float().t()) * ref_sa * ref_sb * w).sum().backward()
+    torch.testing.assert_close(sa.grad, ref_sa.grad)
+    torch.testing.assert_close(sb.grad, ref_sb.grad)
+    s = torch.ones(1, requires_grad=True)
+    x = torch.randn(4, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="fp8ops.cast: no gradient with respect to scale"):
+        ops.cast(x, s, E4)[0].float().sum().backward()
+
+
 # ------------------------------------------------------------------ GPU-only
 
 @requires_fp8
