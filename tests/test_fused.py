@@ -314,6 +314,19 @@ def test_fused_opcheck_and_compile(device):
                                   (gy, w8t, x8t, sx, slot, sx_inv, sw_inv, sx_inv, h, E5, torch.bfloat16,
                                    torch.float32, True, True, need_db), test_utils=utils)
     torch.library.opcheck(torch.ops.fp8ops.cast_accumulate.default, (x, sx, slot, E4, True), test_utils=utils)
+    # the norm and SwiGLU ops (the README says every op passes opcheck)
+    lw, lb = torch.randn(48, device=device), torch.randn(48, device=device)
+    for rms in (False, True):
+        torch.library.opcheck(torch.ops.fp8ops.ln_linear_fwd.default,
+                              (x, lw, lb.new_empty(0) if rms else lb, 1e-5, w8, sx, slot, sx_inv, sx, slot.clone(),
+                               sw_inv, bias, E4, E4, torch.bfloat16, False, True, rms), test_utils=utils)
+        mean, rstd = ops.ln_linear_fwd(x, lw, None if rms else lb, 1e-5, w8, sx, slot.clone(), sx_inv, sw_inv,
+                                       rms=rms)[4:]
+        torch.library.opcheck(torch.ops.fp8ops.layernorm_bwd.default, (torch.randn_like(x), x, mean, rstd, lw, rms),
+                              test_utils=utils)
+    xs = torch.randn(32, 64, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.fp8ops.swiglu.default, (xs,))
+    torch.library.opcheck(torch.ops.fp8ops.swiglu_backward.default, (torch.randn(32, 32, device=device), xs.detach()))
 
     def f(x, slot):
         y, x8t, _, _ = ops.linear_fwd(x, w8, sx, slot, sx_inv, sw_inv, bias, E4, torch.float32, False, True)
