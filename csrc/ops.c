@@ -20,7 +20,7 @@
  * `bias` is "absent" when it has no elements (schemas avoid T?, see STYLE.md).
  */
 #include <dlfcn.h>
-#include <math.h>
+#include <float.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -760,8 +760,9 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
       FP8OPS_TRY(require_contiguous(op, names[i], pp[i]));
       FP8OPS_TRY(require_same_device(op, names[i], pp[i], "x", &x));
     }
-    /* (eps as the kernels take it, a float: 1e300 is inf there, and rstd would be 0) */
-    FP8OPS_REQUIRE(ln->eps >= 0.0 && isfinite((float)ln->eps), "%s: eps must be a finite float >= 0, "
+    /* (eps as the kernels take it, a float: 1e300 is inf there, and rstd would be 0; compared
+     * as a double, since converting one beyond float's range is undefined in C) */
+    FP8OPS_REQUIRE(ln->eps >= 0.0 && ln->eps <= (double)FLT_MAX, "%s: eps must be a finite float >= 0, "
                    "found %g", op, ln->eps);
     FP8OPS_REQUIRE(!ln->rms || lb.numel == 0, "%s: an RMSNorm has no bias (rms=True), found ln_bias "
                    "with %lld elements; pass an empty ln_bias with rms=True", op, (long long)lb.numel);
