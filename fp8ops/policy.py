@@ -362,6 +362,11 @@ def tune_policy(model: nn.Module, *args, **kwargs) -> dict:
         linear._POLICY_ONLY = False
         for m, n in calls.items():
             m.fp8_fallback_calls = n
-    # the ranks agree now rather than at the first step: the compiled code reads the verdicts
-    policy_ranks.agree_now([m for _, m in layers])
+    # the ranks agree now rather than at the first step: the compiled code reads the verdicts;
+    # each scaling group among its own ranks (set_scaling_group: a pipeline stage's, or none
+    # for a model this rank alone trains, whose other ranks never call this)
+    from .scaling import _is_local, by_scaling_group  # noqa: PLC0415 -- scaling imports this module
+    for group, members in by_scaling_group([m for _, m in layers]):
+        if not _is_local(group):
+            policy_ranks.agree_now(members, group)
     return {name: dict(m.fp8_policy) for name, m in layers}

@@ -341,6 +341,13 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     the ranks of each layer's scaling group (set_scaling_group; else `group`, None:
     every rank), one collective per group, in the order the groups first appear."""
     serial = loop_trial.note_optimizer_step()  # (policy auto's trial counts its steps by these too)
+    for g, members in by_scaling_group(layers, group):
+        _update_group(members, g, serial)
+
+
+def by_scaling_group(layers: list[Fp8Linear], group=None) -> list[tuple]:
+    """[(group, its layers)]: each layer's scaling group (set_scaling_group; else `group`,
+    None: every rank), in the order the groups first appear (every rank alike)."""
     groups: list = []
     for layer in layers:
         g = layer.__dict__.get("_fp8_group", group)
@@ -350,8 +357,7 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
                 break
         else:
             groups.append((g, [layer]))
-    for g, members in groups:
-        _update_group(members, g, serial)
+    return groups
 
 
 def set_scaling_group(model: torch.nn.Module, group) -> int:

@@ -266,6 +266,7 @@ def _worker(rank, world, tmp, scenarios):
             out["fsdp_load"] = _fsdp_load_state_dict(rank, world)
         out["policy"] = _policy_agreement(rank)
         out["zero"] = _zero_redundancy(rank)
+        out["tune_groups"] = _tune_policy_by_scaling_group(rank)
         if fully_shard is not None:
             out["dtensor_guard"] = _dtensor_guard()
     finally:
@@ -398,6 +399,34 @@ def _policy_agreement(rank):
         return out
     finally:
         policy.measure, torch.cuda.is_current_stream_capturing, dist.all_gather_object = saved
+
+
+def _tune_policy_by_scaling_group(rank):
+    """tune_policy exchanges the verdicts within each layer's scaling group, as the step does.
+    It used the whole world: a model only rank 0 trains ("local") waited in a collective rank 1
+    never joins, and pipeline stages of 3 and 2 layers matched verdicts by layer index (rank
+    0's last layer took rank 1's, rank 1 raised IndexError)."""
+    from fp8ops import policy_ranks
+    key = (64, torch.bfloat16)
+
+    def stage(n):
+        torch.manual_seed(0)
+        m = nn.Sequential(*[Fp8Linear.from_linear(nn.Linear(32, 32), Fp8Config(policy="auto")) for _ in range(n)])
+        fp8ops.set_scaling_group(m, "local")
+        return m
+    calls, orig = [], dist.all_reduce
+    dist.all_reduce = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
+    try:
+        out = {}
+        if rank == 0:  # a helper model rank 0 alone trains
+            out["helper"] = fp8ops.tune_policy(stage(2), torch.randn(64, 32))
+        model = stage(3 if rank == 0 else 2)  # a pipeline stage per rank
+        policy_ranks.settled(model[2 if rank == 0 else 0], key, rank == 0, 1.5 if rank == 0 else 0.9)
+        out["stage"] = fp8ops.tune_policy(model, torch.randn(64, 32))
+        out["collectives"] = len(calls)
+        return out
+    finally:
+        dist.all_reduce = orig
 
 
 def _zero_redundancy(rank):
@@ -682,6 +711,15 @@ def test_policy_auto_verdicts_agree_across_ranks_at_the_step(dist_results, recip
         assert r["agreed"] == r["final"] == {16: False, 32: True, 48: True, 64: True}, r["agreed"]
         assert r["gathers"] == [0, 1, 0] and not r["left"]
         assert "rank(s) 1 chose BF16" in r["why"]
+
+
+def test_tune_policy_exchanges_within_each_scaling_group(dist_results):
+    r0, r1 = (res["tune_groups"] for res in dist_results)
+    assert r0["helper"] == {"0": {}, "1": {}} and "helper" not in r1
+    key = (64, torch.bfloat16)
+    assert r0["stage"] == {"0": {}, "1": {}, "2": {key: (True, 1.5)}}   # its own verdict, not rank 1's
+    assert r1["stage"] == {"0": {key: (False, 0.9)}, "1": {}}
+    assert r0["collectives"] == r1["collectives"] == 0
 
 
 # -------------------------------------------------------------------- single-process sanity
