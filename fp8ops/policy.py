@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 import threading
 import time
 from typing import NamedTuple
@@ -52,8 +53,8 @@ class Timing(NamedTuple):
 
 
 def _path() -> str:
-    return os.environ.get("FP8OPS_POLICY_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "fp8ops", "policy.json")
+    return os.path.expanduser(os.environ.get("FP8OPS_POLICY_CACHE") or os.path.join("~", ".cache", "fp8ops",
+                                                                                 "policy.json"))
 
 
 def _read(path: str) -> dict:
@@ -63,12 +64,14 @@ def _read(path: str) -> dict:
     try:
         with open(path) as f:
             data = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (RecursionError: deeply nested JSON)
         return out
     for k, v in (data.items() if isinstance(data, dict) else ()):
+        if not isinstance(v, list) or not all(type(x) in (int, float) for x in v):
+            continue  # (an older fp8ops' (wins, speedup), strings, anything else)
         try:
             t = Timing(*map(float, v))
-        except (TypeError, ValueError):  # (an older fp8ops' (wins, speedup), or anything else)
+        except (TypeError, ValueError):
             continue
         if all(x > 0 and math.isfinite(x) for x in t):  # (a 0 would divide by zero in the speedups)
             out[k] = t
@@ -92,8 +95,12 @@ def _save() -> None:
         if folder:  # (FP8OPS_POLICY_CACHE=policy.json: the working directory)
             os.makedirs(folder, exist_ok=True)
         merged = {**_read(_path()), **_timings}
-        tmp = _path() + f".{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
+        # a file of this process's own, then one atomic rename: a reader sees the old file or the
+        # new one (a name made of the pid alone was shared by processes of two containers, whose
+        # writes interleaved). Two processes saving at once may still drop each other's new
+        # entries: a cache, re-measured at the next run
+        fd, tmp = tempfile.mkstemp(dir=folder or ".", prefix=os.path.basename(_path()) + ".", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
             json.dump({k: list(v) for k, v in merged.items()}, f, indent=0, sort_keys=True)
         os.replace(tmp, _path())
         tmp = None

@@ -2,6 +2,7 @@
 disagree, the trial of the caller's own loop, in blocks of BF16 and FP8 steps (loop_trial.py)."""
 import contextlib
 import json
+import os
 import logging
 import types
 
@@ -112,6 +113,32 @@ def test_timings_cache_keeps_what_another_process_wrote_and_no_temporary_file(tm
     monkeypatch.setenv("FP8OPS_POLICY_CACHE", str(folder))
     policy._save()
     assert sorted(tmp_path.iterdir()) == sorted([path, folder])
+
+
+def test_timings_cache_names_its_temporary_file_its_own_and_reads_only_numbers(tmp_path, monkeypatch):
+    """The temporary file was named by the process id alone: two containers' processes with
+    one pid wrote into one file, and readers saw torn JSON (some parsed, with timings no one
+    measured). Now each write has a file of its own. "~" in FP8OPS_POLICY_CACHE is the home
+    folder (it made a folder named "~"), and strings or deeply nested JSON read as no entry."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("FP8OPS_POLICY_CACHE", "~/c/policy.json")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(policy, "_timings", None)
+    made = []
+    real = policy.tempfile.mkstemp
+    monkeypatch.setattr(policy.tempfile, "mkstemp", lambda **kw: made.append(real(**kw)) or made[-1])
+    for _ in range(2):
+        policy._load()["k"] = T(1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
+        policy._save()
+    path = tmp_path / "c" / "policy.json"
+    assert json.loads(path.read_text()) == {"k": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]} and not (tmp_path / "~").exists()
+    assert len({name for _, name in made}) == 2 and sorted(os.listdir(tmp_path / "c")) == ["policy.json"]
+    path.write_text(json.dumps({"s": ["1", "2", "3", "4", "5", "6"], "k": [1, 2, 3, 4, 5, 6]}))
+    monkeypatch.setattr(policy, "_timings", None)
+    assert policy.cached("s") is None and policy.cached("k") == T(1, 2, 3, 4, 5, 6)
+    path.write_text("[" * 100000 + "]" * 100000)
+    monkeypatch.setattr(policy, "_timings", None)
+    assert policy.cached("k") is None
 
 
 # ------------------------------------------------ the trial's steps, on CPU with a simulated loop
