@@ -62,6 +62,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+import weakref
 
 import torch
 
@@ -105,7 +106,8 @@ def optimizer_steps() -> int:
 
 
 class _Trial:
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device  # (the layers' GPU: its stream is the one timed)
         self.pending: dict[tuple, policy.Timing] = {}        # (id(layer), key) -> its timing
         self.decided: dict[tuple, tuple[bool, str]] = {}     # -> (FP8, why), until picked up
         self.anchor: tuple | None = None
@@ -131,25 +133,46 @@ def _trial(device: torch.device) -> _Trial:
     i = device.index if device.index is not None else torch.cuda.current_device()
     t = _trials.get(i)
     if t is None:
-        t = _trials[i] = _Trial()
+        t = _trials[i] = _Trial(device if device.type == "cuda" and device.index is not None else None)
     return t
 
 
 def forget(layer, key=None) -> None:
     """Drop what layer waits on (for key, or for every key: the layer moved)."""
+    _forget_id(id(layer), key)
+
+
+def _forget_id(layer_id: int, key=None) -> None:
     def mine(lk):
-        return lk[0] == id(layer) and (key is None or lk[1] == key)
+        return lk[0] == layer_id and (key is None or lk[1] == key)
     for t in _trials.values():
+        waited = bool(t.pending)
         for d in (t.pending, t.decided, t.eval_calls):
             for lk in [lk for lk in d if mine(lk)]:
                 del d[lk]
-        if t.anchor is not None and mine(t.anchor):
+        if (t.anchor is not None and mine(t.anchor)) or (waited and not t.pending):
+            # (its anchor, or the last layer that waited on it: a trial left unfinished, e.g. a
+            # model deleted before its 25th step, does not go on counting the next model's steps)
             t.reset()
+
+
+def _watch(layer) -> None:
+    """Forget layer's entries when it dies (its id may be a new layer's then)."""
+    d = layer.__dict__
+    if "_fp8_trial_watch" not in d:
+        try:
+            d["_fp8_trial_watch"] = weakref.finalize(layer, _forget_id, id(layer))
+        except TypeError:  # (an object without weak references: a test's stand-in)
+            d["_fp8_trial_watch"] = None
 
 
 def _mark(t: _Trial) -> None:
     ev = torch.cuda.Event(enable_timing=True)
-    ev.record()
+    if t.device is not None and t.device.index != torch.cuda.current_device():
+        with torch.cuda.device(t.device):  # (the layers' GPU, not the current one: its stream)
+            ev.record()
+    else:
+        ev.record()
     t.marks.append((time.perf_counter(), ev))
     t.at_step = _optimizer_steps
 
@@ -201,7 +224,9 @@ def decision(layer, key, timing: policy.Timing) -> tuple[bool, str | None]:
     lk = (id(layer), key)
     if lk in t.decided:
         return t.decided.pop(lk)
-    t.pending.setdefault(lk, timing)
+    if lk not in t.pending:
+        t.pending[lk] = timing
+        _watch(layer)
     if torch._C._current_graph_task_id() != -1:
         # a forward inside a backward: activation checkpointing's recomputation. It must take the
         # path the step's forward took (checkpoint checks the saved tensors match), and is no step

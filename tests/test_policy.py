@@ -2,8 +2,8 @@
 disagree, the trial of the caller's own loop, in blocks of BF16 and FP8 steps (loop_trial.py)."""
 import contextlib
 import json
-import os
 import logging
+import os
 import types
 
 import pytest
@@ -166,6 +166,7 @@ class _SimLoop:
                 pass
 
         monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # (the layers' cuda:0 is current)
         monkeypatch.setattr(loop_trial.time, "perf_counter", lambda: sim.t_host / 1e3)
         monkeypatch.setattr(loop_trial, "_trials", {})
 
@@ -208,6 +209,65 @@ def test_trial_runs_blocks_of_bf16_and_fp8_and_keeps_the_faster(monkeypatch, cap
                     f"({why_a.split(' (2 layers')[0]})"]
     t = loop_trial._trials[0]
     assert not t.pending and not t.decided and t.anchor is None
+
+
+class _Weakrefable:
+    """A layer stand-in that can die (weak references)."""
+    def __init__(self):
+        self.weight = types.SimpleNamespace(device=torch.device("cuda", 0), requires_grad=True)
+
+
+def test_a_trial_its_model_left_unfinished_does_not_count_the_next_models_steps(monkeypatch):
+    """A run stopped before the trial decided (an interrupted notebook cell, a short sweep run),
+    then a new model in the same process: its layers went on counting the old trial's steps,
+    mixing the two models' step times (FP8 chosen where it gains nothing). The dead layers'
+    entries go with them, and so does the trial they left unfinished."""
+    sim = _SimLoop(monkeypatch, {"bf16": 1.0, "fp8": 1.0}, {"bf16": 10.0, "fp8": 10.0})
+    old = [_Weakrefable(), _Weakrefable()]
+    for _ in range(9):                      # model A: 9 optimizer steps, then deleted
+        sim.step(old)
+        loop_trial.note_optimizer_step()
+    assert loop_trial._trials[0].by_step and loop_trial._trials[0].pending
+    del old
+    import gc  # noqa: PLC0415
+    gc.collect()
+    t = loop_trial._trials[0]
+    assert not t.pending and not t.marks and not t.by_step
+    sim.gpu_ms = {"bf16": 30.0, "fp8": 30.0}  # model B: FP8 gains nothing
+    new = [_Weakrefable(), _Weakrefable()]
+    for _ in range(loop_trial.DECIDE_AT + 2):
+        got = sim.step(new)
+        loop_trial.note_optimizer_step()
+        if got[0][1] is not None:
+            break
+    assert got[0][0] is False and "30.000 ms with FP8 vs 30.000 ms with BF16" in got[0][1]
+
+
+def test_the_trial_times_the_layers_gpu(monkeypatch):
+    """A model on cuda:1 while cuda:0 is current: the trial's events were recorded on cuda:0's
+    stream (another model's work, or an idle GPU). They are recorded with the layers' GPU
+    current."""
+    sim = _SimLoop(monkeypatch, {"bf16": 1.0, "fp8": 1.0}, {"bf16": 10.0, "fp8": 10.0})
+    current, recorded_on = [0], []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+
+    @contextlib.contextmanager
+    def device(d):
+        before, current[0] = current[0], torch.device(d).index
+        try:
+            yield
+        finally:
+            current[0] = before
+    monkeypatch.setattr(torch.cuda, "device", device)
+    record = torch.cuda.Event.record
+    monkeypatch.setattr(torch.cuda.Event, "record", lambda ev, stream=None: (recorded_on.append(current[0]),
+                                                                              record(ev, stream))[1])
+    lyr = _Weakrefable()
+    lyr.weight.device = torch.device("cuda", 1)
+    for _ in range(3):
+        sim.step([lyr])
+        loop_trial.note_optimizer_step()
+    assert recorded_on and set(recorded_on) == {1} and current[0] == 0
 
 
 @pytest.mark.parametrize("calls_per_step", [1, 3, 8])
