@@ -24,6 +24,7 @@ import os
 import tempfile
 import threading
 import time
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -369,6 +370,15 @@ def tune_policy(model: nn.Module, *args, **kwargs) -> dict:
         linear._POLICY_ONLY = False
         for m, n in calls.items():
             m.fp8_fallback_calls = n
+    unsettled = [name for name, m in layers if m.fp8_config.policy == "auto" and not m.fp8_policy]
+    if unsettled:
+        warnings.warn(
+            f"fp8ops.tune_policy: {len(unsettled)} of {len(layers)} FP8 layers ({', '.join(unsettled[:3])}"
+            f"{', ...' if len(unsettled) > 3 else ''}) settled no verdict: this forward did not reach their FP8 "
+            "path (an input off the GPU, a row count not a multiple of 16, a model compiled already, no "
+            "autocast where training has one) or did not call them; compiled code runs them FP8 without "
+            "one. Call it before torch.compile, on the GPU, with a batch of the training shape under the "
+            "training's autocast", stacklevel=2)
     # the ranks agree now rather than at the first step: the compiled code reads the verdicts;
     # each scaling group among its own ranks (set_scaling_group: a pipeline stage's, or none
     # for a model this rank alone trains, whose other ranks never call this)

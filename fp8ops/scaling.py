@@ -604,16 +604,25 @@ def _restore_verdicts(m: Fp8Linear, saved: dict | None) -> None:
     m's recipe, format, accumulation and weight dtype (policy.setup_of), and m's policy is
     "auto". Under torch.distributed they are exchanged at the next step like
     any verdict (policy_ranks.settled): ranks that loaded different states still agree."""
-    if (saved is None or m.fp8_config.policy != "auto" or saved.get("gpu") is None
+    if (not isinstance(saved, Mapping) or m.fp8_config.policy != "auto" or saved.get("gpu") is None
             or saved.get("gpu") != _gpu_name(m) or saved.get("torch") != torch.__version__
             or saved.get("setup") != policy.setup_of(m)):
         return
-    for M, dtype, wins, speedup, why in saved["verdicts"]:
-        key = (int(M), getattr(torch, dtype))
+    restored = []
+    try:  # (verdicts of another form, a newer fp8ops' or a hand-made one: measured again instead)
+        for M, dtype, wins, speedup, why in saved["verdicts"]:
+            dt = getattr(torch, dtype)
+            if not isinstance(dt, torch.dtype):
+                return
+            restored.append(((int(M), dt), bool(wins), float(speedup), why if isinstance(why, str) else None))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return
+    for key, wins, speedup, why in restored:
         m._fp8_pending.pop(key, None)
         loop_trial.forget(m, key)
-        policy_ranks.settled(m, key, bool(wins), float(speedup),
-                             f"{why}; restored" if why else "restored from the saved scaling state")
+        note = "restored from the saved scaling state" if not why else why if why.endswith("; restored") \
+            else f"{why}; restored"
+        policy_ranks.settled(m, key, wins, speedup, note)
 
 
 def _recipe_and_format(config: str) -> list[str]:

@@ -521,7 +521,9 @@ def test_tune_policy_changes_no_scaling_state_cpu():
     torch.manual_seed(0)
     model = _fp8_on_cpu(MLP(32, 64), Fp8Config(policy="auto"))
     x = torch.randn(16, 32)
-    assert fp8ops.tune_policy(model, x) == {"up": {}, "down": {}, "head": {}}
+    # (on the CPU no layer reaches a measurement: said, as compiled code would run them FP8)
+    with pytest.warns(UserWarning, match=r"tune_policy: 3 of 3 FP8 layers \(up, down, head\) settled no verdict"):
+        assert fp8ops.tune_policy(model, x) == {"up": {}, "down": {}, "head": {}}
     for _, m in model.named_modules():
         if isinstance(m, Fp8Linear):
             assert m.fp8_amax_history.abs().sum() == 0 and m.fp8_fallback_calls == 0

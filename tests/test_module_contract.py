@@ -264,6 +264,18 @@ def test_policy_verdicts_are_saved_and_restored_on_the_same_gpu(monkeypatch):
     assert dst[2].fp8_policy_why[key] == "restored from the saved scaling state" and key not in dst[0]._fp8_pending
     rows = {r["name"]: r for r in fp8ops.report(dst, print_table=False)}
     assert "restored" in rows["0"]["reason"]
+    # saved again and restored again: the note does not grow
+    again = converted()
+    fp8ops.load_scaling_state_dict(again, fp8ops.scaling_state_dict(dst))
+    assert again[0].fp8_policy_why[key] == "trial: 1.00 vs 0.90 ms per step; restored"
+    # verdicts of another form (a newer fp8ops', a hand-made one) are measured again; the rest
+    # loads (they raised part-way through the load, after earlier layers had loaded)
+    for bad in ([(1024, "bf16", False, 0.8, None)], [(1024, "bfloat16")], "x"):
+        odd = {**state, "2": {**state["2"], "policy": {**state["2"]["policy"], "verdicts": bad}}}
+        dst = converted()
+        assert fp8ops.load_scaling_state_dict(dst, odd, strict=True) == []
+        assert dst[0].fp8_policy == {key: (False, 0.8)} and dst[2].fp8_policy == {}
+        assert torch.equal(dst[2].fp8_scale, src[2].fp8_scale)
     # measured elsewhere, or for another setup or policy: measured again
     for gpu[0], cfg, pol in (("NVIDIA H100 80GB HBM3", {}, "auto"), ("NVIDIA H200", {"fast_accum": False}, "auto"),
                              ("NVIDIA H200", {}, "always")):
