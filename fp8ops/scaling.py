@@ -623,6 +623,8 @@ def _restore_verdicts(m: Fp8Linear, saved: dict | None) -> None:
         note = "restored from the saved scaling state" if not why else why if why.endswith("; restored") \
             else f"{why}; restored"
         policy_ranks.settled(m, key, wins, speedup, note)
+    if restored:
+        m._fp8_note_verdict(False)  # (BF16 for every shape: it rests from the next step, as before the save)
 
 
 def _recipe_and_format(config: str) -> list[str]:
