@@ -161,9 +161,11 @@ def _watch(layer) -> None:
     d = layer.__dict__
     if "_fp8_trial_watch" not in d:
         try:
-            d["_fp8_trial_watch"] = weakref.finalize(layer, _forget_id, id(layer))
+            f = weakref.finalize(layer, _forget_id, id(layer))
+            f.atexit = False  # (nothing to forget at the interpreter's exit)
         except TypeError:  # (an object without weak references: a test's stand-in)
-            d["_fp8_trial_watch"] = None
+            f = None
+        d["_fp8_trial_watch"] = f
 
 
 def _mark(t: _Trial) -> None:
