@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -56,6 +57,18 @@ class Timing(NamedTuple):
 def _path() -> str:
     return os.path.expanduser(os.environ.get("FP8OPS_POLICY_CACHE") or os.path.join("~", ".cache", "fp8ops",
                                                                                  "policy.json"))
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask would, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def _read(path: str) -> dict:
@@ -101,6 +114,11 @@ def _save() -> None:
         # writes interleaved). Two processes saving at once may still drop each other's new
         # entries: a cache, re-measured at the next run
         fd, tmp = tempfile.mkstemp(dir=folder or ".", prefix=os.path.basename(_path()) + ".", suffix=".tmp")
+        try:  # (mkstemp's file is the owner's alone: keep the cache's mode, or a new file's)
+            mode = stat.S_IMODE(os.stat(_path()).st_mode)
+        except OSError:
+            mode = 0o666 & ~_umask()
+        os.chmod(tmp, mode)
         with os.fdopen(fd, "w") as f:
             json.dump({k: list(v) for k, v in merged.items()}, f, indent=0, sort_keys=True)
         os.replace(tmp, _path())

@@ -133,6 +133,7 @@ def test_timings_cache_names_its_temporary_file_its_own_and_reads_only_numbers(t
     path = tmp_path / "c" / "policy.json"
     assert json.loads(path.read_text()) == {"k": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]} and not (tmp_path / "~").exists()
     assert len({name for _, name in made}) == 2 and sorted(os.listdir(tmp_path / "c")) == ["policy.json"]
+    assert path.stat().st_mode & 0o777 == 0o666 & ~policy._umask()  # (a plain new file's, not mkstemp's 0600)
     path.write_text(json.dumps({"s": ["1", "2", "3", "4", "5", "6"], "k": [1, 2, 3, 4, 5, 6]}))
     monkeypatch.setattr(policy, "_timings", None)
     assert policy.cached("s") is None and policy.cached("k") == T(1, 2, 3, 4, 5, 6)
