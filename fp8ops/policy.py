@@ -136,8 +136,10 @@ def _save() -> None:
 # bumped when what is measured changes, so timings of an older fp8ops are not reused
 # (4: under tune_policy, version 3 timed its FP8 side on the BF16 path: every verdict BF16;
 # 5: the key names the layer's recipe, format, fast accumulation and weight dtype, and the
-# sixteenth session's scale update and host path changed FP8's side)
-_KEY_VERSION = 5
+# sixteenth session's scale update and host path changed FP8's side; 6: the twenty-third
+# session's C ops format their messages only on failure, ~25 snprintf less per FP8 call: an
+# older cache's host times undercount FP8, which the twenty-ninth session's review found)
+_KEY_VERSION = 6
 
 
 def key(device: torch.device, M: int, K: int, N: int, dtype: torch.dtype, bias: bool, gelu: bool = False,
