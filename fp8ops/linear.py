@@ -846,8 +846,7 @@ class Fp8Linear(nn.Linear):
         # its first update; the history it brings then gives its delayed scales (a teacher's
         # would never be updated: its inputs and weights move away from them)
         state.pop("_fp8_updated_at", None)
-        for k in ("_fp8_hooked_at", "_fp8_stepped_at"):  # (the original's steps, counted by this process)
-            state.pop(k, None)
+        state.pop("_fp8_stepped_at", None)  # (the original's fp8ops.step, counted by this process)
         state["_fp8_delayed_ready"] = False
         state.pop("_fp8_trace_key", None)  # (what an fp8ops from before _TRACES pickled)
         state.setdefault("_fp8_serial", next(_SERIAL))

@@ -136,9 +136,6 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
             layers = [layer for layer in layers if layer.__dict__.get("_fp8_updated_at", 0) <= seen]
         if layers:
             update_scales(layers)
-            serial = loop_trial.optimizer_steps()
-            for layer in layers:
-                layer.__dict__["_fp8_hooked_at"] = serial  # (the next fp8ops.step leaves it out)
     d["_fp8ops_open"] = False
 
 
@@ -518,7 +515,8 @@ def step(model: torch.nn.Module) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fp8ops.step: model must be an nn.Module (the converted model), found {type(model).__name__}")
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    mine = [m for m in layers if m.__dict__.get("_fp8_hooked_at", 0) <= m.__dict__.get("_fp8_stepped_at", 0)]
+    # (an update since this model's last fp8ops.step came from an optimizer's hook)
+    mine = [m for m in layers if m.__dict__.get("_fp8_updated_at", 0) <= m.__dict__.get("_fp8_stepped_at", 0)]
     if len(mine) < len(layers) and not _warned_step:
         _warned_step = True
         warnings.warn(f"fp8ops.step: {len(layers) - len(mine)} of the model's FP8 layers are stepped by a "
