@@ -100,6 +100,31 @@ def _load() -> dict:
     return _timings
 
 
+class _FileLock:
+    """An exclusive advisory lock on path + ".lock" for one read-merge-write of the cache:
+    processes saving at once (the ranks of a run, runs sharing a home) take turns, so none
+    drops what another just wrote. Where no lock can be had (no fcntl, a read-only folder, a
+    filesystem without flock) the save goes on unlocked: the cache is re-measured if need be."""
+
+    def __init__(self, path: str):
+        self.f = None
+        try:
+            import fcntl
+            self.f = open(path + ".lock", "a")
+            fcntl.flock(self.f, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            if self.f is not None:
+                self.f.close()
+            self.f = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.f is not None:
+            self.f.close()  # (closing the file releases the lock)
+
+
 def _save() -> None:
     """Write this process's timings, merged into what the file holds now (other processes,
     e.g. the other ranks of a run, may have written since this one read it)."""
@@ -108,21 +133,21 @@ def _save() -> None:
         folder = os.path.dirname(_path())
         if folder:  # (FP8OPS_POLICY_CACHE=policy.json: the working directory)
             os.makedirs(folder, exist_ok=True)
-        merged = {**_read(_path()), **_timings}
-        # a file of this process's own, then one atomic rename: a reader sees the old file or the
-        # new one (a name made of the pid alone was shared by processes of two containers, whose
-        # writes interleaved). Two processes saving at once may still drop each other's new
-        # entries: a cache, re-measured at the next run
-        fd, tmp = tempfile.mkstemp(dir=folder or ".", prefix=os.path.basename(_path()) + ".", suffix=".tmp")
-        try:  # (mkstemp's file is the owner's alone: keep the cache's mode, or a new file's)
-            mode = stat.S_IMODE(os.stat(_path()).st_mode)
-        except OSError:
-            mode = 0o666 & ~_umask()
-        os.chmod(tmp, mode)
-        with os.fdopen(fd, "w") as f:
-            json.dump({k: list(v) for k, v in merged.items()}, f, indent=0, sort_keys=True)
-        os.replace(tmp, _path())
-        tmp = None
+        with _FileLock(_path()):
+            merged = {**_read(_path()), **_timings}
+            # a file of this process's own, then one atomic rename: a reader that takes no lock
+            # sees the old file or the new one (a name made of the pid alone was shared by
+            # processes of two containers, whose writes interleaved)
+            fd, tmp = tempfile.mkstemp(dir=folder or ".", prefix=os.path.basename(_path()) + ".", suffix=".tmp")
+            try:  # (mkstemp's file is the owner's alone: keep the cache's mode, or a new file's)
+                mode = stat.S_IMODE(os.stat(_path()).st_mode)
+            except OSError:
+                mode = 0o666 & ~_umask()
+            os.chmod(tmp, mode)
+            with os.fdopen(fd, "w") as f:
+                json.dump({k: list(v) for k, v in merged.items()}, f, indent=0, sort_keys=True)
+            os.replace(tmp, _path())
+            tmp = None
     except OSError:
         pass  # a read-only home only costs a re-measure next run
     finally:

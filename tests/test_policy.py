@@ -4,6 +4,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 import types
 
 import pytest
@@ -112,7 +113,7 @@ def test_timings_cache_keeps_what_another_process_wrote_and_no_temporary_file(tm
     folder.mkdir()
     monkeypatch.setenv("FP8OPS_POLICY_CACHE", str(folder))
     policy._save()
-    assert sorted(tmp_path.iterdir()) == sorted([path, folder])
+    assert sorted(p for p in tmp_path.iterdir() if p.suffix != ".lock") == sorted([path, folder])
 
 
 def test_timings_cache_names_its_temporary_file_its_own_and_reads_only_numbers(tmp_path, monkeypatch):
@@ -132,7 +133,7 @@ def test_timings_cache_names_its_temporary_file_its_own_and_reads_only_numbers(t
         policy._save()
     path = tmp_path / "c" / "policy.json"
     assert json.loads(path.read_text()) == {"k": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]} and not (tmp_path / "~").exists()
-    assert len({name for _, name in made}) == 2 and sorted(os.listdir(tmp_path / "c")) == ["policy.json"]
+    assert len({name for _, name in made}) == 2 and sorted(os.listdir(tmp_path / "c")) == ["policy.json", "policy.json.lock"]
     assert path.stat().st_mode & 0o777 == 0o666 & ~policy._umask()  # (a plain new file's, not mkstemp's 0600)
     path.write_text(json.dumps({"s": ["1", "2", "3", "4", "5", "6"], "k": [1, 2, 3, 4, 5, 6]}))
     monkeypatch.setattr(policy, "_timings", None)
@@ -140,6 +141,41 @@ def test_timings_cache_names_its_temporary_file_its_own_and_reads_only_numbers(t
     path.write_text("[" * 100000 + "]" * 100000)
     monkeypatch.setattr(policy, "_timings", None)
     assert policy.cached("k") is None
+
+
+def _save_keys_slowly(path, tag, q):
+    """A child process: save 6 keys of its own one by one, each read of the file slowed so that
+    unlocked saves of several processes would overlap."""
+    os.environ["FP8OPS_POLICY_CACHE"] = path
+    policy._timings = None
+    real = policy._read
+    policy._read = lambda p: (real(p), time.sleep(0.02))[0]
+    try:
+        for i in range(6):
+            policy._load()[f"{tag}-{i}"] = T(1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+            policy._save()
+        q.put(None)
+    except BaseException as e:  # (reported to the parent, which asserts on it)
+        q.put(repr(e))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (POSIX)")
+def test_timings_cache_saves_of_several_processes_at_once_keep_every_entry(tmp_path):
+    """Each save reads the file, merges its own entries and replaces the file: two processes
+    saving at once each put back a file without the other's new entries. The saves now take
+    turns under a lock file beside the cache."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    path = str(tmp_path / "policy.json")
+    procs = [ctx.Process(target=_save_keys_slowly, args=(path, f"p{r}", q)) for r in range(4)]
+    for pr in procs:
+        pr.start()
+    errors = [q.get(timeout=120) for _ in procs]
+    for pr in procs:
+        pr.join(timeout=60)
+    assert errors == [None] * 4
+    assert set(json.loads(open(path).read())) == {f"p{r}-{i}" for r in range(4) for i in range(6)}
 
 
 # ------------------------------------------------ the trial's steps, on CPU with a simulated loop
