@@ -929,6 +929,10 @@ static int launch_cast_fmt(const void* x, int64_t rows, int64_t cols, const floa
 
 static const Prologue kNoPrologue = {NULL, NULL, NULL, NULL, NULL};
 
+// An empty cast_accumulate's fold: the amax of no element is +0, folded as the blocks fold
+// theirs (a signed max over the bits: a negative value in the slot becomes +0, as on the CPU)
+__global__ void fold_zero_amax(float* amax) { atomicMax((int*)amax, 0); }
+
 static int cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_t cols,
                      const float* scale, fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t,
                      float* amax, bool accumulate, float* dbias, float* partial, int act,
@@ -953,6 +957,10 @@ static int cast_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64
   if (!accumulate) FP8OPS_CHECK_CUDA(cudaMemsetAsync(amax, 0, sizeof(float), s));
   if (rows * cols == 0) {
     if (dbias != NULL && cols > 0) FP8OPS_CHECK_CUDA(cudaMemsetAsync(dbias, 0, cols * sizeof(float), s));
+    if (accumulate) {
+      fold_zero_amax<<<1, 1, 0, s>>>(amax);
+      FP8OPS_CHECK_CUDA(cudaGetLastError());
+    }
     return FP8OPS_OK;
   }
   switch (x_dtype) {

@@ -175,6 +175,22 @@ static int require_scalar_f32(const char* op, const char* arg, const tinfo* t, c
   return require_same_device(op, arg, t, ref_arg, ref);
 }
 
+/* The amax slots an op writes (atomically, while its blocks still read the scales) must be
+ * apart from every scale it reads and from each other: on CUDA a shared word would change the
+ * scale part-way through the cast (the CPU reads it once), silently. n_w written slots first,
+ * then the read ones; NULL entries (an operand not used) are skipped. */
+static int require_slots_apart(const char* op, int n_w, int n, const tinfo* const* t,
+                               const char* const* names) {
+  for (int i = 0; i < n_w; ++i) {
+    if (!t[i]) continue;
+    for (int j = i + 1; j < n; ++j)
+      FP8OPS_REQUIRE(!t[j] || t[i]->data != t[j]->data, "%s: %s and %s share memory; the op "
+                     "writes %s while it reads %s: pass separate tensors", op, names[i], names[j],
+                     names[i], j < n_w ? "the other amax" : names[j]);
+  }
+  return FP8OPS_OK;
+}
+
 static int hp_code(const char* op, const char* arg, int32_t d, fp8ops_hp_dtype* out) {
   if (d == aoti_torch_dtype_float32()) *out = FP8OPS_F32;
   else if (d == aoti_torch_dtype_bfloat16()) *out = FP8OPS_BF16;
@@ -211,14 +227,16 @@ static int new_tensor(const char* op, int64_t ndim, const int64_t* sizes, int32_
   if (aoti_torch_empty_strided(ndim, sizes, strides, dtype, like->dev_type, like->dev_index, out) ==
       AOTI_TORCH_SUCCESS)
     return FP8OPS_OK;
-  /* torch's own message (out of memory, most likely) goes to stderr; this names the output */
+  /* torch's own message (out of memory, most likely) goes to stderr; this names the output.
+   * "out of memory" is what fp8ops/ops.py's _raise_if_oom looks for: Python callers get
+   * torch.OutOfMemoryError, which training loops and batch-size finders catch */
   tinfo shape;
   memset(&shape, 0, sizeof shape);
   shape.ndim = ndim;
   for (int64_t i = 0; i < ndim; ++i) shape.sizes[i] = sizes[i];
   char sh[96], dev[32];
-  return fp8ops_set_error(FP8OPS_ERR_NOMEM, "%s: could not allocate a %s %s output on %s "
-                          "(torch's message is on stderr: out of memory?)", op, SHAPE(&shape, sh),
+  return fp8ops_set_error(FP8OPS_ERR_NOMEM, "%s: out of memory: could not allocate a %s %s output on %s "
+                          "(torch's message, on stderr, says how much is free)", op, SHAPE(&shape, sh),
                           dtype_name(dtype), device_str(like, dev, sizeof dev));
 }
 
@@ -328,6 +346,9 @@ static int run_cast(AtenTensorHandle hx, AtenTensorHandle hs, AtenTensorHandle h
   if (hamax) {
     FP8OPS_TRY(describe(op, "amax", hamax, &a));
     FP8OPS_TRY(require_scalar_f32(op, "amax", &a, &x, "x"));
+    const tinfo* slots[2] = {&a, &s};
+    const char* names[2] = {"amax", "scale"};
+    FP8OPS_TRY(require_slots_apart(op, 1, 2, slots, names));
   }
   const int64_t cols = x.sizes[x.ndim - 1];
   int64_t rows = 0; /* product of the leading dims (also when cols == 0) */
@@ -740,6 +761,11 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
     FP8OPS_TRY(require_scalar_f32(op, "w_amax", &wa, &x, "x"));
   }
   FP8OPS_TRY(require_scalar_f32(op, "w_scale_inv", &wsi, &x, "x"));
+  {
+    const tinfo* slots[6] = {&xa, cast_w ? &wa : NULL, &xs, &xsi, cast_w ? &ws : NULL, &wsi};
+    const char* names[6] = {"x_amax", "w_amax", "x_scale", "x_scale_inv", "w_scale", "w_scale_inv"};
+    FP8OPS_TRY(require_slots_apart(op, 2, 6, slots, names));
+  }
   const int64_t M = x.sizes[0], K = w.sizes[1], N = w.sizes[0];
   const void* bias_ptr = NULL;
   FP8OPS_TRY(check_bias(op, &bias, N, out_dtype, od, &x, "x", &bias_ptr));
@@ -965,6 +991,11 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
     FP8OPS_TRY(require_same_device(op, "x8t", &xt, "gy", &g));
     FP8OPS_TRY(require_scalar_f32(op, "x_scale_inv", &xsi, &g, "gy"));
     K = xt.sizes[0];
+  }
+  {
+    const tinfo* slots[5] = {&ga, &gs, &gsi, need_dx ? &wsi : NULL, need_dw ? &xsi : NULL};
+    const char* names[5] = {"g_amax", "g_scale", "g_scale_inv", "w_scale_inv", "x_scale_inv"};
+    FP8OPS_TRY(require_slots_apart(op, 1, 5, slots, names));
   }
   if (is_cuda(&g) && (need_dx || need_dw)) FP8OPS_TRY(require_gemm_dims(op, M, N, K));
   const int64_t zero[1] = {0}, tsz[2] = {N, M};

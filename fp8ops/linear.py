@@ -121,9 +121,13 @@ def _once_differentiable(fn):
 
     @functools.wraps(fn)
     def backward(ctx, *grads):
-        if torch.is_grad_enabled():
-            return once(ctx, *grads)
-        return fn(ctx, *grads)
+        try:
+            if torch.is_grad_enabled():
+                return once(ctx, *grads)
+            return fn(ctx, *grads)
+        except RuntimeError as e:
+            ops._raise_if_oom(e)  # (a C op's failed allocation as torch.OutOfMemoryError)
+            raise
     return backward
 
 
@@ -142,7 +146,11 @@ def _apply(fn_cls, compiling: bool, *args):
     base = _BASE_APPLY.get(fn_cls)
     if base is None:
         base = _BASE_APPLY[fn_cls] = super(torch.autograd.Function, fn_cls).apply
-    return base(*args)
+    try:
+        return base(*args)
+    except RuntimeError as e:
+        ops._raise_if_oom(e)  # (a C op's failed allocation as torch.OutOfMemoryError)
+        raise
 
 
 def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float, keep_history: bool = False,

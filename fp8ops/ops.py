@@ -7,6 +7,7 @@ checks one for one, so compiled code fails the same way eager code does.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -77,6 +78,26 @@ def _require():
         raise RuntimeError(f"fp8ops ops are unavailable: {_loader.why_unavailable()}")
 
 
+def _raise_if_oom(e: RuntimeError) -> None:
+    """A C op's failed allocation (csrc/ops.c raises RuntimeError through the shim, its message
+    saying "out of memory") as torch.OutOfMemoryError, which training loops and batch-size
+    finders catch; the caller re-raises anything else as it was."""
+    if not isinstance(e, torch.OutOfMemoryError) and "out of memory" in str(e):
+        raise torch.OutOfMemoryError(str(e)) from None
+
+
+def _oom_as_such(fn):
+    """A public wrapper whose C op's failed allocation raises torch.OutOfMemoryError."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            _raise_if_oom(e)
+            raise
+    return wrapper
+
+
 def _chk(cond, msg):
     torch._check(cond, lambda: msg)
 
@@ -124,6 +145,7 @@ def _chk_bias(op, bias, N, out_dtype, ref, ref_name):
 # ----------------------------------------------------------------------------
 # cast
 
+@_oom_as_such
 def cast(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float8_e4m3fn,
          transpose: bool = False):
     """fp8 = sat(round(x * scale)) in one pass; returns (out, out_t, amax(|x|)).
@@ -173,6 +195,7 @@ def _cast_backward(ctx, g_out, g_out_t, g_amax):
 # ----------------------------------------------------------------------------
 # amax
 
+@_oom_as_such
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a 0-dim float32 tensor (NaN if any element is NaN, 0 if empty)."""
     _require()
@@ -190,6 +213,7 @@ def _amax_fake(x):
 # ----------------------------------------------------------------------------
 # amax_update
 
+@_oom_as_such
 def amax_update(amax_history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
                 fp8_max: torch.Tensor, margin: float = 0.0, algo: str = "max",
                 overflow_count: torch.Tensor | None = None) -> None:
@@ -247,6 +271,7 @@ def _amax_update_fake(amax_history, scale, scale_inv, fp8_max, margin, algo, ove
 # ----------------------------------------------------------------------------
 # gemm
 
+@_oom_as_such
 def gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
          bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
          use_fast_accum: bool = False) -> torch.Tensor:
@@ -311,6 +336,7 @@ def _gemm_backward(ctx, g):
 # is what bounds small layers). cast_accumulate is the cast alone.
 # No autograd formulas: Fp8Linear's autograd.Function calls them.
 
+@_oom_as_such
 def cast_accumulate(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
                     out_dtype: torch.dtype = torch.float8_e4m3fn, transpose: bool = False):
     """cast() that folds max |x| into the 1-element fp32 `amax` in place
@@ -328,6 +354,7 @@ def _cast_accumulate_fake(x, scale, amax, out_dtype, transpose):
     return out, out_t
 
 
+@_oom_as_such
 def linear_fwd(x, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
                x_fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, use_fast_accum=False,
                save_xt=True, w_scale=None, w_amax=None, w_fp8_dtype=torch.float8_e4m3fn, save_wt=False,
@@ -407,6 +434,7 @@ def _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scal
     return x.new_empty((M, N), dtype=out_dtype), x8t, w8, w8t
 
 
+@_oom_as_such
 def ln_linear_fwd(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
                   x_fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, use_fast_accum=False, w_scale=None,
                   w_amax=None, w_fp8_dtype=torch.float8_e4m3fn, save_wt=False, rms=False):
@@ -476,6 +504,7 @@ def layernorm_bwd_fusable(dy: torch.Tensor, x: torch.Tensor) -> bool:
     return layernorm_bwd_cols_ok(x.shape[1], x.dtype)
 
 
+@_oom_as_such
 def layernorm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                   weight: torch.Tensor | None, rms: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward of LayerNorm over x's last dim from ln_linear_fwd's mean and
@@ -517,6 +546,7 @@ def _layernorm_bwd_fake(dy, x, mean, rstd, weight, rms=False):
     return torch.empty_like(x), x.new_empty((2, K), dtype=torch.float32)
 
 
+@_oom_as_such
 def linear_bwd(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv,
                g_fp8_dtype=torch.float8_e5m2, dx_dtype=torch.bfloat16, dw_dtype=torch.float32,
                need_dx=True, need_dw=True, need_db=False, gelu_input=None):
@@ -597,6 +627,7 @@ def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_
 # ----------------------------------------------------------------------------
 # swiglu, swiglu_backward
 
+@_oom_as_such
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of x = [gate | up] (the last dim's two halves), rounded to
     x's dtype after the SiLU and after the product as torch's ops round, in one
@@ -605,6 +636,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.fp8ops.swiglu.default(x)
 
 
+@_oom_as_such
 def swiglu_backward(dh: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The gradient of x [..., 2H] from the gradient dh [..., H] of swiglu(x)."""
     _require()

@@ -208,8 +208,16 @@ def _fast_job(layer: Fp8Linear, counts: bool = True):
             and s.shape == (n,) and si.shape == (n,) and m.shape == (n,) and o.shape == (n,)
             and s.is_contiguous() and m.is_contiguous() and o.is_contiguous() and si.stride(0) >= 1):
         return None
+    hp, sp, sip, op = h.data_ptr(), s.data_ptr(), si.data_ptr(), o.data_ptr()
+    # the kernel writes history, scale, scale_inv and the counts: buffers a user made share
+    # memory take the checked op, which refuses them by name (here a block would read back
+    # what another wrote)
+    spans = sorted(((hp, hp + 4 * h.numel()), (sp, sp + 4 * n), (sip, sip + 4 * ((n - 1) * si.stride(0) + 1)),
+                    (op, op + 8 * n)))
+    if any(spans[i][1] > spans[i + 1][0] for i in range(3)):
+        return None
     cfg = layer.__dict__["fp8_config"]
-    return dev.index, (h.data_ptr(), s.data_ptr(), si.data_ptr(), m.data_ptr(), o.data_ptr() if counts else 0, n,
+    return dev.index, (hp, sp, sip, m.data_ptr(), op if counts else 0, n,
                        h.shape[0], si.stride(0), float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo])
 
 

@@ -2,6 +2,8 @@
 the unfused ops they replace (cast, gemm), bit for bit, on CPU (C reference
 kernels) and CUDA; the amax folding into a history slot; their argument
 checks; opcheck (fake kernels, mutation of the amax slot) and compile."""
+import math
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -47,6 +49,18 @@ def test_cast_accumulate_folds_amax(prior, scale_x, want, transpose, device):
     got = h[0, 1].item()
     assert (got != got) if want != want else got == want, (got, want, amax.item())
     assert h[0, 0].item() == 0 and h[0, 2].item() == 0 and h[1:].abs().sum().item() == 0  # neighbours untouched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prior,want", [(-1.0, 0.0), (-INF, 0.0), (2.0, 2.0), (0.0, 0.0), (NAN, NAN)])
+def test_cast_accumulate_of_no_rows_folds_an_amax_of_zero(prior, want, device):
+    """An empty input's amax is +0, folded like any other: a negative value in the slot became
+    0 on the CPU but stayed on CUDA (the kernel returned before folding anything)."""
+    h, slot = _slot(prior, device)
+    out, out_t = ops.cast_accumulate(torch.zeros(0, 32, device=device), torch.ones(1, device=device), slot, E4, True)
+    got = h[0, 1].item()
+    assert out.shape == (0, 32) and out_t.shape == (32, 0)
+    assert (got != got) if want != want else (got == want and math.copysign(1, got) == 1), (got, want)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -293,6 +307,40 @@ def test_linear_bwd_errors(device):
                                                    r"found int32"):
                 ops.linear_bwd(fake[0], fake[1], fake[2], fake[3], fake[3].clone(), fake[3], fake[3], fake[3],
                                dx_dtype=torch.int32, need_dx=need)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_amax_slots_apart_from_the_scales_read_beside_them(device):
+    """A CUDA cast folds its amax (atomicMax) while its other blocks still read the scale, and
+    the GEMMs after it read the scale_invs: one word for an amax slot and a scale changed the
+    scale part-way through, silently (the CPU reads it once). The ops refuse it on every device,
+    before writing anything."""
+    x, w8, sx, sx_inv, sw_inv = _fwd_inputs(32, 48, 16, device)
+    w = torch.randn(16, 48, device=device)
+    buf = torch.ones(4, device=device)
+    before = buf.clone()
+    with pytest.raises(RuntimeError, match=r"cast_accumulate: amax and scale share memory; the op writes amax "
+                                           r"while it reads scale: pass separate tensors"):
+        ops.cast_accumulate(x, buf[1:2], buf[1:2])
+    with pytest.raises(RuntimeError, match=r"linear_fwd: x_amax and x_scale_inv share memory"):
+        _fwd_call(device, x_amax=buf[0:1], x_scale_inv=buf[0:1])()
+    with pytest.raises(RuntimeError, match=r"linear_fwd: w_amax and w_scale share memory"):
+        _fwd_call(device, w=w, w_scale=buf[2:3], w_amax=buf[2:3])()
+    with pytest.raises(RuntimeError, match=r"linear_fwd: x_amax and w_amax share memory; the op writes x_amax "
+                                           r"while it reads the other amax"):
+        _fwd_call(device, w=w, w_scale=buf[2:3], w_amax=buf[3:4], x_amax=buf[3:4])()
+    with pytest.raises(RuntimeError, match=r"ln_linear_fwd: x_amax and x_scale share memory"):
+        ops.ln_linear_fwd(x, None, None, 1e-5, w8, buf[0:1], buf[0:1], sx_inv, sw_inv)
+    gy = torch.randn(32, 16, device=device)
+    w8t = torch.zeros(48, 16, dtype=E4, device=device)
+    x8t = torch.zeros(48, 32, dtype=E4, device=device)
+    s = torch.ones(1, device=device)
+    with pytest.raises(RuntimeError, match=r"linear_bwd: g_amax and x_scale_inv share memory"):
+        ops.linear_bwd(gy, w8t, x8t, s, buf[1:2], s, s, buf[1:2])
+    assert torch.equal(buf, before)
+    # an operand the call does not use is not compared
+    dx, _, _ = ops.linear_bwd(gy, w8t, x8t, s, buf[1:2], s, s, buf[1:2], need_dw=False)
+    assert dx.shape == (32, 48)
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)

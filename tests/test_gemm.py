@@ -71,6 +71,21 @@ def test_gemm_errors(device):
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
+def test_a_failed_output_allocation_is_torch_out_of_memory_error(device):
+    """An op whose output cannot be allocated (here 2 TiB) raised a plain RuntimeError: training
+    loops and batch-size finders that catch torch.OutOfMemoryError missed it. The op works
+    again right after."""
+    M = N = 1 << 20
+    a, _, sa, sb = _operands(M, 16, 16, E4, E4, device)  # a: [M, 16], 16 MiB of fp8
+    b = a
+    with pytest.raises(torch.OutOfMemoryError, match=r"fp8ops::gemm: out of memory: could not allocate a "
+                                                       r"\[1048576, 1048576\] bfloat16 output on " + device):
+        ops.gemm(a, b, sa, sb)
+    out = ops.gemm(a[:32], b[:64], sa, sb)
+    assert out.shape == (32, 64) and sqnr(gemm_ref(a[:32], b[:64], sa, sb), out) > 40
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
 def test_gemm_opcheck_and_compile(device):
     a, b, sa, sb = _operands(32, 16, 48, E4, E4, device)
     bias = torch.randn(16, device=device, dtype=torch.bfloat16)

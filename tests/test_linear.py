@@ -694,3 +694,17 @@ def test_compiled_bf16_fallback_does_not_recompile_per_call():
         fn(torch.randn(8, 32)).sum().backward()
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert model[0].fp8_fallback_calls == 0                       # counted in eager calls only
+
+
+@requires_fp8
+@pytest.mark.gpu
+def test_an_fp8_layer_out_of_memory_raises_torch_out_of_memory_error():
+    """The FP8 forward's output cannot be allocated (2 TiB): torch.OutOfMemoryError, as an
+    nn.Linear gives, not a plain RuntimeError; the layer trains right after."""
+    model = fp8ops.convert(nn.Sequential(nn.Linear(16, 1 << 20, bias=False)).cuda().bfloat16(),
+                           config=Fp8Config(policy="always"))
+    x = torch.randn(1 << 20, 16, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(torch.OutOfMemoryError, match=r"fp8ops::linear_fwd: out of memory: could not allocate"):
+        model(x)
+    model(x[:64]).float().square().mean().backward()
+    assert model[0].weight.grad is not None and torch.isfinite(model[0].weight.grad).all()

@@ -20,7 +20,7 @@ from fp8ops import Fp8Config, policy
 from fp8ops._reference import FP8_MAX, sqnr
 from fp8ops.linear import X, Fp8Linear
 
-from conftest import FP8_DEVICES, convert_as_on_fp8_gpu
+from conftest import FP8_DEVICES, convert_as_on_fp8_gpu, requires_fp8
 
 
 def _mlp(seed=0):
@@ -1104,3 +1104,20 @@ def test_a_conv1d_weight_cast_is_reused_by_the_steps_micro_batches(monkeypatch):
         opt.zero_grad()
     # step 1 (no update yet): every micro-batch casts; then once per step
     assert casts == [True] * 4 + [True, False, False, False] * 2
+
+
+@requires_fp8
+@pytest.mark.gpu
+def test_scale_update_of_buffers_sharing_memory_takes_the_checked_op():
+    """The many-layer CUDA update (one launch for all layers) trusts the pointers it is given: a
+    layer whose scale_inv a user made its scale (one word written twice) was updated in a race.
+    Such a layer now takes the checked op, which refuses it by name."""
+    from fp8ops import scaling  # noqa: PLC0415
+    model = fp8ops.convert(nn.Sequential(nn.Linear(32, 32)).cuda(), config=Fp8Config(policy="always"))
+    layer = model[0]
+    model(torch.randn(16, 32, device="cuda")).square().mean().backward()
+    assert scaling._fast_job(layer) is not None
+    layer.fp8_scale_inv = layer.fp8_scale
+    assert scaling._fast_job(layer) is None
+    with pytest.raises(RuntimeError, match=r"scale, scale_inv and amax_history must be three tensors of their own"):
+        fp8ops.step(model)
