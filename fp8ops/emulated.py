@@ -47,10 +47,10 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
         if w_in.dtype == w_dtype:
             w8 = w_in
         else:
-            w8, _ = ops.cast_accumulate(w_in, views[V_S + W], views[V_H + W], w_dtype, False)
+            w8, _ = ops._cast_accumulate(w_in, views[V_S + W], views[V_H + W], w_dtype, False)
             if store is not None:
                 store(w8, w8)
-        x8, _ = ops.cast_accumulate(x2, views[V_S + X], views[V_H + X], x_dtype, False)
+        x8, _ = ops._cast_accumulate(x2, views[V_S + X], views[V_H + X], x_dtype, False)
         y = mm_dequant(x8, w8.t(), views[V_SI + X], views[V_SI + W])
         if bias is not None:
             # the bias as it is (no bf16 rounding: that is a cuBLASLt FP8 rule, not needed here)
@@ -74,7 +74,7 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
             ctx.static
         views = ctx.views
         g2 = _scaled_grad_output(ctx, gy)
-        g8, _ = ops.cast_accumulate(g2, views[V_S + G], views[V_H + G], g_dtype, False)
+        g8, _ = ops._cast_accumulate(g2, views[V_S + G], views[V_H + G], g_dtype, False)
         sg_inv = views[V_SI + G]
         dx = dw = db = None
         if need_dgrad and ctx.needs_input_grad[0]:

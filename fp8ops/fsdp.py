@@ -107,7 +107,7 @@ class _Fp8MasterWeight(torch.Tensor):
             d["_fp8_cast_since_update"] = True
         out = None
         if rows:
-            out, _ = ops.cast_accumulate(src, views[V_S + W], views[V_H + W], w_dt, False)
+            out, _ = ops._cast_accumulate(src, views[V_S + W], views[V_H + W], w_dt, False)
         if rows != padded_rows:  # the last ranks' shards of an uneven split: zero rows appended
             pad = torch.zeros(padded_rows, K, dtype=w_dt, device=shard.device)
             if rows:

@@ -180,7 +180,7 @@ def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float, kee
             h.copy_(a.reshape(1, 1))
         # a NaN/inf amax keeps the previous scale; amax_update counts the event
         # in the same launch
-        ops.amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent",
+        ops._amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent",
                         overflow_count=views[V_OVERFLOW][col:col + 1] if count else None)
 
 

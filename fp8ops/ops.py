@@ -98,6 +98,15 @@ def _oom_as_such(fn):
     return wrapper
 
 
+def _written(*ts) -> None:
+    """Bump autograd's version counter of the tensors a public op wrote in place (the C ops
+    write through data pointers, which autograd does not see): a caller's graph that saved one
+    of them for backward then raises instead of computing with the new value. Fp8Linear and
+    the other internal callers take the unbumped calls (_amax_update, _cast_accumulate, the
+    _raw ops): they check their own scaling state, which changes between micro-batches."""
+    torch.autograd.graph.increment_version([t for t in ts if t is not None])
+
+
 def _chk(cond, msg):
     torch._check(cond, lambda: msg)
 
@@ -223,6 +232,12 @@ def amax_update(amax_history: torch.Tensor, scale: torch.Tensor, scale_inv: torc
     inverse would overflow, keeps the old scale), scale_inv = 1/scale, roll the
     history up by one and zero row 0. overflow_count: optional [n] int64
     counters, +1 for each column whose row 0 (this step's amax) is NaN/inf."""
+    _amax_update(amax_history, scale, scale_inv, fp8_max, margin, algo, overflow_count)
+    _written(amax_history, scale, scale_inv, overflow_count)
+
+
+def _amax_update(amax_history, scale, scale_inv, fp8_max, margin=0.0, algo="max", overflow_count=None) -> None:
+    """amax_update without the version counters' bump (_written): fp8ops' own updates."""
     if algo not in AMAX_ALGOS:
         raise ValueError(f"amax_update: algo must be one of {sorted(AMAX_ALGOS)}, found {algo!r}")
     _require()
@@ -342,6 +357,13 @@ def cast_accumulate(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     """cast() that folds max |x| into the 1-element fp32 `amax` in place
     (amax = max(amax, max |x|), NaN wins) instead of returning it; e.g. amax is
     row 0 of an amax history, collecting a step's maximum. Returns (out, out_t)."""
+    out = _cast_accumulate(x, scale, amax, out_dtype, transpose)
+    _written(amax)
+    return out
+
+
+def _cast_accumulate(x, scale, amax, out_dtype=torch.float8_e4m3fn, transpose=False):
+    """cast_accumulate without the version counter's bump (_written): fp8ops' own casts."""
     _require()
     _dtypes("cast_accumulate", out_dtype=out_dtype)
     return torch.ops.fp8ops.cast_accumulate.default(x, scale, amax, out_dtype, transpose)
@@ -372,9 +394,11 @@ def linear_fwd(x, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
     _require()
     _dtypes("linear_fwd", x_fp8_dtype=x_fp8_dtype, w_fp8_dtype=w_fp8_dtype, out_dtype=out_dtype)
     bias, w_scale, w_amax = _fwd_defaults("linear_fwd", x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv)
-    return torch.ops.fp8ops.linear_fwd.default(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv,
-                                               bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_xt,
-                                               save_wt, gelu_input, swiglu_input)
+    out = torch.ops.fp8ops.linear_fwd.default(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv,
+                                              bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_xt,
+                                              save_wt, gelu_input, swiglu_input)
+    _written(x_amax, w_amax if w.dtype in HP_DTYPES else None)
+    return out
 
 
 def _fwd_defaults(op, x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv):
@@ -448,10 +472,12 @@ def ln_linear_fwd(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_inv, w
     _dtypes("ln_linear_fwd", x_fp8_dtype=x_fp8_dtype, w_fp8_dtype=w_fp8_dtype, out_dtype=out_dtype)
     bias, w_scale, w_amax = _fwd_defaults("ln_linear_fwd", x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv)
     none = _empty_for(x, torch.float32)
-    return torch.ops.fp8ops.ln_linear_fwd.default(
+    out = torch.ops.fp8ops.ln_linear_fwd.default(
         x, none if ln_weight is None else ln_weight, none if ln_bias is None else ln_bias, float(eps), w, x_scale,
         x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv, bias, x_fp8_dtype, w_fp8_dtype, out_dtype,
         use_fast_accum, save_wt, rms)
+    _written(x_amax, w_amax if w.dtype in HP_DTYPES else None)
+    return out
 
 
 def _ln_linear_fwd_fake(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv,
@@ -563,9 +589,11 @@ def linear_bwd(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_
     _dtypes("linear_bwd", g_fp8_dtype=g_fp8_dtype, dx_dtype=dx_dtype, dw_dtype=dw_dtype)
     if gelu_input is None:
         gelu_input = gy.new_empty((0,))
-    return torch.ops.fp8ops.linear_bwd.default(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv,
-                                               x_scale_inv, gelu_input, g_fp8_dtype, dx_dtype, dw_dtype, need_dx,
-                                               need_dw, need_db)
+    out = torch.ops.fp8ops.linear_bwd.default(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv,
+                                              x_scale_inv, gelu_input, g_fp8_dtype, dx_dtype, dw_dtype, need_dx,
+                                              need_dw, need_db)
+    _written(g_amax)
+    return out
 
 
 def _chk_bwd_operand(op, name, t, g_fp8_dtype):

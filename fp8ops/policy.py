@@ -364,7 +364,7 @@ def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
                     # what an optimizer step costs FP8: the scale update (one
                     # launch, no all-reduce: this layer is rank-local), and the
                     # weight cast again in the next forward (no reuse)
-                    ops.amax_update(fp8.fp8_amax_history, fp8.fp8_scale, fp8.fp8_scale_inv, fp8.fp8_max,
+                    ops._amax_update(fp8.fp8_amax_history, fp8.fp8_scale, fp8.fp8_scale_inv, fp8.fp8_max,
                                     cfg.margin, cfg.amax_compute_algo, fp8.fp8_overflow_count)
                     fp8.fp8_step += 1
             return step

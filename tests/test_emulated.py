@@ -96,7 +96,7 @@ def test_e5m2_layer_trains_cpu(recipe):
 def test_e5m2_weight_cast_once_per_step_cpu():
     _, lin = _layer()
     calls = []
-    real = ops.cast_accumulate
+    real = ops._cast_accumulate
 
     def counting(x, *a, **k):
         calls.append(tuple(x.shape))
@@ -106,11 +106,11 @@ def test_e5m2_weight_cast_once_per_step_cpu():
     lin(x).sum().backward()
     fp8ops.step(lin)  # (the weight cast is cached in layers an optimizer step has updated)
     try:
-        ops.cast_accumulate = counting
+        ops._cast_accumulate = counting
         for _ in range(3):  # three micro-batches, one weight cast
             lin(x).sum().backward()
     finally:
-        ops.cast_accumulate = real
+        ops._cast_accumulate = real
     assert calls.count((32, 64)) == 1      # the weight
     assert calls.count((16, 64)) == 3      # x, per micro-batch
     assert calls.count((16, 32)) == 3      # dy, per micro-batch

@@ -344,6 +344,41 @@ def test_amax_slots_apart_from_the_scales_read_beside_them(device):
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
+def test_public_ops_that_write_scaling_state_bump_its_version(device):
+    """The C ops write amax slots, scales and histories through data pointers, which autograd
+    does not see: a caller's graph that had saved one of them for backward computed with the
+    new value, silently. The public wrappers now bump their version counters, so backward
+    raises; fp8ops' own calls (_cast_accumulate, _amax_update) do not."""
+    x, w8, sx, sx_inv, sw_inv = _fwd_inputs(32, 48, 16, device)
+    w = torch.randn(16, 48, device=device)
+    gy = torch.randn(32, 16, device=device)
+    w8t = torch.zeros(48, 16, dtype=E4, device=device)
+    x8t = torch.zeros(48, 32, dtype=E4, device=device)
+    s = torch.ones(1, device=device)
+
+    def saved_then_written(write):
+        leaf = torch.ones(1, device=device, requires_grad=True)
+        slot = leaf * 1.0
+        loss = (slot * slot).sum()  # (slot is saved for backward)
+        write(slot)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+    saved_then_written(lambda t: ops.cast_accumulate(x, sx, t))
+    saved_then_written(lambda t: ops.linear_fwd(x, w8, sx, t, sx_inv, sw_inv))
+    saved_then_written(lambda t: ops.linear_fwd(x, w, sx, s.clone(), sx_inv, sw_inv, w_scale=s, w_amax=t))
+    saved_then_written(lambda t: ops.ln_linear_fwd(x, None, None, 1e-5, w8, sx, t, sx_inv, sw_inv))
+    saved_then_written(lambda t: ops.linear_bwd(gy, w8t, x8t, s, t, s, s, s))
+    saved_then_written(lambda t: ops.amax_update(torch.zeros(4, 1, device=device), s.clone(), t,
+                                                 torch.full((1,), 448.0, device=device)))
+    slot = torch.zeros(1, device=device)
+    before = slot._version
+    ops._cast_accumulate(x, sx, slot)
+    ops._amax_update(torch.zeros(4, 1, device=device), s.clone(), slot, torch.full((1,), 448.0, device=device))
+    assert slot._version == before
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
 def test_fused_opcheck_and_compile(device):
     x, w8, sx, sx_inv, sw_inv = _fwd_inputs(32, 48, 16, device)
     bias = torch.randn(16, device=device, dtype=torch.bfloat16)
