@@ -11,6 +11,7 @@ installed; the numbers are printed either way).
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,6 +42,16 @@ def rel(a, b):
     return f"{100 * (b - a) / a:+.2f}%" if a else "-"
 
 
+def differences(base: dict, m: dict) -> list[str]:
+    """What makes two runs' losses and tokens/s incomparable: their length, tokens per step, model."""
+    out = []
+    for key, what in (("last_step", "its last step"), ("tokens_per_step", "tokens per step"),
+                      ("model_config", "its model")):
+        if key in base and key in m and base[key] != m[key]:
+            out.append(f"{what} ({m[key]} vs {base[key]})" if key != "model_config" else what)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("metrics", nargs="+", help="metrics.json files written by train_fp8.py; "
@@ -51,6 +62,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if len(args.metrics) < 2:
         p.error("give at least two metrics.json files to compare")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        p.error(f"-o {args.out}: the folder {out_dir} does not exist; create it or write the PNG elsewhere")
 
     runs = []
     for path in args.metrics:
@@ -82,6 +96,9 @@ def main(argv=None):
               f"{'-' if tps is None else format(tps, ',.0f'):>10}  "
               f"{rel(btps, tps) if None not in (btps, tps) else '-':>9}")
     print("train = mean of the last 10 steps; val = last evaluation")
+    for path, m in runs[1:]:
+        for line in differences(base, m):
+            print(f"note: {label_of(path, m)} differs from the first run in {line}: its ratios compare unlike runs")
 
     # --- plot --------------------------------------------------------------------------------------
     try:

@@ -425,8 +425,11 @@ def _main(argv=None):
         except Exception as e:  # noqa: BLE001 -- any unreadable file gets the same answer
             raise SystemExit(f"--resume {resume_path}: not a checkpoint this script wrote "
                              f"({type(e).__name__}: {str(e)[:200]})") from None
-        print(f"resume: {resume_path} (step {ckpt['step']}, trained with "
-              f"{ckpt.get('fp8_backend', 'bf16')}); model shape from the checkpoint")
+        saved_backend = ckpt.get("fp8_backend", "bf16")
+        saved_dtype = (ckpt.get("args") or {}).get("dtype")  # (bf16, fp32, or auto: the device's)
+        trained_with = (f"trained with {saved_backend} FP8" if saved_backend != "bf16" else "trained without FP8"
+                        + (f", in {saved_dtype.upper()}" if saved_dtype in ("bf16", "fp32") else ""))
+        print(f"resume: {resume_path} (step {ckpt['step']}, {trained_with}); model shape from the checkpoint")
         for line in resume_differences(args, ckpt.get("args") or {}, ckpt["model_config"]):
             print(f"resume: {line}")
         saved_world = ckpt.get("world_size")  # (not in checkpoints before the twenty-eighth session)
@@ -454,6 +457,12 @@ def _main(argv=None):
 
     model, fp8_info = prepare_model(model, args, logger=print, module_filter_fn=LM_HEAD_FILTER,
                                     precision=dtype.upper())
+    if args.deterministic and fp8_info["backend"] == "fp8ops" and args.fp8_policy == "auto":
+        print("deterministic: note: --fp8_policy auto times each layer shape on this GPU and may settle a "
+              "layer FP8 in one run and BF16 in another; for runs that repeat bit for bit add --fp8_policy always")
+    if args.fsdp_fp8_all_gather and fp8_info["backend"] not in ("fp8ops", "torchao"):
+        print("note: --fsdp_fp8_all_gather does not apply: FP8 is off (it gathers the FP8 weights of fp8ops "
+              "or torchao)")
     # --ddp: DDP(model); --fsdp: model sharded in place (before the optimizer: it holds the shards)
     # (--fsdp_fp8_all_gather under torchao: prepare_model turned on torchao's own FP8 all-gather)
     wrapped = wrap_distributed(model, dinfo, device,
@@ -699,11 +708,17 @@ def _main(argv=None):
                     writer.add_scalar("val/loss", val, step)
                     writer.flush()
                 best = val < best_val
-                if best and checkpoint(step, "ckpt_best.pt"):
-                    best_val = val
-                    best_saved = step
-                log(f"step {step}: train loss {final_train_loss(metrics):.4f}, "
-                    f"val loss {val:.4f}{' (best)' if best else ''}, lr {lr:.2e}")
+                if best:
+                    # (set before the save: ckpt_best.pt holds its own val loss, which a resume
+                    # from it must beat before it overwrites the file)
+                    prev, best_val = best_val, val
+                    if checkpoint(step, "ckpt_best.pt"):
+                        best_saved = step
+                    else:
+                        best_val = prev
+                log(f"step {step}: train loss {final_train_loss(metrics):.4f} (mean of the last "
+                    f"{min(10, len(metrics['train_loss']))} steps), val loss {val:.4f}{' (best)' if best else ''}, "
+                    f"lr {lr:.2e}")
                 write_metrics(step)
             if step % args.save_every == 0 and checkpoint(step, "ckpt_latest.pt", f"ckpt_step{step}.pt"):
                 last_saved = step
@@ -749,7 +764,8 @@ def _main(argv=None):
     print(f"\nsummary ({minutes:.1f} min)")
     ftl, fvl = summary["final_train_loss"], summary["final_val_loss"]
     print(f"  steps           {start_step} -> {step}")
-    print(f"  train loss      {ftl:.4f} (mean of the last 10 steps)" if ftl is not None
+    print(f"  train loss      {ftl:.4f} (mean of the last {min(10, len(metrics['train_loss']))} steps)"
+          if ftl is not None
           else "  train loss      -")
     print(f"  val loss        {fvl:.4f} (best {best_val:.4f})" if fvl is not None
           else "  val loss        -")

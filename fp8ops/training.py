@@ -119,6 +119,13 @@ def portable_state_dict(model):
     return {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
 
 
+def _defaults() -> dict:
+    """add_fp8_args' flags at their defaults, by dest."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_fp8_args(parser)
+    return vars(parser.parse_args([]))
+
+
 def _with_fp8_defaults(args) -> argparse.Namespace:
     """prepare_model's args as a Namespace holding every FP8 flag: parsed arguments, or a
     hand-made Namespace or mapping (a config file's), the flags it lacks at add_fp8_args'
@@ -133,9 +140,16 @@ def _with_fp8_defaults(args) -> argparse.Namespace:
     else:
         raise TypeError(f"prepare_model: args must be the parsed arguments (an argparse.Namespace) or a mapping of "
                         f"the FP8 flags, found {type(args).__name__}")
+    defaults = _defaults()
+    unknown = sorted(k for k in given if k.startswith("fp8_") and k not in defaults)
+    if unknown and not isinstance(args, argparse.Namespace):
+        # (a misspelt key of a config file would run at the flag's default, silently; a parser's
+        # own extra fp8_ flags are the script's business)
+        warnings.warn(f"prepare_model: args has {', '.join(map(repr, unknown))}, which no FP8 flag reads (the FP8 "
+                      f"flags: {', '.join(sorted(defaults))}); a misspelling runs at the default", stacklevel=3)
+    merged = {**defaults, **given}
     parser = argparse.ArgumentParser(add_help=False)
     add_fp8_args(parser)
-    merged = {**vars(parser.parse_args([])), **given}
     for action in parser._actions:
         if action.choices is not None and merged.get(action.dest) not in action.choices:
             raise ValueError(f"prepare_model: args.{action.dest} (--{action.dest}) must be one of "
@@ -293,7 +307,18 @@ def _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision):
     else:
         info["summary"] = f"fp8ops ({n_fp8} FP8 layers)"
         logger(f"FP8: on (fp8ops, {recipe}): all {n_fp8} linear layers {runs}{later}")
+    unused = _delayed_only_flags_set(args) if config.recipe == "current" else []
+    if unused:
+        logger(f"FP8 note: --fp8_recipe current scales each tensor from its own amax at each call; "
+               f"{', '.join(unused)} apply to delayed scaling only")
     return model, info
+
+
+def _delayed_only_flags_set(args) -> list[str]:
+    """The delayed-scaling flags args sets away from their defaults (current scaling reads none)."""
+    defaults = _defaults()
+    return [f"--{k}" for k in ("fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo")
+            if getattr(args, k, defaults[k]) != defaults[k]]
 
 
 def run_summary(model, info) -> str:

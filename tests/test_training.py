@@ -458,6 +458,15 @@ def test_example_runs_and_writes_checkpoints(trained):
     assert len(m["tokens_per_s"]) == 3 and m["median_tokens_per_s"] == statistics.median(m["tokens_per_s"][1:])
 
 
+def test_the_best_checkpoint_holds_its_own_val_loss(trained):
+    """ckpt_best.pt was saved before best_val_loss took the new value: it held the previous best
+    (inf at the first evaluation), so a resume from it saved a worse model over it as "best"."""
+    out, _ = trained
+    best = torch.load(out / "ckpt_best.pt", map_location="cpu", weights_only=True)
+    m = json.loads((out / "metrics.json").read_text())
+    assert best["best_val_loss"] == m["val_loss"][m["val_steps"].index(best["step"])] == min(m["val_loss"])
+
+
 def test_checkpoint_holds_the_plain_models_state(trained):
     out, _ = trained
     ckpt = torch.load(out / "ckpt_latest.pt", map_location="cpu", weights_only=True)
@@ -823,9 +832,10 @@ def test_fp8_checkpoints_resume_both_ways(fp8_on_cpu, tmp_path, capsys):
     assert "FP8 scaling state is not used" in out and "training steps 4..5" in out
 
 
-def test_deterministic_flag_repeats_an_fp8_run_exactly(fp8_on_cpu, tmp_path):
+def test_deterministic_flag_repeats_an_fp8_run_exactly(fp8_on_cpu, tmp_path, capsys):
     """--deterministic: two identical runs (FP8 path, CPU kernels) log identical losses. The
-    flag sets process-wide torch switches, restored here so later tests are unaffected."""
+    flag sets process-wide torch switches, restored here so later tests are unaffected. Under
+    the default policy "auto" it says that the GPU's timings may settle layers differently."""
     import json
 
     import train_fp8
@@ -842,9 +852,43 @@ def test_deterministic_flag_repeats_an_fp8_run_exactly(fp8_on_cpu, tmp_path):
                                                "--deterministic"]) == 0
             losses.append(json.loads((out / "metrics.json").read_text())["train_loss"])
         assert losses[0] == losses[1] and len(losses[0]) == 4
+        assert capsys.readouterr().out.count("for runs that repeat bit for bit add --fp8_policy always") == 2
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
         torch.backends.cuda.enable_flash_sdp(saved[4])
         torch.backends.cuda.enable_mem_efficient_sdp(saved[5])
         torch.backends.cuda.enable_cudnn_sdp(saved[6])
+
+
+def test_delayed_scaling_flags_under_current_scaling_are_named_as_unused(fp8_on_cpu):
+    """--fp8_recipe current reads none of the delayed-scaling flags: those set are named (torchao's
+    path said so; fp8ops' was silent)."""
+    lines = []
+    prepare_model(tiny_gpt(), parse("--use_fp8", "--fp8_recipe", "current", "--fp8_interval", "5",
+                                    "--fp8_amax_history_len", "16"), logger=lines.append)
+    assert any("--fp8_interval, --fp8_amax_history_len apply to delayed scaling only" in x for x in lines), lines
+    lines.clear()
+    prepare_model(tiny_gpt(), parse("--use_fp8", "--fp8_recipe", "current"), logger=lines.append)
+    assert not any("delayed scaling only" in x for x in lines), lines
+
+
+def test_prepare_model_names_a_misspelt_fp8_key_of_a_mapping():
+    """A config file's misspelt key ran at the flag's default, silently."""
+    with pytest.warns(UserWarning, match=r"args has 'fp8_backnd', which no FP8 flag reads"):
+        prepare_model(tiny_gpt(), {"use_fp8": True, "fp8_backnd": "te"}, logger=lambda *_: None)
+
+
+def test_plot_curves_says_when_runs_differ_and_refuses_a_missing_folder(tmp_path, capsys):
+    import plot_curves
+    paths = []
+    for name, last in (("a", 20), ("b", 10)):
+        m = {"steps": list(range(1, last + 1)), "train_loss": [1.0] * last, "val_steps": [], "val_loss": [],
+             "last_step": last, "tokens_per_step": 256, "final_train_loss": 1.0}
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(m))
+    plot_curves.main([str(p) for p in paths] + ["-o", str(tmp_path / "c.png")])
+    assert "differs from the first run in its last step (10 vs 20)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        plot_curves.main([str(p) for p in paths] + ["-o", str(tmp_path / "no" / "c.png")])
+    assert "the folder" in capsys.readouterr().err
