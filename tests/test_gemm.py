@@ -72,17 +72,20 @@ def test_gemm_errors(device):
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
 def test_a_failed_output_allocation_is_torch_out_of_memory_error(device):
-    """An op whose output cannot be allocated (here 2 TiB) raised a plain RuntimeError: training
-    loops and batch-size finders that catch torch.OutOfMemoryError missed it. The op works
-    again right after."""
-    M = N = 1 << 20
-    a, _, sa, sb = _operands(M, 16, 16, E4, E4, device)  # a: [M, 16], 16 MiB of fp8
-    b = a
+    """An op whose output cannot be allocated raised a plain RuntimeError: training loops and
+    batch-size finders that catch torch.OutOfMemoryError missed it. The output here is 256 TiB
+    of fp32, beyond a process's 47-bit address space: no allocator gives it, even where the
+    host overcommits memory (2 TiB was given on a device host, and the CPU kernel then ran for
+    minutes). The op works again right after."""
+    M = N = 1 << 23
+    a = torch.zeros(M, 16, dtype=E4, device=device)  # 128 MiB of fp8, a and b both
+    sa, sb = torch.tensor([0.5], device=device), torch.tensor([0.25], device=device)
     with pytest.raises(torch.OutOfMemoryError, match=r"fp8ops::gemm: out of memory: could not allocate a "
-                                                       r"\[1048576, 1048576\] bfloat16 output on " + device):
-        ops.gemm(a, b, sa, sb)
-    out = ops.gemm(a[:32], b[:64], sa, sb)
-    assert out.shape == (32, 64) and sqnr(gemm_ref(a[:32], b[:64], sa, sb), out) > 40
+                                                       r"\[8388608, 8388608\] float32 output on " + device):
+        ops.gemm(a, a, sa, sb, None, torch.float32)
+    x, w, _, _ = _operands(32, 64, 16, E4, E4, device)
+    out = ops.gemm(x, w, sa, sb)
+    assert out.shape == (32, 64) and sqnr(gemm_ref(x, w, sa, sb), out) > 40
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)

@@ -68,7 +68,7 @@ if torch.cuda.get_device_capability() >= (8, 9):
     slot = torch.zeros(4, 3, device=dev)[0, 1]
     w8, w8t = ops.cast_accumulate(torch.randn(64, 256, device=dev), one, slot, e4, True)
     y, x8t, _, _ = ops.linear_fwd(x, w8, one, slot, one, one, torch.randn(64, device=dev, dtype=torch.bfloat16))
-    ops.linear_fwd(x, torch.randn(64, 256, device=dev), one, slot, one, one, w_scale=one, w_amax=slot, save_wt=True)
+    ops.linear_fwd(x, torch.randn(64, 256, device=dev), one, slot, one, one, w_scale=one, w_amax=slot.clone(), save_wt=True)
     gy = torch.randn(128, 64, device=dev, dtype=torch.bfloat16)
     ops.linear_bwd(gy, w8t, x8t, one, slot, one, one, one, e5, torch.bfloat16, torch.float32, True, True)
     # the bias gradient: fused into the cast (400 rows: a partial last tile), and the separate
