@@ -150,7 +150,8 @@ int fp8ops_layernorm_bwd_cpu(const void* dy, const void* x, fp8ops_hp_dtype dtyp
   FP8OPS_REQUIRE(dtype == FP8OPS_F32 || dtype == FP8OPS_BF16 || dtype == FP8OPS_F16,
                  "layernorm_bwd: unknown dtype code %d", (int)dtype);
   double* col = (double*)calloc(2 * (size_t)cols, sizeof(double));
-  FP8OPS_REQUIRE(col != NULL, "layernorm_bwd: out of memory for %lld columns", (long long)cols);
+  FP8OPS_REQUIRE(col != NULL, "layernorm_bwd: out of memory: fp8ops' CPU reference could not "
+                 "allocate %lld columns", (long long)cols);
   for (int64_t r = 0; r < rows; ++r) {
     const float m = mean[r], rs = rstd[r];
     double s1 = 0.0, s2 = 0.0;
@@ -230,7 +231,8 @@ int fp8ops_dbias_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64
   for (int64_t c = 0; c < cols; ++c) dbias[c] = 0.0f;
   if (rows == 0 || cols == 0) return FP8OPS_OK;
   float* block = (float*)malloc(2 * (size_t)cols * sizeof(float));
-  FP8OPS_REQUIRE(block != NULL, "dbias: out of memory for %lld columns", (long long)cols);
+  FP8OPS_REQUIRE(block != NULL, "dbias: out of memory: fp8ops' CPU reference could not "
+                 "allocate %lld columns", (long long)cols);
   float* tile = block + cols;
   const int64_t padded = (rows + 127) / 128 * 128;
   for (int64_t r = 0; r < padded; ++r) {

@@ -34,13 +34,15 @@ int fp8ops_gemm_cpu(const uint8_t* a, fp8ops_fp8_format a_fmt, const uint8_t* b,
   float* bf = NULL;
   if (N * K > 0) {
     bf = (float*)malloc((size_t)(N * K) * sizeof(float));
-    if (!bf) return fp8ops_set_error(FP8OPS_ERR_NOMEM, "gemm: out of memory (host) for the reference's fp32 copies");
+    if (!bf) return fp8ops_set_error(FP8OPS_ERR_NOMEM, "gemm: out of memory: fp8ops' CPU "
+                                          "reference could not allocate its fp32 copies");
     for (int64_t i = 0; i < N * K; ++i) bf[i] = deq(b[i], b_fmt);
   }
   float* arow = K > 0 ? (float*)malloc((size_t)K * sizeof(float)) : NULL;
   if (K > 0 && !arow) {
     free(bf);
-    return fp8ops_set_error(FP8OPS_ERR_NOMEM, "gemm: out of memory (host) for the reference's fp32 copies");
+    return fp8ops_set_error(FP8OPS_ERR_NOMEM, "gemm: out of memory: fp8ops' CPU "
+                                          "reference could not allocate its fp32 copies");
   }
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < K; ++k) arow[k] = deq(a[m * K + k], a_fmt);

@@ -176,17 +176,18 @@ static int require_scalar_f32(const char* op, const char* arg, const tinfo* t, c
 }
 
 /* The amax slots an op writes (atomically, while its blocks still read the scales) must be
- * apart from every scale it reads and from each other: on CUDA a shared word would change the
- * scale part-way through the cast (the CPU reads it once), silently. n_w written slots first,
- * then the read ones; NULL entries (an operand not used) are skipped. */
+ * apart from every scale it reads: on CUDA a shared word would change the scale part-way
+ * through the cast (the CPU reads it once), silently. (Two amax slots may be one: both casts
+ * fold with the same signed max, so it ends as the larger amax.) n_w written slots first, then
+ * the read ones (1 element each: one word or apart); NULL entries (not used) are skipped. */
 static int require_slots_apart(const char* op, int n_w, int n, const tinfo* const* t,
                                const char* const* names) {
   for (int i = 0; i < n_w; ++i) {
     if (!t[i]) continue;
-    for (int j = i + 1; j < n; ++j)
+    for (int j = n_w; j < n; ++j)
       FP8OPS_REQUIRE(!t[j] || t[i]->data != t[j]->data, "%s: %s and %s share memory; the op "
                      "writes %s while it reads %s: pass separate tensors", op, names[i], names[j],
-                     names[i], j < n_w ? "the other amax" : names[j]);
+                     names[i], names[j]);
   }
   return FP8OPS_OK;
 }
@@ -228,8 +229,9 @@ static int new_tensor(const char* op, int64_t ndim, const int64_t* sizes, int32_
       AOTI_TORCH_SUCCESS)
     return FP8OPS_OK;
   /* torch's own message (out of memory, most likely) goes to stderr; this names the output.
-   * "out of memory" is what fp8ops/ops.py's _raise_if_oom looks for: Python callers get
-   * torch.OutOfMemoryError, which training loops and batch-size finders catch */
+   * "out of memory" beside an fp8ops op's name is what fp8ops/ops.py's _raise_if_oom looks
+   * for: eager Python callers get torch.OutOfMemoryError, which training loops and batch-size
+   * finders catch */
   tinfo shape;
   memset(&shape, 0, sizeof shape);
   shape.ndim = ndim;
@@ -456,10 +458,6 @@ static int run_amax_update(AtenTensorHandle hh, AtenTensorHandle hs, AtenTensorH
   FP8OPS_TRY(require_same_device(op, "scale", &s, "amax_history", &h));
   FP8OPS_TRY(require_same_device(op, "scale_inv", &si, "amax_history", &h));
   FP8OPS_TRY(require_same_device(op, "fp8_max", &m, "amax_history", &h));
-  /* (the op writes scale, then scale_inv = 1 / scale: one memory for both reads back 1/scale) */
-  FP8OPS_REQUIRE(s.numel == 0 || (s.data != si.data && s.data != h.data && si.data != h.data),
-                 "%s: scale, scale_inv and amax_history must be three tensors of their own, found "
-                 "two of them sharing memory; pass separate tensors", op);
   FP8OPS_REQUIRE(h.ndim == 1 || h.ndim == 2, "%s: amax_history must be [H] (one tensor) or "
                  "[H, n] (n tensors), found %lld dims", op, (long long)h.ndim);
   const int64_t H = h.sizes[0], n = h.ndim == 2 ? h.sizes[1] : 1;
@@ -488,6 +486,25 @@ static int run_amax_update(AtenTensorHandle hh, AtenTensorHandle hs, AtenTensorH
     counts = (int64_t*)o.data;
   }
   if (n == 0) return FP8OPS_OK;
+  /* The op writes the history, scale, scale_inv (= 1 / scale) and the counts, column by column
+   * (on CUDA in parallel): bytes of one shared with another, or with fp8_max, which it reads,
+   * would be read back after another column's write. Compared as byte ranges: a view
+   * overlapping another part-way shares memory too. */
+  {
+    const uintptr_t lo[5] = {(uintptr_t)h.data, (uintptr_t)s.data, (uintptr_t)si.data,
+                             (uintptr_t)o.data, (uintptr_t)m.data};
+    const uintptr_t len[5] = {(uintptr_t)(4 * H * n), (uintptr_t)(4 * n),
+                              (uintptr_t)(4 * ((n - 1) * si_stride + 1)),
+                              (uintptr_t)(counts ? 8 * n : 0), (uintptr_t)(4 * n)};
+    const char* names[5] = {"amax_history", "scale", "scale_inv", "overflow_count", "fp8_max"};
+    for (int i = 0; i < 4; ++i)     /* the written ones */
+      for (int j = i + 1; j < 5; ++j)
+        FP8OPS_REQUIRE(len[i] == 0 || len[j] == 0 || lo[i] + len[i] <= lo[j] ||
+                       lo[j] + len[j] <= lo[i],
+                       "%s: scale, scale_inv and amax_history must be three tensors of their own, "
+                       "and overflow_count and fp8_max apart from them: found %s and %s sharing "
+                       "memory; pass separate tensors", op, names[i], names[j]);
+  }
   if (!is_cuda(&h))
     return fp8ops_amax_update_cpu(h.data, s.data, si.data, m.data, n, H, (float)margin,
                                   (fp8ops_amax_algo)algo, counts, si_stride);

@@ -62,9 +62,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     if len(args.metrics) < 2:
         p.error("give at least two metrics.json files to compare")
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        p.error(f"-o {args.out}: the folder {out_dir} does not exist; create it or write the PNG elsewhere")
 
     runs = []
     for path in args.metrics:
@@ -108,6 +105,9 @@ def main(argv=None):
     except ImportError:
         print("matplotlib is not installed (pip install matplotlib): no plot written")
         return 0
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):  # (after the numbers, which are printed either way)
+        p.error(f"-o {args.out}: the folder {out_dir} does not exist; create it or write the PNG elsewhere")
     fig, ax = plt.subplots(figsize=(9, 5))
     for path, m in runs:
         name = label_of(path, m)

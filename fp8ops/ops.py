@@ -80,10 +80,11 @@ def _require():
 
 def _raise_if_oom(e: RuntimeError) -> None:
     """A C op's failed allocation (csrc/ops.c raises RuntimeError through the shim, its message
-    saying "out of memory") as torch.OutOfMemoryError, which training loops and batch-size
-    finders catch; the caller re-raises anything else as it was."""
-    if not isinstance(e, torch.OutOfMemoryError) and "out of memory" in str(e):
-        raise torch.OutOfMemoryError(str(e)) from None
+    naming an fp8ops op and saying "out of memory") as torch.OutOfMemoryError, which training
+    loops and batch-size finders catch; the caller re-raises anything else as it was."""
+    msg = str(e)
+    if not isinstance(e, torch.OutOfMemoryError) and "out of memory" in msg and "fp8ops" in msg:
+        raise torch.OutOfMemoryError(msg) from e
 
 
 def _oom_as_such(fn):

@@ -106,12 +106,25 @@ class _FileLock:
     drops what another just wrote. Where no lock can be had (no fcntl, a read-only folder, a
     filesystem without flock) the save goes on unlocked: the cache is re-measured if need be."""
 
+    WAIT_S = 10.0  # (a stopped process holding it, or an NFS lock daemon that never answers)
+
     def __init__(self, path: str):
         self.f = None
         try:
             import fcntl
-            self.f = open(path + ".lock", "a")
-            fcntl.flock(self.f, fcntl.LOCK_EX)
+            try:
+                self.f = open(path + ".lock", "a")
+            except PermissionError:  # (another user's lock file in a shared folder: flock needs no write)
+                self.f = open(path + ".lock")
+            deadline = time.monotonic() + self.WAIT_S
+            while True:
+                try:
+                    fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
         except (ImportError, OSError):
             if self.f is not None:
                 self.f.close()

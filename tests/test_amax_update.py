@@ -54,6 +54,21 @@ def test_scale_and_scale_inv_must_not_share_memory(device):
     hist, s = torch.zeros(4, 1, device=device), torch.ones(1, device=device)
     with pytest.raises(RuntimeError, match="scale, scale_inv and amax_history must be three tensors of their own"):
         ops.amax_update(hist, s, s, torch.tensor([448.0], device=device))
+    # views that overlap part-way share memory too: scale_inv = 1 / scale was computed from
+    # scales another column had already overwritten (scale_inv read [224, 112, 0.0089])
+    buf = torch.ones(8, device=device)
+    h3 = torch.zeros(4, 3, device=device)
+    h3[0] = torch.tensor([1.0, 2.0, 4.0])
+    fmax = torch.full((3,), 448.0, device=device)
+    for scale, scale_inv, fm, counts, named in (
+            (buf[0:3], buf[1:4], fmax, None, "scale and scale_inv"),
+            (buf[0:3], buf[4:7], buf[2:5], None, "scale and fp8_max"),
+            (torch.ones(3, device=device), torch.ones(3, device=device), fmax, h3.view(-1)[:6].view(torch.int64)[:3],
+             "amax_history and overflow_count")):
+        before = (buf.clone(), h3.clone())
+        with pytest.raises(RuntimeError, match=f"found {named} sharing memory"):
+            ops.amax_update(h3, scale, scale_inv, fm, 0.0, "max", counts)
+        assert torch.equal(buf, before[0]) and torch.equal(h3, before[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)
