@@ -237,9 +237,9 @@ static int new_tensor(const char* op, int64_t ndim, const int64_t* sizes, int32_
   shape.ndim = ndim;
   for (int64_t i = 0; i < ndim; ++i) shape.sizes[i] = sizes[i];
   char sh[96], dev[32];
-  return fp8ops_set_error(FP8OPS_ERR_NOMEM, "%s: out of memory: could not allocate a %s %s output on %s "
-                          "(torch's message, on stderr, says how much is free)", op, SHAPE(&shape, sh),
-                          dtype_name(dtype), device_str(like, dev, sizeof dev));
+  return fp8ops_set_error(FP8OPS_ERR_NOMEM, "%s: out of memory: could not allocate a %s %s "
+                          "output on %s (torch's message, on stderr, says how much is free)", op,
+                          SHAPE(&shape, sh), dtype_name(dtype), device_str(like, dev, sizeof dev));
 }
 
 /* *rows = the product of t's leading dims (all but the last), which a zero last dim lets be

@@ -181,7 +181,7 @@ def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float, kee
         # a NaN/inf amax keeps the previous scale; amax_update counts the event
         # in the same launch
         ops._amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent",
-                        overflow_count=views[V_OVERFLOW][col:col + 1] if count else None)
+                         overflow_count=views[V_OVERFLOW][col:col + 1] if count else None)
 
 
 def _scaled_grad_output(ctx, gy: torch.Tensor) -> torch.Tensor:

@@ -378,7 +378,7 @@ def measure(layer, M: int, cdtype: torch.dtype) -> Timing:
                     # launch, no all-reduce: this layer is rank-local), and the
                     # weight cast again in the next forward (no reuse)
                     ops._amax_update(fp8.fp8_amax_history, fp8.fp8_scale, fp8.fp8_scale_inv, fp8.fp8_max,
-                                    cfg.margin, cfg.amax_compute_algo, fp8.fp8_overflow_count)
+                                     cfg.margin, cfg.amax_compute_algo, fp8.fp8_overflow_count)
                     fp8.fp8_step += 1
             return step
 

@@ -119,11 +119,15 @@ def portable_state_dict(model):
     return {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
 
 
-def _defaults() -> dict:
-    """add_fp8_args' flags at their defaults, by dest."""
+def _fp8_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     add_fp8_args(parser)
-    return vars(parser.parse_args([]))
+    return parser
+
+
+def _defaults() -> dict:
+    """add_fp8_args' flags at their defaults, by dest."""
+    return vars(_fp8_parser().parse_args([]))
 
 
 def _with_fp8_defaults(args) -> argparse.Namespace:
@@ -140,7 +144,8 @@ def _with_fp8_defaults(args) -> argparse.Namespace:
     else:
         raise TypeError(f"prepare_model: args must be the parsed arguments (an argparse.Namespace) or a mapping of "
                         f"the FP8 flags, found {type(args).__name__}")
-    defaults = _defaults()
+    parser = _fp8_parser()
+    defaults = vars(parser.parse_args([]))
     unknown = sorted(k for k in given if k.startswith("fp8_") and k not in defaults)
     if unknown and not isinstance(args, argparse.Namespace):
         # (a misspelt key of a config file would run at the flag's default, silently; a parser's
@@ -148,8 +153,6 @@ def _with_fp8_defaults(args) -> argparse.Namespace:
         warnings.warn(f"prepare_model: args has {', '.join(map(repr, unknown))}, which no FP8 flag reads (the FP8 "
                       f"flags: {', '.join(sorted(defaults))}); a misspelling runs at the default", stacklevel=3)
     merged = {**defaults, **given}
-    parser = argparse.ArgumentParser(add_help=False)
-    add_fp8_args(parser)
     for action in parser._actions:
         if action.choices is not None and merged.get(action.dest) not in action.choices:
             raise ValueError(f"prepare_model: args.{action.dest} (--{action.dest}) must be one of "
