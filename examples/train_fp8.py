@@ -717,7 +717,7 @@ def _main(argv=None):
                     else:
                         best_val = prev
                 log(f"step {step}: train loss {final_train_loss(metrics):.4f} (mean of the last "
-                    f"{min(10, len(metrics['train_loss']))} steps), val loss {val:.4f}{' (best)' if best else ''}, "
+                    f"{train_loss_window(metrics)} steps), val loss {val:.4f}{' (best)' if best else ''}, "
                     f"lr {lr:.2e}")
                 write_metrics(step)
             if step % args.save_every == 0 and checkpoint(step, "ckpt_latest.pt", f"ckpt_step{step}.pt"):
@@ -764,7 +764,7 @@ def _main(argv=None):
     print(f"\nsummary ({minutes:.1f} min)")
     ftl, fvl = summary["final_train_loss"], summary["final_val_loss"]
     print(f"  steps           {start_step} -> {step}")
-    print(f"  train loss      {ftl:.4f} (mean of the last {min(10, len(metrics['train_loss']))} steps)"
+    print(f"  train loss      {ftl:.4f} (mean of the last {train_loss_window(metrics)} steps)"
           if ftl is not None
           else "  train loss      -")
     print(f"  val loss        {fvl:.4f} (best {best_val:.4f})" if fvl is not None
@@ -796,9 +796,17 @@ def _main(argv=None):
     return 130 if stop_reason == "interrupted (Ctrl-C)" else 0
 
 
+TRAIN_LOSS_WINDOW = 10  # (the train loss the logs and the summary give: a mean of the last steps)
+
+
+def train_loss_window(metrics) -> int:
+    """How many steps final_train_loss averages."""
+    return min(TRAIN_LOSS_WINDOW, len(metrics["train_loss"]))
+
+
 def final_train_loss(metrics):
-    """Mean of the last 10 recorded train losses."""
-    recent = metrics["train_loss"][-10:]
+    """Mean of the last TRAIN_LOSS_WINDOW recorded train losses."""
+    recent = metrics["train_loss"][-TRAIN_LOSS_WINDOW:]
     return sum(recent) / len(recent) if recent else None
 
 
