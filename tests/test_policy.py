@@ -554,6 +554,7 @@ def fresh_policy(tmp_path, monkeypatch):
 @requires_fp8
 @pytest.mark.gpu
 @pytest.mark.fp8
+@pytest.mark.timing
 def test_measure_times_both_ways(fresh_policy):
     layer = Fp8Linear(1024, 1024, device="cuda", config=Fp8Config(policy="auto"))
     t = policy.measure(layer, 2048, torch.bfloat16)
@@ -684,6 +685,7 @@ def test_first_forward_under_inference_mode_measures(fresh_policy, mode):
 @requires_fp8
 @pytest.mark.gpu
 @pytest.mark.fp8
+@pytest.mark.timing
 @pytest.mark.parametrize("shape, gpu_bound", [((8192, 4096, 4096), True), ((64, 128, 256), False)])
 def test_trial_in_a_real_loop(fresh_policy, monkeypatch, shape, gpu_bound):
     """Both layers are said (mocked) to be faster in FP8 on the GPU only. The
