@@ -14,7 +14,8 @@ from .linear import G, W, X, Fp8Linear
 from .policy import rows_label
 
 
-# what a layer runs now (report's "runs" column)
+# what a layer runs now (report's "runs" column). "BF16" means "not FP8": nn.Linear's own
+# computation, in whatever precision the model runs (BF16 under bf16 autocast, else FP32/FP16)
 RUNS_FP8, RUNS_BF16_POLICY, RUNS_TRIAL, RUNS_NOT_YET, RUNS_BF16 = "FP8", "BF16 (policy)", "trial", "not yet", "BF16"
 RUNS_PLAIN = "nn.Linear"  # converted, but with its weight's dtype now every call falls back
 
