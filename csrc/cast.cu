@@ -2,7 +2,8 @@
  * cast.cu -- CUDA kernels of fp8ops::cast (hp -> fp8 with a scale, saturating,
  * optional transposed copy, fused amax) and fp8ops::amax (max |x|, current
  * scaling). Bit for bit the same as cast_cpu.c, i.e. as
- * out = fp8(clamp(float(x) * scale, -max, max)) with fp8_convert.h's
+ * out = fp8(clamp(float(x) * scale, -max, max)) (no clamp for an infinite x,
+ * which stays non-finite: NaN in e4m3, inf in e5m2) with fp8_convert.h's
  * conversions: the per-element conversion below is a branch-free equivalent of
  * fp8ops_f32_to_e4m3 / e5m2 after the clamp (no hardware cvt), checked against
  * them over all 2^32 fp32 inputs by benchmarks/dev/cast_check.cu. amax is a
@@ -72,7 +73,8 @@
 // vanishes mod 256 (152 for e4m3, 232 for e5m2): the code is the low byte of
 // `sum_bits + (M_bits >> (23 - mbits))` (one LEA.HI). M itself is one
 // VIADDMNMX: max(exponent_bits(a) + offset, floor) on sm_90+.
-// NaN never reaches this (callers patch it: 0x7F), +inf clamps to max.
+// NaN and an infinite input never reach this (cast_byte patches them); a
+// finite input whose product overflows to +inf clamps to max.
 
 // fp32 arithmetic that must round exactly like the CPU's: the _rn intrinsics
 // are never contracted into an FMA. Host versions for tests.
@@ -115,8 +117,10 @@ __host__ __device__ __forceinline__ uint32_t fp8_code(uint32_t a) {
 }
 
 // The complete fp8 byte of x * scale for any x and scale, as cast_cpu.c
-// computes it on x86. NaN: 0x7F with a sign bit. The GPU's fmul returns a
-// canonical (positive) NaN, x86's mulss does not, so the sign is the one
+// computes it on x86. NaN: 0x7F with a sign bit. An infinite x (whose product
+// is not NaN) gives the format's non-finite code, NaN (e4m3fn) or inf (e5m2),
+// with the product's sign; a finite x whose product overflows saturates.
+// The GPU's fmul returns a canonical (positive) NaN, x86's mulss does not, so the sign is the one
 // x86 gives `x * scale`: a NaN operand's own sign (x first), or negative for
 // an invalid product (0 * inf: x86's default NaN is negative).
 template <int FMT>
@@ -128,7 +132,8 @@ __host__ __device__ __forceinline__ uint32_t cast_byte(float x, float scale) {
                             : (sb & 0x7FFFFFFFu) > 0x7F800000u ? sb
                                                                : 0x80000000u;
   const bool nan = a > 0x7F800000u;
-  const uint32_t code = nan ? 0x7Fu : fp8_code<FMT>(a) & 0xFFu;
+  const bool inf_x = (xb & 0x7FFFFFFFu) == 0x7F800000u;
+  const uint32_t code = nan ? 0x7Fu : inf_x ? (FMT == FP8OPS_E4M3 ? 0x7Fu : 0x7Cu) : fp8_code<FMT>(a) & 0xFFu;
   return code | (((nan ? nan_sign : yb) >> 24) & 0x80u);
 }
 

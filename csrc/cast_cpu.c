@@ -77,9 +77,13 @@ static int cast_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows, int64_
       const uint32_t a = abs_bits(v);
       if (a > amax_bits) amax_bits = a;
       float y = v * s;
-      /* saturate; written so that NaN falls through both tests unchanged */
-      if (y > fmax) y = fmax;
-      if (y < -fmax) y = -fmax;
+      /* saturate a finite value; written so that NaN falls through both tests unchanged. An
+       * infinite one stays infinite and converts to NaN (e4m3fn) or inf (e5m2), as nn.Linear's
+       * output would be non-finite: a loss scaler or a divergence check must see it. */
+      if (a < FP8OPS_F32_INF_BITS) {
+        if (y > fmax) y = fmax;
+        if (y < -fmax) y = -fmax;
+      }
       const uint8_t q = fmt == FP8OPS_E4M3 ? fp8ops_f32_to_e4m3(y) : fp8ops_f32_to_e5m2(y);
       out[i] = q;
       if (out_t) out_t[c * rows + r] = q;

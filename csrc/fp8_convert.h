@@ -4,8 +4,9 @@
  *
  * float -> fp8 follows torch's own conversion (c10 Float8_e4m3fn / Float8_e5m2):
  * round to nearest even, subnormals kept, |x| beyond the format -> NaN (e4m3fn)
- * or inf/NaN (e5m2), and the sign bit copied, NaN included. The casts clamp to
- * +-fp8_max before converting, so only NaN reaches the "beyond" branch.
+ * or inf/NaN (e5m2), and the sign bit copied, NaN included. The casts clamp a
+ * finite product to +-fp8_max before converting, so only NaN and an infinite
+ * input reach the "beyond" branch.
  * The subnormal branch relies on an fp32 add in round-to-nearest without
  * flush-to-zero: never build these files with -ffast-math / --use_fast_math.
  */

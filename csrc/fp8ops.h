@@ -63,6 +63,8 @@ typedef enum { FP8OPS_AMAX_MAX = 0, FP8OPS_AMAX_MOST_RECENT = 1 } fp8ops_amax_al
 
 /* ------------------------------------------------------------------------- */
 /* cast: hp -> fp8 with a scale, saturating, round-to-nearest-even, fused amax.
+ * A finite x saturates to +-max; an infinite x gives NaN (e4m3) or +-inf (e5m2),
+ * NaN stays NaN: a non-finite input stays non-finite, as nn.Linear's output would.
  *
  * \param[in]  x        [rows, cols] hp values, dtype `x_dtype`, contiguous
  * \param[in]  scale    one fp32 value (pointer; device pointer for CUDA)

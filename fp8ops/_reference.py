@@ -8,9 +8,11 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 def cast_ref(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, transpose: bool = False):
-    """(x.float() * scale).clamp(-max, max).to(out_dtype), its transpose, amax(|x|)."""
+    """(x.float() * scale).clamp(-max, max).to(out_dtype), its transpose, amax(|x|); an
+    infinite x is not clamped (torch's conversion makes it NaN in e4m3fn, inf in e5m2)."""
     fmax = FP8_MAX[out_dtype]
-    out = (x.float() * scale.float().reshape(())).clamp(-fmax, fmax).to(out_dtype)
+    y = x.float() * scale.float().reshape(())
+    out = torch.where(x.isinf(), y, y.clamp(-fmax, fmax)).to(out_dtype)
     cols = x.shape[-1]
     rows = 1
     for d in x.shape[:-1]:

@@ -87,10 +87,15 @@ def _layers_of(optimizer) -> list[Fp8Linear]:
         return []
     # ordered as the optimizer's params, so every rank concatenates amaxes alike; layers that
     # share one weight by creation (a WeakSet iterates in an order of its own in each process)
+    # A layer is the optimizer's if it steps the weight or the bias: a frozen weight with a
+    # trainable bias (BitFit, a LoRA model's bias="all") is still a layer the step goes with.
     pos = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    found = [layer for layer in list(_LAYERS) if id(layer.weight) in pos]
-    return sorted(found, key=lambda layer: (pos[id(layer.weight)], layer.__dict__.get("_fp8_serial", 0),
-                                            layer.__dict__.get("_fp8_copy", 0)))
+    found = []
+    for layer in list(_LAYERS):
+        at = [pos[id(p)] for p in (layer.weight, layer.bias) if p is not None and id(p) in pos]
+        if at:
+            found.append((min(at), layer.__dict__.get("_fp8_serial", 0), layer.__dict__.get("_fp8_copy", 0), layer))
+    return [f[-1] for f in sorted(found, key=lambda f: f[:3])]
 
 
 # update_scales calls so far (loop_trial keeps the count): each layer keeps the count at its
@@ -520,7 +525,9 @@ _warned_step = False
 def step(model: torch.nn.Module) -> None:
     """Mark an optimizer step by hand (only needed with optimizers that do not
     subclass torch.optim.Optimizer, or whose step runs where no optimizer hook
-    fires). Layers a torch.optim optimizer's step has updated since this
+    fires, and for layers no optimizer steps: frozen weight and bias, e.g. a
+    LoRA model's base layers, which otherwise stay on current scaling, an
+    extra amax pass per cast). Layers a torch.optim optimizer's step has updated since this
     model's last fp8ops.step are left out (a second update per step would halve
     the history's window and count `interval` twice): a warning says so, once."""
     global _warned_step
@@ -533,8 +540,10 @@ def step(model: torch.nn.Module) -> None:
         _warned_step = True
         warnings.warn(f"fp8ops.step: {len(layers) - len(mine)} of the model's FP8 layers are stepped by a "
                       "torch.optim optimizer, whose step updated their scales already; fp8ops.step left them "
-                      "out. Call it only for optimizers that do not subclass torch.optim.Optimizer (or whose "
-                      "step runs where no optimizer hook fires)",
+                      f"out and updated the other {len(mine)}. It is needed only for the layers no torch.optim "
+                      "optimizer steps: those of an optimizer that does not subclass torch.optim.Optimizer (or "
+                      "whose step runs where no optimizer hook fires), and frozen ones (a LoRA model's base "
+                      "layers), which otherwise stay on current scaling",
                       stacklevel=2)
     if mine:
         update_scales(mine)

@@ -21,10 +21,12 @@ shapes and dtypes; where the fake kernel raises, the message must name an
 invalid argument too.
 
 Decided semantics, asserted on top of the reference comparison:
-  cast: out is NaN exactly where x * scale is NaN (NaN x, NaN scale, 0 * inf);
-        everything else saturates to +-fp8_max, so a NaN scale gives all-NaN
-        out, scale 0 gives signed zeros, scale inf gives +-fp8_max; amax never
-        depends on the scale.
+  cast: out is NaN exactly where x * scale is NaN (NaN x, NaN scale, 0 * inf)
+        or, in e4m3fn (which has no inf), where x is infinite; in e5m2 an
+        infinite x gives +-inf (a non-finite input stays non-finite, as in
+        nn.Linear); every finite x saturates to +-fp8_max, so a NaN scale gives
+        all-NaN out, scale 0 gives signed zeros, scale inf gives +-fp8_max for a
+        finite nonzero x; amax never depends on the scale.
   NaN signs: IEEE 754 leaves the sign of NaN * NaN unspecified; where both x
         and scale are NaN any NaN encoding is accepted, elsewhere bits match.
   amax: NaN if any element is NaN (any NaN encoding accepted), 0 if empty.
@@ -417,12 +419,20 @@ def _check_cast_result(x, scale, out_dtype, transpose, out, out_t, amax):
     if x.numel():
         o = out.cpu().float()
         prod_nan = (xc.float() * s).isnan()
-        assert torch.equal(o.isnan(), prod_nan), "cast: out must be NaN exactly where x * scale is NaN"
-        assert (o[~prod_nan].abs() <= FP8_MAX[out_dtype]).all()
+        inf_x = xc.float().isinf() & ~prod_nan
+        if out_dtype == torch.float8_e4m3fn:
+            assert torch.equal(o.isnan(), prod_nan | inf_x), \
+                "cast: e4m3fn out must be NaN exactly where x * scale is NaN or x is infinite"
+        else:
+            assert torch.equal(o.isnan(), prod_nan), "cast: out must be NaN exactly where x * scale is NaN"
+            assert torch.equal(o.isinf(), inf_x), "cast: e5m2 out must be +-inf exactly where x is infinite"
+            assert torch.equal(o[inf_x].sign(), (xc.float() * s)[inf_x].sign()), "cast: an infinite x keeps its sign"
+        finite = ~prod_nan & ~inf_x
+        assert (o[finite].abs() <= FP8_MAX[out_dtype]).all()
         if s == 0.0:
-            assert (o[~prod_nan] == 0).all()
+            assert (o[finite] == 0).all()
         if math.isinf(s):
-            nz = ~prod_nan & (xc.float() != 0)
+            nz = finite & (xc.float() != 0)
             assert (o[nz].abs() == FP8_MAX[out_dtype]).all(), "cast: a finite nonzero x times inf saturates"
 
 

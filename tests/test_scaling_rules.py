@@ -286,6 +286,26 @@ def test_fp8ops_step_leaves_the_layers_a_torch_optimizer_steps(monkeypatch):
         fp8ops.step(None)
 
 
+def test_a_layer_whose_bias_alone_an_optimizer_steps_goes_with_its_step(monkeypatch):
+    """BitFit, or a LoRA model with bias="all": the weight is frozen and the optimizer holds
+    the bias. The optimizer's step updates that layer's scales (it matched layers by their
+    weight only, so the layer stayed on current scaling for good); a layer of which it holds
+    nothing is left alone (fp8ops.step is for those)."""
+    from conftest import convert_as_on_fp8_gpu
+    m = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), monkeypatch)
+    for layer in m:
+        layer.weight.requires_grad_(False)
+    m[1].bias.requires_grad_(False)
+    opt = torch.optim.SGD([m[0].bias], lr=0.01)
+    for _ in range(3):
+        m(torch.randn(16, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert (m[0].fp8_step, m[1].fp8_step) == (3, 0)
+    fp8ops.step(m)
+    assert (m[0].fp8_step, m[1].fp8_step) == (3, 1)
+
+
 @pytest.mark.parametrize("device", FP8_DEVICES)
 def test_a_gradient_that_arrives_after_the_priming_wait_is_not_flushed(device, monkeypatch):
     """A frozen part whose weights the optimizer holds (fastai's freeze/unfreeze), or a loss
