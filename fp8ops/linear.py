@@ -954,6 +954,12 @@ class Fp8Linear(nn.Linear):
             cdtype = torch.get_autocast_dtype("cuda")
         else:
             cdtype = x.dtype
+            if cdtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+                # outside autocast nn.Linear refuses an input whose dtype is not its weight's
+                # ("mat1 and mat2 must have the same dtype"): so does this layer, with torch's
+                # error, where the FP8 path could run it (and the same call raise at its next
+                # fallback: an odd row count, policy auto's BF16 verdict, a machine without FP8)
+                return self._plain_forward(x)
         x2 = x if x.dim() == 2 and not compiling else x.reshape(-1, width)  # (eager: no view to make)
         cfg = d["fp8_config"]
         if x2.shape[0] % 16 != 0 and x.is_cuda:

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import io
 import pickle
+import re
 import warnings
 
 import pytest
@@ -839,6 +840,24 @@ def test_an_input_nn_linear_refuses_is_refused_alike(monkeypatch, x):
     with pytest.raises(type(ref.value), match=str(ref.value).split(",")[0][:40].replace("(", r"\(").replace(")", r"\)")):
         model(x)
     assert not model[0].fp8_amax_history.any()
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                                              (torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16)])
+def test_an_input_of_another_float_dtype_than_the_weight_is_refused_alike(monkeypatch, x_dtype, w_dtype):
+    """Outside autocast nn.Linear refuses an input whose dtype is not its weight's. The FP8
+    path ran it (fp16 out of an fp32 model), and the same call then raised wherever the layer
+    fell back (an odd batch's row count, policy auto's BF16 verdict, a machine without FP8):
+    a run that trained for hours could stop at its first odd evaluation batch."""
+    model = convert_as_on_fp8_gpu(_mlp().to(w_dtype), monkeypatch)
+    x = torch.randn(16, 32).to(x_dtype)
+    with pytest.raises(RuntimeError) as ref:
+        _mlp().to(w_dtype)(x)
+    with pytest.raises(RuntimeError, match=re.escape(str(ref.value)[:40])):
+        model(x)
+    assert not model[0].fp8_amax_history.any()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # under autocast both run
+        assert torch.isfinite(model(x)).all()
 
 
 def test_torch_func_transforms_take_the_plain_path(monkeypatch):
