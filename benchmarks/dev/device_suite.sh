@@ -15,8 +15,10 @@ status=0
 # whole suite on an H200 with 8, against ~800 s in one process); the tests marked `timing`
 # then run alone, since other workers' load moves the timings they assert on.
 if [ "${WORKERS:-8}" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then
-  (cd /tmp && python3 -m pytest "$REPO/tests" -n "${WORKERS:-8}" --dist loadfile -m "not timing" -q -rs \
+  # (-v: each test's result as it ends, so a run cut short by a time limit still names its failures)
+  (cd /tmp && python3 -m pytest "$REPO/tests" -n "${WORKERS:-8}" --dist loadfile -m "not timing" -v -rfEs \
      -p no:cacheprovider --durations=30 ${PYTEST_ARGS:-}) > "$OUT/pytest.log" 2>&1; rc=$?; status=$((status | rc))
+  grep -E "^\[gw[0-9]+\].* (FAILED|ERROR)" "$OUT/pytest.log" | head -20
   tail -30 "$OUT/pytest.log"
   (cd /tmp && python3 -m pytest "$REPO/tests" -m timing -q -rs -p no:cacheprovider ${PYTEST_ARGS:-}) \
      > "$OUT/pytest_timing.log" 2>&1; rc=$?; status=$((status | rc))
