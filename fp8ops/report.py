@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn as nn
 
 from . import loop_trial, ops
@@ -74,7 +75,7 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     below the history's maximum, and a gradient far below it loses its smallest
     values, which start to flush to zero below ~2^-20 (GRAD_RANGE_LOW; above it a
     stale scale costs a cast nothing measurable): the printed table then ends
-    with grad_range_note's line there. "Latest" is the last update's window: one optimizer
+    with range_notes' lines there. "Latest" is the last update's window: one optimizer
     step, or `interval` of them. None before delayed scaling's first update (each
     cast used its own current scale then), where amax_* is None, and for a tensor
     whose latest amax was 0 or not finite; scale_from_history_max says which rows
@@ -124,6 +125,7 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                 "amax_g": float(last[G]) if kept else None,
                 "range_x": used[0], "range_w": used[1], "range_g": used[2],
                 "scale_from_history_max": delayed and cfg.amax_compute_algo == "max",
+                "formats": "/".join("e4m3" if d == torch.float8_e4m3fn else "e5m2" for d in cfg.dtypes()),
                 "overflows": int(ovf.sum()), "overflow_x": int(ovf[X]), "overflow_w": int(ovf[W]),
                 "overflow_g": int(ovf[G]), "fallback_calls": m.fp8_fallback_calls,
             })
@@ -162,31 +164,50 @@ def _row_without_state(name: str, backend: str, runs: str, reason: str, recipe, 
     return {"name": name or "<root>", "backend": backend, "runs": runs, "reason": reason, "recipe": recipe,
             "shape": shape, "scale_x": None, "scale_w": None, "scale_g": None, "amax_x": None, "amax_w": None,
             "amax_g": None, "range_x": None, "range_w": None, "range_g": None, "scale_from_history_max": None,
+            "formats": None,
             "overflows": 0, "overflow_x": 0, "overflow_w": 0, "overflow_g": 0,
             "fallback_calls": fallback_calls}
 
 
-# a gradient whose last amax filled less than this share of E5M2's range (at the delayed scale
-# its history's maximum set) keeps ~12 binades below its amax: heavy-tailed data starts to lose
-# its smallest values there (benchmarks/dev/stale_scale_sqnr.py: a cast's SQNR unchanged down to
-# ~2^-18, up to 0.4 dB lower at 2^-20, 1.5 dB at 2^-22, 5 dB at 2^-24)
+# a tensor whose last amax filled less than this share of its format's range at the delayed
+# scale its history's maximum set starts to lose its smallest values (benchmarks/dev/
+# stale_scale_sqnr.py, heavy-tailed data): E5M2 keeps ~12 binades below the amax there (a cast's
+# SQNR unchanged down to ~2^-18, up to 0.4 dB lower at 2^-20, 1.5 dB at 2^-22, 5 dB at 2^-24);
+# E4M3, with 14 binades fewer, loses 2-7 dB at 2^-8 (Gaussian data nothing until 2^-10)
 GRAD_RANGE_LOW = 2.0 ** -20
+RANGE_LOW = {"e5m2": GRAD_RANGE_LOW, "e4m3": 2.0 ** -8}
+_WHAT = {"x": "inputs (x)", "w": "weights (w)", "g": "output gradients (dy)"}
 
 
-def grad_range_note(rows: list[dict]) -> str | None:
-    """A line for the layers whose gradient (dy) filled less than GRAD_RANGE_LOW of E5M2's range
-    in the latest step: their delayed scale still holds a far larger gradient of up to
-    amax_history_len steps ago, and the smallest gradient values start to flush to zero."""
-    low = [r for r in rows if r.get("scale_from_history_max") and r.get("range_g") is not None
-           and r["range_g"] < GRAD_RANGE_LOW]
-    if not low:
-        return None
-    worst = min(low, key=lambda r: r["range_g"])
-    return (f"note: the output gradients (dy) of {len(low)} layer(s) filled under 2^{round(math.log2(GRAD_RANGE_LOW))} "
-            f"of their FP8 range in the last step (lowest {worst['range_g']:.2g}, {worst['name']}): the gradients "
-            "shrank far below the amax history's maximum, which sets the delayed scale, and their smallest values "
-            "start to flush to zero until the larger amaxes leave the history. Fp8Config(recipe=\"current\") or "
-            "a shorter amax_history_len follows a falling gradient")
+def range_notes(rows: list[dict]) -> list[str]:
+    """A line per tensor kind (x, w, dy) for the layers whose tensor filled less than its
+    format's RANGE_LOW in the latest step: their delayed scale still holds a far larger amax of
+    up to amax_history_len steps ago (a falling gradient; one outlier batch of inputs), and the
+    smallest values start to flush to zero."""
+    lines = []
+    for i, t in enumerate("xwg"):
+        low = []
+        for r in rows:
+            fmt = (r.get("formats") or "").split("/")[i:i + 1]
+            v = r.get(f"range_{t}")
+            if r.get("scale_from_history_max") and v is not None and fmt and v < RANGE_LOW[fmt[0]]:
+                low.append((r, RANGE_LOW[fmt[0]]))
+        if not low:
+            continue
+        worst, limit = min(low, key=lambda rl: rl[0][f"range_{t}"])
+        if t == "g":
+            cause = ("the gradients shrank far below the amax history's maximum, which sets the delayed scale, "
+                     "and their smallest values start to flush to zero")
+        else:
+            cause = ("a far larger amax of up to amax_history_len steps ago (an outlier batch, or a tensor that "
+                     "shrank) is the history's maximum, which sets the delayed scale, and their smaller values "
+                     "lose precision or flush to zero")
+        lines.append(
+            f"note: the {_WHAT[t]} of {len(low)} layer(s) filled under 2^{round(math.log2(limit))} of their FP8 "
+            f"range in the last step (lowest {worst[f'range_{t}']:.2g}, {worst['name']}): {cause} until the "
+            "larger amaxes leave the history. Fp8Config(recipe=\"current\") or a shorter amax_history_len "
+            "follows " + ("a falling gradient" if t == "g" else "them"))
+    return lines
 
 
 def _f(v):
@@ -221,9 +242,7 @@ def format_table(rows: list[dict]) -> str:
         used = "/".join(_f2(r.get(k)) for k in ("range_x", "range_w", "range_g")) if fp8 else "-"
         lines.append(f"{r['name'][:32]:<32} {r['shape']:>11} {r['backend']:>7} {r['runs']:>13} {scales:>26} "
                      f"{amaxes:>26} {used:>23} {r['overflows']:>4}  {r['reason']}")
-    note = grad_range_note(rows)
-    if note:
-        lines.append(note)
+    lines += range_notes(rows)
     return "\n".join(lines)
 
 

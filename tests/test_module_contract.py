@@ -547,6 +547,29 @@ def test_report_shows_the_range_a_shrunken_gradient_fills_and_says_why(monkeypat
         assert "filled under" not in capsys.readouterr().out
 
 
+def test_report_notes_inputs_an_outlier_batch_left_filling_little_of_their_range(monkeypatch, capsys):
+    """One batch of inputs 10^4 times the others: delayed scaling keeps its amax as the history's
+    maximum, and the next steps' inputs fill ~1e-4 of E4M3's range, where heavy-tailed data has
+    lost 7 dB or more (benchmarks/dev/stale_scale_sqnr.py --fmt e4m3): a note says so for the
+    first layer, whose inputs they are (its weight and the later layers fill theirs). Under
+    current scaling the next step fills the range again and no note is printed."""
+    for recipe, noted in (("delayed", True), ("current", False)):
+        model = convert_as_on_fp8_gpu(_mlp(), monkeypatch, recipe=recipe)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        g = torch.Generator().manual_seed(1)
+        for k in range(4):
+            model(torch.randn(16, 32, generator=g) * (1e4 if k == 1 else 1.0)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        rows = fp8ops.report(model)
+        out = capsys.readouterr().out
+        assert ("note: the inputs (x) of 1 layer(s) filled under 2^-8" in out) is noted, out
+        assert "weights (w)" not in out and "output gradients (dy)" not in out
+        if noted:
+            assert 0.3e-4 < rows[0]["range_x"] < 3e-4 and rows[1]["range_x"] > 2.0 ** -8
+            assert rows[0]["formats"] == "e4m3/e4m3/e5m2"
+
+
 def test_report_range_reads_the_margin_and_waits_for_the_first_update(monkeypatch, capsys):
     """range_x/w/g: 1 is as full as the margin allows (a margin alone fires no note), and
     before delayed scaling's first update, when each cast used its own scale while row 0 took
