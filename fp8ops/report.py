@@ -72,14 +72,14 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     scale now set, amax * scale / fp8_max * 2**margin: 1 as full as the margin
     allows, below 1 unused range at the top, e.g. 0.001 ~10 binades; under
     delayed scaling with amax_compute_algo "max" it falls where the tensor shrank
-    below the history's maximum, and a gradient far below it loses its smallest
-    values, which start to flush to zero below ~2^-20 (GRAD_RANGE_LOW; above it a
-    stale scale costs a cast nothing measurable): the printed table then ends
-    with range_notes' lines there. "Latest" is the last update's window: one optimizer
+    below the history's maximum, and a tensor far below it loses its smallest
+    values, from ~2^-20 for an E5M2 gradient, ~2^-8 for an E4M3 input or weight
+    (RANGE_LOW; above it a stale scale costs a cast little): the printed table then
+    ends with range_notes' lines there. "Latest" is the last update's window: one optimizer
     step, or `interval` of them. None before delayed scaling's first update (each
     cast used its own current scale then), where amax_* is None, and for a tensor
     whose latest amax was 0 or not finite; scale_from_history_max says which rows
-    the note reads),
+    the notes read, formats the FP8 formats of x/w/g, e.g. "e4m3/e4m3/e5m2"),
     overflows (amaxes that were NaN/inf, the scale kept each time: per
     optimizer step and tensor under delayed scaling, per cast under current)
     and overflow_x/w/g (the same by tensor), fallback_calls (eager calls that ran
