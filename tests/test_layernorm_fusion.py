@@ -400,7 +400,8 @@ class LnLinear(nn.Module):
 
 def test_input_dtype_other_than_the_layernorms_runs_it_unfused(monkeypatch):
     """bf16 activations into an fp32 LayerNorm: torch's LayerNorm (which computes in fp32)
-    runs first, exactly as with the fusion off."""
+    runs first, exactly as with the fusion off. (Under autocast, as training runs it: outside
+    autocast the Linear after it refuses the bf16 input, as nn.Linear does.)"""
     torch.manual_seed(0)
     base = LnLinear()
     fused = convert_as_on_fp8_gpu(copy.deepcopy(base), monkeypatch)
@@ -410,10 +411,11 @@ def test_input_dtype_other_than_the_layernorms_runs_it_unfused(monkeypatch):
     raw = ops._ln_linear_fwd_raw
     monkeypatch.setattr(ops, "_ln_linear_fwd_raw", lambda *a: (calls.append(1), raw(*a))[1])
     x = torch.randn(32, 64).to(torch.bfloat16)
-    for m in (fused, plain):  # past the first (current-scaled) step
-        m(x).float().sum().backward()
-        fp8ops.step(m)
-    torch.testing.assert_close(fused(x), plain(x), rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for m in (fused, plain):  # past the first (current-scaled) step
+            m(x).float().sum().backward()
+            fp8ops.step(m)
+        torch.testing.assert_close(fused(x), plain(x), rtol=0, atol=0)
     assert calls == []
 
 
