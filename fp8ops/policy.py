@@ -28,6 +28,7 @@ import time
 import warnings
 from typing import NamedTuple
 
+import filelock
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -101,41 +102,27 @@ def _load() -> dict:
 
 
 class _FileLock:
-    """An exclusive advisory lock on path + ".lock" for one read-merge-write of the cache:
-    processes saving at once (the ranks of a run, runs sharing a home) take turns, so none
-    drops what another just wrote. Where no lock can be had (no fcntl, a read-only folder, a
-    filesystem without flock) the save goes on unlocked: the cache is re-measured if need be."""
+    """An exclusive lock on path + ".lock" (filelock's, a dependency of torch's) for one
+    read-merge-write of the cache: processes saving at once (the ranks of a run, runs sharing
+    a home) take turns, so none drops what another just wrote. Where none can be had within
+    WAIT_S, or at all (a read-only folder, another user's lock file, a filesystem without
+    locks), the save goes on unlocked: the cache is re-measured if need be."""
 
     WAIT_S = 10.0  # (a stopped process holding it, or an NFS lock daemon that never answers)
 
     def __init__(self, path: str):
-        self.f = None
+        self.lock = filelock.FileLock(path + ".lock", timeout=self.WAIT_S)
         try:
-            import fcntl
-            try:
-                self.f = open(path + ".lock", "a")
-            except PermissionError:  # (another user's lock file in a shared folder: flock needs no write)
-                self.f = open(path + ".lock")
-            deadline = time.monotonic() + self.WAIT_S
-            while True:
-                try:
-                    fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.01)
-        except (ImportError, OSError):
-            if self.f is not None:
-                self.f.close()
-            self.f = None
+            self.lock.acquire()
+        except OSError:  # (filelock.Timeout is one)
+            self.lock = None
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        if self.f is not None:
-            self.f.close()  # (closing the file releases the lock)
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _save() -> None:
