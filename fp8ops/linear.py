@@ -787,16 +787,19 @@ class Fp8Linear(nn.Linear):
         """policy="auto": is FP8 faster than BF16 for this shape on this GPU?
         Measured once per shape (policy.py); where FP8 wins on the GPU but loses
         alone, or gains little, a trial of a few steps of the caller's own loop,
-        in blocks of BF16 and FP8, decides (loop_trial.py). Under torch.compile
-        or CUDA-graph capture nothing is measured and an unknown shape runs FP8.
-        One verdict covers a bucket of row counts (policy.rows_bucket), timed at
-        its lowest."""
+        in blocks of BF16 and FP8, decides (loop_trial.py). One verdict covers a
+        bucket of row counts (policy.rows_bucket), timed at its lowest. Under
+        CUDA-graph capture nothing is measured and an unknown bucket runs FP8;
+        compiled code measures nothing either and reads the verdicts as a step
+        function of M (_compiled_verdict), so that one graph serves many M."""
+        if compiling:
+            return self._compiled_verdict(M, cdtype)
         M = rows_bucket(M)
         k = (M, cdtype)
         hit = self.fp8_policy.get(k)
         if hit is not None:
             return hit[0]
-        if compiling or torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_current_stream_capturing():
             return True
         from . import loop_trial, policy, policy_ranks  # noqa: PLC0415
         # (no collective here: under DDP / FSDP2 the ranks exchange what they settled at the
@@ -821,6 +824,24 @@ class Fp8Linear(nn.Linear):
         del self._fp8_pending[k]
         policy_ranks.settled(self, k, wins, t.gpu_speedup if wins else t.alone_speedup, why)
         self._fp8_note_verdict(wins)
+        return wins
+
+    def _compiled_verdict(self, M, cdtype: torch.dtype) -> bool:
+        """policy="auto" in compiled code, where nothing is measured: the verdict of the
+        highest settled bucket at or below M (the lowest bucket's below it), FP8 where the
+        layer has no verdict for the dtype. M may be symbolic (torch.compile(dynamic=True),
+        or torch's automatic dynamic shapes from a second length on), and one graph then
+        serves every M: choosing by M's own bucket would specialize M (bit_length), one
+        recompile per length until torch's recompile limit (8) sends the model back to
+        eager. Only the row counts where the verdict changes are compared with M, i.e. a
+        guard each: a layer settled one way has one graph, FP8 from 4096 rows on two."""
+        marks = sorted((lo, wins) for (lo, dt), (wins, _) in self.fp8_policy.items() if dt == cdtype)
+        if not marks:
+            return True
+        wins = marks[0][1]
+        for (_, before), (lo, now) in zip(marks, marks[1:]):
+            if now != before and M >= lo:
+                wins = now
         return wins
 
     def _fp8_note_verdict(self, wins: bool) -> None:
