@@ -140,7 +140,12 @@ def test_variable_lengths_train_in_a_few_graphs(monkeypatch, device, block, dyna
             else:
                 assert all(m.fp8_fallback_calls == 0 for m in layers)
     assert graphs <= (3 if device == "cpu" else 4), f"{graphs} graphs for {len(LENGTHS)} lengths"
+    # (CPU: the reference kernels, compiled and eager alike. CUDA: inductor's BF16 code rounds
+    # otherwise than eager's, and a value that moves across an FP8 rounding boundary upstream
+    # moves by an FP8 step: one gradient of the Llama block read 27.5 dB at the first length
+    # on an H200; a wrong path, such as a GELU lost or applied twice, reads below 10)
+    min_grad_sqnr = 30 if device == "cpu" else 20
     for i, ((y1, g1), (y2, g2)) in enumerate(zip(*runs)):
         assert sqnr(y1, y2) >= 40, f"length {LENGTHS[i]}"
         for a, b in zip(g1, g2):
-            assert sqnr(a, b) >= 30, f"length {LENGTHS[i]}"
+            assert sqnr(a, b) >= min_grad_sqnr, f"length {LENGTHS[i]}"

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One device call: build, doctor, the whole pytest suite on CUDA, standalone
 # kernel checks, compute-sanitizer. Logs go to $OUT. Usage (repo root):
-#   bash benchmarks/dev/device_suite.sh   (WORKERS=1: one pytest process; SANITIZE=0: no sanitizers)
+#   bash benchmarks/dev/device_suite.sh   (WORKERS=1: one pytest process; SANITIZE=0: no sanitizers;
+#   INSTALL=0: no pip install)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 REPO=$(pwd)
 export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch;print('torch', torch.__version__, torch.version.cuda)"; date -u; } 2>&1 | tee "$OUT/env.log"
-python3 -m pip install -q --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+if [ "${INSTALL:-1}" = 1 ]; then  # (INSTALL=0: the package this tree built in an earlier call on the same machine)
+  python3 -m pip install -q --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+fi
 (cd /tmp && python3 -m fp8ops) 2>&1 | tee "$OUT/doctor.log"
 status=0
 # from /tmp so the installed package (with _C) is imported, not the source tree. With
