@@ -1320,6 +1320,19 @@ static const op_row k_ops[] = {
                    "bool need_db=False) -> "
                    "(Tensor dx, Tensor dw, Tensor db)",
      boxed_linear_bwd},
+    // linear_bwd for compiled code (fp8ops/linear.py, _scaled_grad_output): g_amax is a
+    // layer's own accumulator, which nothing but these calls and eager code at the
+    // optimizer step touches. Not declared written, so torch.compile neither saves a
+    // version of it for the backward nor checks one: two compiled forwards of a layer
+    // may run before their backwards (a declared write there raised "modified by an
+    // inplace operation"). Not for other callers: compiled code would not see the write.
+    {"linear_bwd_sink", "linear_bwd_sink(Tensor gy, Tensor w8t, Tensor x8t, Tensor g_scale, "
+                        "Tensor g_amax, Tensor g_scale_inv, Tensor w_scale_inv, "
+                        "Tensor x_scale_inv, Tensor gelu_input, ScalarType g_fp8_dtype, "
+                        "ScalarType dx_dtype, ScalarType dw_dtype, bool need_dx, bool need_dw, "
+                        "bool need_db=False) -> "
+                        "(Tensor dx, Tensor dw, Tensor db)",
+     boxed_linear_bwd},
 };
 #define N_OPS (sizeof k_ops / sizeof k_ops[0])
 
@@ -1353,5 +1366,5 @@ int fp8ops_register(int with_cuda) {
 
 const char* fp8ops_op_names(void) {
   return "cast amax amax_update gemm cast_accumulate linear_fwd ln_linear_fwd linear_bwd "
-         "layernorm_bwd swiglu swiglu_backward";
+         "linear_bwd_sink layernorm_bwd swiglu swiglu_backward";
 }

@@ -17,8 +17,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import ops
-from .linear import (G, V_H, V_S, V_SI, W, X, _check_scales_unchanged, _current_scale, _keep_context,
-                     _scaled_grad_output)
+from .linear import (V_H, V_S, V_SI, W, X, _check_scales_unchanged, _current_scale, _keep_context,
+                     _keep_scales, _scaled_grad_output)
 
 
 def mm_dequant(a8: torch.Tensor, b8: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -55,10 +55,7 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
         if bias is not None:
             # the bias as it is (no bf16 rounding: that is a cuBLASLt FP8 rule, not needed here)
             y = y + bias.float()
-        sx_inv = views[V_SI + X]
-        if current:
-            # another micro-batch's forward may rescale x before this backward runs
-            sx_inv = sx_inv.clone()
+        sx_inv = _keep_scales(ctx, views, static)
         ctx.save_for_backward(x8 if need_wgrad else None, w8, sx_inv)
         _keep_context(ctx, views, static, weight, bias, x2)
         # A view, not the product tensor itself: returned directly, torch.compile (2.11)
@@ -72,13 +69,13 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
         x8, w8, sx_inv = ctx.saved_tensors
         x_dtype, w_dtype, g_dtype, out_dtype, _fast, current, margin, need_wgrad, need_dgrad, delayed, *_gelu = \
             ctx.static
-        views = ctx.views
-        g2 = _scaled_grad_output(ctx, gy)
-        g8, _ = ops._cast_accumulate(g2, views[V_S + G], views[V_H + G], g_dtype, False)
-        sg_inv = views[V_SI + G]
+        # (compiled: cast_accumulate declares its write to the amax slot, so here a second
+        # compiled forward before this backward still fails torch's version check)
+        g2, sg, sg_inv, g_amax = _scaled_grad_output(ctx, gy)
+        g8, _ = ops._cast_accumulate(g2, sg, g_amax, g_dtype, False)
         dx = dw = db = None
         if need_dgrad and ctx.needs_input_grad[0]:
-            dx = mm_dequant(g8, w8, sg_inv, views[V_SI + W]).to(ctx.x2_dtype)
+            dx = mm_dequant(g8, w8, sg_inv, ctx.sw_inv).to(ctx.x2_dtype)
         if need_wgrad and ctx.needs_input_grad[1]:
             w_out = ctx.w_dtype if ctx.w_dtype in ops.HP_DTYPES else torch.float32
             dw = mm_dequant(g8.t(), x8, sg_inv, sx_inv).to(w_out)

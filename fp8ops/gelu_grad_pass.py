@@ -70,20 +70,43 @@ def _val(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
+# gy's and gelu_input's places in linear_bwd's (and linear_bwd_sink's) arguments
+_GY, _GELU_INPUT = 0, 8
+
+
 def _is_linear_bwd(node) -> bool:
-    """Does node call fp8ops.linear_bwd? It mutates g_amax, so after functionalization
-    (where this pass runs) it is wrapped in auto_functionalized(_v2), with keywords."""
+    """Does node call fp8ops.linear_bwd or linear_bwd_sink? linear_bwd (eager code's) mutates
+    g_amax, so after functionalization (where this pass runs) it is wrapped in
+    auto_functionalized(_v2), with keywords; linear_bwd_sink (compiled code's, linear.py)
+    declares no write and is called as it is."""
+    if node.op != "call_function":
+        return False
+    sink = getattr(torch.ops.fp8ops, "linear_bwd_sink", None)
+    if sink is not None and node.target is sink.default:
+        return len(node.args) + len(node.kwargs) > _GELU_INPUT
     hop = torch.ops.higher_order
-    return (node.op == "call_function"
-            and node.target in (getattr(hop, "auto_functionalized", None), getattr(hop, "auto_functionalized_v2", None))
+    return (node.target in (getattr(hop, "auto_functionalized", None), getattr(hop, "auto_functionalized_v2", None))
             and bool(node.args) and node.args[0] is torch.ops.fp8ops.linear_bwd.default
             and "gy" in node.kwargs and "gelu_input" in node.kwargs)
 
 
+def _gy_args(node) -> tuple:
+    """(gy, gelu_input) of the linear_bwd call `node`."""
+    args, kwargs = node.args, node.kwargs
+    if "gy" in kwargs and "gelu_input" in kwargs:
+        return kwargs["gy"], kwargs["gelu_input"]
+    return (kwargs["gy"] if "gy" in kwargs else args[_GY],
+            kwargs["gelu_input"] if "gelu_input" in kwargs else args[_GELU_INPUT])
+
+
 def _with_gy(new: tuple, args, kwargs) -> tuple[tuple, dict]:
     """(args, kwargs) of a linear_bwd call with its gy and gelu_input replaced by new."""
-    kwargs = dict(kwargs)
-    kwargs["gy"], kwargs["gelu_input"] = new
+    args, kwargs = list(args), dict(kwargs)
+    for name, pos, value in (("gy", _GY, new[0]), ("gelu_input", _GELU_INPUT, new[1])):
+        if name in kwargs:
+            kwargs[name] = value
+        else:
+            args[pos] = value
     return tuple(args), kwargs
 
 
@@ -153,8 +176,9 @@ def _fuse_one(graph: torch.fx.Graph, gelu: torch.fx.Node) -> bool:
     user = next(iter(cur.users))
     if not _is_linear_bwd(user):
         return False
-    v_gy, v_gi = _val(cur), _val(user.kwargs["gelu_input"])
-    if user.kwargs["gy"] is not cur or v_gy is None or v_gi is None or v_gi.numel() != 0:
+    gy, gelu_input = _gy_args(user)
+    v_gy, v_gi = _val(cur), _val(gelu_input)
+    if gy is not cur or v_gy is None or v_gi is None or v_gi.numel() != 0:
         return False
     # the same tensor as linear_bwd wants it: [M, N], contiguous, g's and h's shape and dtype
     if not (v_gy.shape == v_out.shape == v_g.shape == v_h.shape and v_gy.dtype == v_g.dtype == v_h.dtype

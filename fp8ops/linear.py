@@ -17,6 +17,7 @@ Data flow (hybrid format; DESIGN.md):
 Scaling state lives in non-persistent buffers (never in state_dict):
     fp8_amax_history [H, 3]   columns: 0 input, 1 weight, 2 grad_output; row 0 = this step
     fp8_scale [3], fp8_scale_inv [3] (padded: stride 4), fp8_max [3], fp8_overflow_count [3] (int64)
+    fp8_grad_amax [1]         compiled backwards' dy amax, folded into the history at the step
 Delayed scaling updates them after optimizer steps (see scaling.py); current
 scaling recomputes each tensor's scale from its own amax before each cast.
 """
@@ -48,8 +49,10 @@ GELU_BOX = "_fp8ops_gelu_box"
 V_S, V_SI, V_H = 0, 3, 6   # scale[i:i+1], scale_inv[i:i+1], history[0, i]: per-tensor views
 V_OVERFLOW = 9             # fp8_overflow_count
 V_BUFFERS = 10             # fp8_amax_history, fp8_scale, fp8_scale_inv, fp8_max (whole)
+V_GRAD_AMAX = 14           # fp8_grad_amax (see _scaled_grad_output)
 # the scaling state's buffers (not persistent: no state_dict holds them)
-_SCALING_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_max", "fp8_overflow_count")
+_SCALING_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_max", "fp8_overflow_count",
+                    "fp8_grad_amax")
 
 # Each Fp8Linear's place in the order of creation, kept by copies and pickles (a model that one
 # rank built and sent to the others orders alike everywhere), with copies counted apart (_COPIES,
@@ -184,17 +187,60 @@ def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float, kee
                          overflow_count=views[V_OVERFLOW][col:col + 1] if count else None)
 
 
-def _scaled_grad_output(ctx, gy: torch.Tensor) -> torch.Tensor:
-    """Backward's first step for both autograd functions: dy made contiguous and,
-    under current scaling (or delayed scaling's first step), its scale set from
-    its own amax before the cast."""
+def _scaled_grad_output(ctx, gy: torch.Tensor):
+    """Backward's first step for every autograd function: dy made contiguous, and what
+    its cast takes, (g2, scale, scale_inv, amax slot).
+
+    Eager code: the layer's buffers. Under current scaling (or delayed scaling's first
+    step, or while no gradient has set dy's scale) dy's scale is set there from its own
+    amax first; the cast folds dy's amax into row 0 of the history.
+
+    Compiled code (ctx.compiled) writes no buffer that a forward writes or a backward
+    reads. torch.compile saves what a backward reads with a version check, and a second
+    compiled forward of the layer may run before this backward (two inputs through one
+    model, a no_grad forward in between, pipeline schedules): a declared write to the
+    history here failed those checks, and behind them folded dy's amax into a
+    forward-time copy of the whole history. Instead the cast folds dy's amax into
+    fp8_grad_amax, a [1] buffer that only these casts (fp8ops::linear_bwd_sink, whose
+    schema does not declare that write) and eager code at the optimizer step touch
+    (scaling.fold_grad_amax); the scales come from _keep_scales, and under current
+    scaling dy's scale is computed into copies (the buffers keep theirs until the step)."""
     static = ctx.static
     current, margin, delayed, current_g = static[5], static[6], static[9], static[12]
+    views = ctx.views
     g2 = gy.contiguous()
+    if not ctx.compiled:
+        if current_g:
+            # (dy alone on its current scale, the layer on delayed scaling: the update counts its NaN/inf)
+            _current_scale(g2, views, G, margin, keep_history=delayed, count=current)
+        return g2, views[V_S + G], views[V_SI + G], views[V_H + G]
+    sg, sg_inv = ctx.g_scales
     if current_g:
-        # (dy alone on its current scale, the layer on delayed scaling: the update counts its NaN/inf)
-        _current_scale(g2, ctx.views, G, margin, keep_history=delayed, count=current)
-    return g2
+        # _current_scale's rules (a zero or NaN/inf amax keeps the scale), on copies
+        sg, sg_inv = sg.clone(), sg_inv.clone()
+        with torch.no_grad():
+            ops._amax_update(ops._amax_raw(g2.detach()).reshape(1, 1), sg, sg_inv, views[V_BUFFERS + 3][G:G + 1],
+                             margin, "most_recent")
+    return g2, sg, sg_inv, views[V_GRAD_AMAX]
+
+
+def _keep_scales(ctx, views: tuple, static: tuple) -> torch.Tensor:
+    """The scales backward reads besides dy's amax slot: returns x's scale_inv (to be saved);
+    keeps w's (ctx.sw_inv) and, in compiled code, dy's scale and scale_inv (ctx.g_scales).
+    Copies of those a later forward of the layer may write first: under current scaling
+    each forward rescales x (eager code reads w's and dy's live, as nothing else changes them
+    before this backward; compiled code's version checks would refuse the write)."""
+    compiled = ctx.compiled = torch.compiler.is_compiling()
+    sx_inv, sw_inv = views[V_SI + X], views[V_SI + W]
+    g_scales = (views[V_S + G], views[V_SI + G])
+    if static[5]:
+        sx_inv = sx_inv.clone()
+        if compiled:
+            sw_inv, g_scales = sw_inv.clone(), (g_scales[0].clone(), g_scales[1].clone())
+    ctx.sw_inv = sw_inv
+    if compiled:
+        ctx.g_scales = g_scales
+    return sx_inv
 
 
 def swap_class(mod: nn.Module, cls: type, init) -> nn.Module:
@@ -263,10 +309,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             w8t = w8t_new
             if store is not None:
                 store(w8_new, w8t_new)
-        sx_inv = views[V_SI + X]
-        if current:
-            # another micro-batch's forward may rescale x before this backward runs
-            sx_inv = sx_inv.clone()
+        sx_inv = _keep_scales(ctx, views, static)
         keep_x = act_in in (GELU_GRAD_HERE, SWIGLU_IN) and need_dgrad
         ctx.save_for_backward(x8t, w8t, sx_inv, x2 if keep_x else None, y if gelu_out is not None else None)
         _keep_context(ctx, views, static, weight, bias, x2)
@@ -326,16 +369,15 @@ def _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_dx: bool, wants_dw: bool, n
     g_dtype, need_wgrad, gelu_out = ctx.static[2], ctx.static[7], ctx.static[11]
     if y is None or not gelu_out[0]:  # no consumer applied this output's GELU with the gradient passed on
         y = ops._empty_bias_for(gy, gy.dtype)  # (any empty tensor: no GELU gradient here)
-    views = ctx.views
-    g2 = _scaled_grad_output(ctx, gy)
+    g2, sg, sg_inv, g_amax = _scaled_grad_output(ctx, gy)
     need_dw = need_wgrad and wants_dw
     w_out = ctx.w_dtype if ctx.w_dtype in ops.HP_DTYPES else torch.float32
     st = ops.ST  # (dtypes as ScalarType codes: cheaper to pass)
-    # one C call: cast gy (amax folded into history row 0; with the bias gradient, gy's
+    # one C call: cast gy (amax folded into its slot; with the bias gradient, gy's
     # column sums, in the same pass), dgrad and wgrad GEMMs
-    dx, dw, db = ops._linear_bwd_raw(g2, w8t, x8t, views[V_S + G], views[V_H + G], views[V_SI + G],
-                                     views[V_SI + W], sx_inv, y, st[g_dtype], st[ctx.x2_dtype], st[w_out], need_dx,
-                                     need_dw, need_db)
+    bwd = ops._linear_bwd_sink_raw if ctx.compiled else ops._linear_bwd_raw  # (see _scaled_grad_output)
+    dx, dw, db = bwd(g2, w8t, x8t, sg, g_amax, sg_inv, ctx.sw_inv, sx_inv, y, st[g_dtype], st[ctx.x2_dtype], st[w_out],
+                     need_dx, need_dw, need_db)
     return (dx if need_dx else None), (dw if need_dw else None), (db.to(ctx.b_dtype) if need_db else None)
 
 
@@ -364,8 +406,9 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
             w8t = w8t_new
             if store is not None:
                 store(w8_new, w8t_new)
+        sx_inv = _keep_scales(ctx, views, static)
         # (not the shared empty "none": made under inference_mode it could not be saved)
-        ctx.save_for_backward(x8t, w8t, views[V_SI + X], x2, mean, rstd, ln_w, ln_b,
+        ctx.save_for_backward(x8t, w8t, sx_inv, x2, mean, rstd, ln_w, ln_b,
                               None if ln_w is None else lw, y if gelu_out is not None else None)
         _keep_context(ctx, views, static, weight, bias, x2)
         ctx.rms = rms
@@ -499,6 +542,8 @@ class Fp8Linear(nn.Linear):
                                                      dtype=f32), persistent=False)
         # per tensor (input, weight, grad_output): amaxes that were NaN/inf (the scale was kept)
         self.register_buffer("fp8_overflow_count", torch.zeros(3, dtype=torch.int64, device=dev), persistent=False)
+        # compiled backwards fold dy's amax here, the step into the history (_scaled_grad_output)
+        self.register_buffer("fp8_grad_amax", torch.zeros(1, device=dev, dtype=f32), persistent=False)
         self.fp8_step = 0               # optimizer steps seen
         self.fp8_fallback_calls = 0     # eager forwards that ran BF16 (input on CPU, M % 16 != 0, policy auto)
         # delayed: False until the first scale update at which each of its tensors had an amax
@@ -674,15 +719,15 @@ class Fp8Linear(nn.Linear):
         same memory (.to() / .cuda() replace them; FSDP2 moves them by
         assigning .data); sliced afresh under compile."""
         bufs = self._buffers
-        h, s, si, m, o = (bufs["fp8_amax_history"], bufs["fp8_scale"], bufs["fp8_scale_inv"], bufs["fp8_max"],
-                          bufs["fp8_overflow_count"])
+        h, s, si, m, o, ga = (bufs["fp8_amax_history"], bufs["fp8_scale"], bufs["fp8_scale_inv"], bufs["fp8_max"],
+                              bufs["fp8_overflow_count"], bufs["fp8_grad_amax"])
         if not compiling:
-            ptrs = (h.data_ptr(), s.data_ptr(), si.data_ptr(), m.data_ptr(), o.data_ptr())
+            ptrs = (h.data_ptr(), s.data_ptr(), si.data_ptr(), m.data_ptr(), o.data_ptr(), ga.data_ptr())
             cached = self.__dict__.get("_fp8_views_flat")
             if cached is not None:
                 c, cptrs = cached
                 if c[V_BUFFERS] is h and c[V_BUFFERS + 1] is s and c[V_BUFFERS + 2] is si \
-                        and c[V_BUFFERS + 3] is m and c[V_OVERFLOW] is o and cptrs == ptrs:
+                        and c[V_BUFFERS + 3] is m and c[V_OVERFLOW] is o and c[V_GRAD_AMAX] is ga and cptrs == ptrs:
                     return c
             if not _is_padded(si):
                 # .to() / .cuda() / a load made the buffer contiguous again (a buffer made under
@@ -692,7 +737,7 @@ class Fp8Linear(nn.Linear):
                     si = bufs["fp8_scale_inv"] = _padded(si)
                 self.__dict__["_fp8_si_version"] = None  # (a new tensor: see scaling._check_not_broadcast)
                 ptrs = ptrs[:2] + (si.data_ptr(),) + ptrs[3:]
-        c = (s[0:1], s[1:2], s[2:3], si[0:1], si[1:2], si[2:3], h[0, 0], h[0, 1], h[0, 2], o, h, s, si, m)
+        c = (s[0:1], s[1:2], s[2:3], si[0:1], si[1:2], si[2:3], h[0, 0], h[0, 1], h[0, 2], o, h, s, si, m, ga)
         if not compiling:
             self.__dict__["_fp8_views_flat"] = (c, ptrs)
         return c
@@ -709,6 +754,7 @@ class Fp8Linear(nn.Linear):
             bufs["fp8_max"].copy_(torch.tensor([FP8_MAX[dt] for dt in self.fp8_dtypes], dtype=torch.float32))
             if not keep_step:
                 bufs["fp8_overflow_count"].zero_()
+            bufs["fp8_grad_amax"].zero_()
         d = self.__dict__
         if not keep_step:
             d["fp8_step"] = 0
@@ -731,8 +777,8 @@ class Fp8Linear(nn.Linear):
         model built there) gives the scaling state its initial values: the new
         buffers hold uninitialized memory, and no state_dict load fills them
         (they are not persistent)."""
-        keep = {n: self._buffers[n] for n in ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_max")
-                if self._buffers.get(n) is not None}
+        keep = {n: self._buffers[n] for n in ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_max",
+                                              "fp8_grad_amax") if self._buffers.get(n) is not None}
         was_meta = any(b.is_meta for b in keep.values())
         ret = super()._apply(fn, recurse)
         for n, old in keep.items():
@@ -881,6 +927,10 @@ class Fp8Linear(nn.Linear):
         state.setdefault("_fp8_serial", next(_SERIAL))
         state["_fp8_copy"] = next(_COPIES)
         super().__setstate__(state)
+        if "fp8_grad_amax" not in self._buffers:  # (pickled by an fp8ops from before compiled backward's slot)
+            h = self._buffers["fp8_amax_history"]
+            self.register_buffer("fp8_grad_amax", torch.zeros(1, device=h.device, dtype=torch.float32),
+                                 persistent=False)
         # a copy (copy.deepcopy, pickle, torch.load of a whole model) updates its scales after
         # optimizer steps as the original does
         from .scaling import track  # noqa: PLC0415 -- scaling imports this module

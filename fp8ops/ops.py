@@ -606,8 +606,7 @@ def _chk_bwd_operand(op, name, t, g_fp8_dtype):
 
 
 def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv, gelu_input,
-                     g_fp8_dtype, dx_dtype, dw_dtype, need_dx, need_dw, need_db=False):
-    op = "fp8ops::linear_bwd"
+                     g_fp8_dtype, dx_dtype, dw_dtype, need_dx, need_dw, need_db=False, op="fp8ops::linear_bwd"):
     g_fp8_dtype, dx_dtype, dw_dtype = _as_dtype(g_fp8_dtype), _as_dtype(dx_dtype), _as_dtype(dw_dtype)
     _chk(gy.dtype in HP_DTYPES, f"{op}: gy must be float32, bfloat16 or float16, found {_dname(gy.dtype)}")
     _chk(g_fp8_dtype in FP8_DTYPES,
@@ -651,6 +650,13 @@ def _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_
     dw = gy.new_empty((N, K) if need_dw else (0,), dtype=dw_dtype)
     db = gy.new_empty((N,) if need_db else (0,), dtype=torch.float32)
     return dx, dw, db
+
+
+def _linear_bwd_sink_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv, gelu_input,
+                          g_fp8_dtype, dx_dtype, dw_dtype, need_dx, need_dw, need_db=False):
+    # linear_bwd for compiled code, whose write to g_amax is not declared (csrc/ops.c; linear.py)
+    return _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv, gelu_input,
+                            g_fp8_dtype, dx_dtype, dw_dtype, need_dx, need_dw, need_db, op="fp8ops::linear_bwd_sink")
 
 
 # ----------------------------------------------------------------------------
@@ -759,6 +765,10 @@ def _linear_bwd_raw(*args):
     _require()
 
 
+def _linear_bwd_sink_raw(*args):
+    _require()
+
+
 def _ln_linear_fwd_raw(*args):
     _require()
 
@@ -784,15 +794,17 @@ def _register() -> None:
     torch.library.register_fake("fp8ops::cast_accumulate")(_cast_accumulate_fake)
     torch.library.register_fake("fp8ops::linear_fwd")(_linear_fwd_fake)
     torch.library.register_fake("fp8ops::linear_bwd")(_linear_bwd_fake)
+    torch.library.register_fake("fp8ops::linear_bwd_sink")(_linear_bwd_sink_fake)
     torch.library.register_fake("fp8ops::ln_linear_fwd")(_ln_linear_fwd_fake)
     torch.library.register_fake("fp8ops::layernorm_bwd")(_layernorm_bwd_fake)
     torch.library.register_fake("fp8ops::swiglu")(_swiglu_fake)
     torch.library.register_fake("fp8ops::swiglu_backward")(_swiglu_backward_fake)
     torch.library.register_autograd("fp8ops::swiglu", _swiglu_grad, setup_context=_swiglu_setup)
-    global _linear_fwd_raw, _linear_bwd_raw, _ln_linear_fwd_raw, _layernorm_bwd_raw, \
+    global _linear_fwd_raw, _linear_bwd_raw, _linear_bwd_sink_raw, _ln_linear_fwd_raw, _layernorm_bwd_raw, \
         _swiglu_backward_raw
     _linear_fwd_raw = torch.ops.fp8ops.linear_fwd.default
     _linear_bwd_raw = torch.ops.fp8ops.linear_bwd.default
+    _linear_bwd_sink_raw = torch.ops.fp8ops.linear_bwd_sink.default
     _ln_linear_fwd_raw = torch.ops.fp8ops.ln_linear_fwd.default
     _layernorm_bwd_raw = torch.ops.fp8ops.layernorm_bwd.default
     _swiglu_backward_raw = torch.ops.fp8ops.swiglu_backward.default

@@ -166,7 +166,7 @@ def _reduce_amax(layers: list[Fp8Linear], group=None, flag: float | None = None)
 
 
 # Fp8Linear's scaling buffers: rank-local state that DDP must not overwrite.
-FP8_BUFFERS = ("fp8_amax_history", "fp8_scale", "fp8_scale_inv", "fp8_max", "fp8_overflow_count")
+FP8_BUFFERS = _linear._SCALING_BUFFERS
 
 
 def exclude_from_ddp_broadcast(model: torch.nn.Module) -> list[str]:
@@ -355,8 +355,49 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     the ranks of each layer's scaling group (set_scaling_group; else `group`, None:
     every rank), one collective per group, in the order the groups first appear."""
     serial = loop_trial.note_optimizer_step()  # (policy auto's trial counts its steps by these too)
+    fold_grad_amax(layers)
     for g, members in by_scaling_group(layers, group):
         _update_group(members, g, serial)
+
+
+def fold_grad_amax(layers: list[Fp8Linear]) -> None:
+    """Compiled backwards fold dy's amax into each layer's fp8_grad_amax, not into its
+    history (linear._scaled_grad_output): fold it in there as eager backward's casts do, and
+    zero it. Before anything reads row 0 (the update, its all-reduce, a saved scaling state).
+    Delayed scaling: the max, one launch per device for all layers. Where dy is on current
+    scaling its scale stays in copies in compiled code: the NaN/inf count of the step's amax
+    here (eager code counts each cast), and under the current recipe the scale of the step's
+    largest amax is set as well (eager code leaves the last cast's there), with that amax in
+    row 0. Nothing to do where no FP8 forward was ever compiled in this process."""
+    if _linear._TRACES[0] == 0:
+        return
+    by_device: dict = {}
+    with torch.no_grad():
+        for layer in layers:
+            # (.data: no version counter moves. A layer whose history was not written since the last
+            # look is not read again, _find_compiled_casts; no backward still to come reads these)
+            bufs = {n: t.data for n, t in layer._buffers.items() if n in _linear._SCALING_BUFFERS}
+            h, ga = bufs["fp8_amax_history"], bufs["fp8_grad_amax"]
+            if h.is_meta or (h.is_cuda and torch.cuda.is_current_stream_capturing()):
+                continue
+            d = layer.__dict__
+            slot = h[0, G:G + 1]
+            if d["fp8_config"].recipe != "delayed":
+                ops._amax_update(ga.clone().reshape(1, 1), bufs["fp8_scale"][G:G + 1], bufs["fp8_scale_inv"][G:G + 1],
+                                 bufs["fp8_max"][G:G + 1], float(d["fp8_config"].margin), "most_recent",
+                                 overflow_count=bufs["fp8_overflow_count"][G:G + 1])
+                slot.copy_(torch.where(ga != 0, ga, slot))
+                ga.zero_()
+                continue
+            if not d["_fp8_delayed_ready"]:
+                bufs["fp8_overflow_count"][G:G + 1].add_(ga.isfinite().logical_not())
+            found = by_device.setdefault(h.device, ([], []))
+            # (the max over the bits as int32, as the casts' atomicMax folds: NaN's bits as they came)
+            found[0].append(slot.view(torch.int32))
+            found[1].append(ga.view(torch.int32))
+        for slots, grad_amaxes in by_device.values():
+            torch._foreach_maximum_(slots, grad_amaxes)
+            torch._foreach_zero_(grad_amaxes)
 
 
 def by_scaling_group(layers: list[Fp8Linear], group=None) -> list[tuple]:
@@ -579,6 +620,7 @@ def scaling_state_dict(model: torch.nn.Module) -> dict:
     """FP8 scaling state of every Fp8Linear, by module name (CPU tensors); the
     names of the model a torch.compile or DDP wrapper holds."""
     out = {}
+    fold_grad_amax([m for m in model.modules() if isinstance(m, Fp8Linear)])  # (compiled backwards' dy amaxes)
     for name, m in _unwrapped(model).named_modules():
         if isinstance(m, Fp8Linear) and not m.fp8_amax_history.is_meta:  # (meta: no state before to_empty)
             out[name] = {
@@ -737,6 +779,7 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
             m.fp8_scale_inv.copy_(s["scale_inv"])
             if "overflow_count" in s:  # (not in a state an fp8ops before the twenty-seventh session saved)
                 m.fp8_overflow_count.copy_(s["overflow_count"])
+            m.fp8_grad_amax.zero_()  # (a compiled backward's dy amax, of the state this load replaces)
         m.fp8_step = s["step"]
         m._fp8_delayed_ready = s["primed"]
         m.__dict__.pop("_fp8_grad_unset", None)
