@@ -178,3 +178,46 @@ def test_cuda_graphs_compiled_trains_like_eager(order):
         torch._dynamo.reset()
         runs.append(_train(model, fn, order, "cuda"))
     _assert_runs_match(runs, "delayed", "cuda")
+
+
+def test_a_scaling_state_saved_between_backward_and_step_holds_dy_amax(monkeypatch):
+    """scaling_state_dict folds what compiled backwards left in fp8_grad_amax into the
+    history first: a checkpoint taken before the optimizer step holds dy's amax in row 0,
+    as eager code's does, and the buffer is 0 afterwards."""
+    base = _model(monkeypatch, "delayed")
+    rows = []
+    for compiled in (False, True):
+        model = copy.deepcopy(base)
+        fn = torch.compile(model) if compiled else model
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        fn(torch.randn(32, 32)).square().mean().backward()
+        if compiled:
+            assert all(m.fp8_amax_history[0, 2] == 0 and m.fp8_grad_amax.item() > 0
+                       for m in model.modules() if isinstance(m, Fp8Linear))
+        state = fp8ops.scaling_state_dict(model)
+        rows.append(torch.stack([s["amax_history"][0] for s in state.values()]))
+        assert all(m.fp8_grad_amax.item() == 0 for m in model.modules() if isinstance(m, Fp8Linear))
+    assert bool((rows[0][:, 2] > 0).all()) and torch.allclose(rows[0], rows[1], rtol=1e-3)
+
+
+def test_a_layer_pickled_before_the_compiled_amax_slot_trains_compiled(monkeypatch):
+    """A whole model pickled by an fp8ops from before fp8_grad_amax (simulated: the buffer
+    removed before pickling) gets the buffer back when unpickled, and trains compiled."""
+    import pickle  # noqa: PLC0415
+
+    model = _model(monkeypatch, "delayed")
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            del m._buffers["fp8_grad_amax"]
+            m._non_persistent_buffers_set.discard("fp8_grad_amax")
+    twin = pickle.loads(pickle.dumps(model))
+    layers = [m for m in twin.modules() if isinstance(m, Fp8Linear)]
+    assert all(m.fp8_grad_amax.shape == (1,) and m.fp8_grad_amax.item() == 0 for m in layers)
+    assert "fp8_grad_amax" not in twin.state_dict()
+    fn = torch.compile(twin)
+    torch._dynamo.reset()
+    for _ in range(2):
+        fn(torch.randn(32, 32)).square().mean().backward()
+        fp8ops.step(twin)
+    assert all(bool((m.fp8_amax_history[-2:, 2] > 0).all()) for m in layers)
