@@ -324,15 +324,22 @@ __device__ __forceinline__ void cast_vec_fast(const uint4& v, float scale, uint3
 }
 
 // Exact conversion of one 16-byte vector for any values (NaN, inf): each
-// element through cast_byte.
+// element through cast_byte. Its packed words come back by value (a uint2; the
+// second word 0 for fp32). Not inlined: the kernels' fast path then keeps the
+// registers it would have alone. Inlined eight times into the transposing
+// kernel, this rare path (a NaN / inf among a thread's inputs, or a negative
+// scale) made ptxas spill 380-668 bytes per thread of the bf16 instances at
+// their 64-register bound, slowing the common path's cast + transpose by ~5 %
+// on an H200 (RESULTS.md, section 2).
 template <int DT, int FMT>
-__device__ __forceinline__ void cast_vec_full(const uint4& v, float scale, uint32_t* p) {
+__device__ __noinline__ uint2 cast_vec_full(uint4 v, float scale) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
   if constexpr (DT == FP8OPS_F32) {
-    p[0] = pack4(cast_byte<FMT>(fp8ops_bits_f32(w[0]), scale),
-                 cast_byte<FMT>(fp8ops_bits_f32(w[1]), scale),
-                 cast_byte<FMT>(fp8ops_bits_f32(w[2]), scale),
-                 cast_byte<FMT>(fp8ops_bits_f32(w[3]), scale));
+    return make_uint2(pack4(cast_byte<FMT>(fp8ops_bits_f32(w[0]), scale),
+                            cast_byte<FMT>(fp8ops_bits_f32(w[1]), scale),
+                            cast_byte<FMT>(fp8ops_bits_f32(w[2]), scale),
+                            cast_byte<FMT>(fp8ops_bits_f32(w[3]), scale)),
+                      0u);
   } else {
     uint32_t b[8];
 #pragma unroll
@@ -340,8 +347,7 @@ __device__ __forceinline__ void cast_vec_full(const uint4& v, float scale, uint3
       const uint16_t h = (uint16_t)(w[k >> 1] >> (16 * (k & 1)));
       b[k] = cast_byte<FMT>(DT == FP8OPS_BF16 ? fp8ops_bf16_to_f32(h) : fp8ops_f16_to_f32(h), scale);
     }
-    p[0] = pack4(b[0], b[1], b[2], b[3]);
-    p[1] = pack4(b[4], b[5], b[6], b[7]);
+    return make_uint2(pack4(b[0], b[1], b[2], b[3]), pack4(b[4], b[5], b[6], b[7]));
   }
 }
 
@@ -362,7 +368,11 @@ __device__ __forceinline__ void cast_batch(const uint4 (&v)[N], float scale, Abs
     for (int i = 0; i < N; ++i) cast_vec_fast<DT, FMT>(v[i], scale, p[i]);
   } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) cast_vec_full<DT, FMT>(v[i], scale, p[i]);
+    for (int i = 0; i < N; ++i) {
+      const uint2 q = cast_vec_full<DT, FMT>(v[i], scale);
+      p[i][0] = q.x;
+      if constexpr (VecInfo<DT>::words == 2) p[i][1] = q.y;
+    }
   }
 }
 
