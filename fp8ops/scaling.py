@@ -376,26 +376,28 @@ def fold_grad_amax(layers: list[Fp8Linear]) -> None:
         for layer in layers:
             # (.data: no version counter moves. A layer whose history was not written since the last
             # look is not read again, _find_compiled_casts; no backward still to come reads these)
-            bufs = {n: t.data for n, t in layer._buffers.items() if n in _linear._SCALING_BUFFERS}
-            h, ga = bufs["fp8_amax_history"], bufs["fp8_grad_amax"]
-            if h.is_meta or (h.is_cuda and torch.cuda.is_current_stream_capturing()):
+            bufs = layer._buffers
+            h, ga = bufs["fp8_amax_history"].data, bufs["fp8_grad_amax"].data
+            if h.is_meta:
                 continue
             d = layer.__dict__
             slot = h[0, G:G + 1]
             if d["fp8_config"].recipe != "delayed":
-                ops._amax_update(ga.clone().reshape(1, 1), bufs["fp8_scale"][G:G + 1], bufs["fp8_scale_inv"][G:G + 1],
-                                 bufs["fp8_max"][G:G + 1], float(d["fp8_config"].margin), "most_recent",
-                                 overflow_count=bufs["fp8_overflow_count"][G:G + 1])
+                cfg = d["fp8_config"]
+                ops._amax_update(ga.clone().reshape(1, 1), bufs["fp8_scale"].data[G:G + 1],
+                                 bufs["fp8_scale_inv"].data[G:G + 1], bufs["fp8_max"].data[G:G + 1], float(cfg.margin),
+                                 "most_recent", overflow_count=bufs["fp8_overflow_count"].data[G:G + 1])
                 slot.copy_(torch.where(ga != 0, ga, slot))
                 ga.zero_()
                 continue
             if not d["_fp8_delayed_ready"]:
-                bufs["fp8_overflow_count"][G:G + 1].add_(ga.isfinite().logical_not())
+                bufs["fp8_overflow_count"].data[G:G + 1].add_(ga.isfinite().logical_not())
             found = by_device.setdefault(h.device, ([], []))
             # (the max over the bits as int32, as the casts' atomicMax folds: NaN's bits as they came)
             found[0].append(slot.view(torch.int32))
             found[1].append(ga.view(torch.int32))
         for slots, grad_amaxes in by_device.values():
+            # (no sync: also inside a CUDA graph capture of the optimizer step)
             torch._foreach_maximum_(slots, grad_amaxes)
             torch._foreach_zero_(grad_amaxes)
 
