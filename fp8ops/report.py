@@ -13,6 +13,7 @@ from .conv1d import is_hf_conv1d
 from .fsdp import fp8_all_gather_enabled
 from .linear import G, W, X, Fp8Linear
 from .policy import rows_label
+from .scaling import fold_grad_amax
 
 
 # what a layer runs now (report's "runs" column). "BF16" means "not FP8": nn.Linear's own
@@ -86,6 +87,7 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     BF16; compiled code does not count). Prints a table
     unless print_table=False.
     Reading the scales synchronises with the GPU once."""
+    fold_grad_amax([m for m in model.modules() if isinstance(m, Fp8Linear)])  # (compiled backwards' dy amaxes)
     decisions = decisions_of(model)
     rows = []
     for name, m in model.named_modules():

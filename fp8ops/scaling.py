@@ -355,7 +355,9 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     the ranks of each layer's scaling group (set_scaling_group; else `group`, None:
     every rank), one collective per group, in the order the groups first appear."""
     serial = loop_trial.note_optimizer_step()  # (policy auto's trial counts its steps by these too)
-    fold_grad_amax(layers)
+    # every live layer's, not only these: also a frozen one no optimizer steps (a LoRA base whose
+    # input still needs its gradient), whose dy amax and NaN/inf counts eager code records too
+    fold_grad_amax(list(_LAYERS))
     for g, members in by_scaling_group(layers, group):
         _update_group(members, g, serial)
 
@@ -363,7 +365,8 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
 def fold_grad_amax(layers: list[Fp8Linear]) -> None:
     """Compiled backwards fold dy's amax into each layer's fp8_grad_amax, not into its
     history (linear._scaled_grad_output): fold it in there as eager backward's casts do, and
-    zero it. Before anything reads row 0 (the update, its all-reduce, a saved scaling state).
+    zero it. Before anything reads row 0 (the update, its all-reduce, a saved scaling state, the
+    report), for every live layer at each optimizer step.
     Delayed scaling: the max, one launch per device for all layers. Where dy is on current
     scaling its scale stays in copies in compiled code: the NaN/inf count of the step's amax
     here (eager code counts each cast), and under the current recipe the scale of the step's
@@ -377,9 +380,10 @@ def fold_grad_amax(layers: list[Fp8Linear]) -> None:
             # (.data: no version counter moves. A layer whose history was not written since the last
             # look is not read again, _find_compiled_casts; no backward still to come reads these)
             bufs = layer._buffers
-            h, ga = bufs["fp8_amax_history"].data, bufs["fp8_grad_amax"].data
-            if h.is_meta:
+            h, ga = bufs.get("fp8_amax_history"), bufs.get("fp8_grad_amax")
+            if h is None or ga is None or h.is_meta:
                 continue
+            h, ga = h.data, ga.data
             d = layer.__dict__
             slot = h[0, G:G + 1]
             if d["fp8_config"].recipe != "delayed":

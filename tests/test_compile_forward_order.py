@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import fp8ops
 from fp8ops._reference import sqnr
-from fp8ops.linear import Fp8Linear
+from fp8ops.linear import G, Fp8Linear
 
 from conftest import FP8_DEVICES, convert_as_on_fp8_gpu, requires_fp8
 
@@ -221,3 +221,56 @@ def test_a_layer_pickled_before_the_compiled_amax_slot_trains_compiled(monkeypat
         fn(torch.randn(32, 32)).square().mean().backward()
         fp8ops.step(twin)
     assert all(bool((m.fp8_amax_history[-2:, 2] > 0).all()) for m in layers)
+
+
+class _FrozenMiddle(nn.Module):
+    """up (trains) -> mid (frozen: its input still needs the gradient) -> head (trains); a hook
+    may put NaN into the gradient reaching mid's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.mid, self.head = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 16)
+        self.poison = None
+
+    def forward(self, x):
+        h = self.mid(torch.relu(self.up(x)))
+        if self.poison is not None and h.requires_grad:
+            value = self.poison
+
+            def hook(g):
+                g = g.clone()
+                g.view(-1)[0] = value
+                return g
+            h.register_hook(hook)
+        return self.head(torch.relu(h))
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_a_frozen_layer_records_dy_amax_and_nan_counts_compiled_as_eager(monkeypatch, recipe):
+    """A layer no optimizer steps (frozen weight and bias, its input's gradient still needed: a
+    LoRA base) stays on current scaling; its compiled backward's dy amax and NaN/inf count reach
+    its buffers at the other layers' optimizer step (scaling.update_scales folds every live
+    layer), as eager code records them per cast. A NaN in its dy at step 1."""
+    torch.manual_seed(0)
+    base = convert_as_on_fp8_gpu(_FrozenMiddle(), monkeypatch, recipe=recipe)
+    for p in base.mid.parameters():
+        p.requires_grad_(False)
+    runs = []
+    for compiled in (False, True):
+        model = copy.deepcopy(base)
+        fn = torch.compile(model) if compiled else model
+        torch._dynamo.reset()
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+        torch.manual_seed(1)
+        for step in range(4):
+            model.poison = float("nan") if step == 1 else None
+            fn(torch.randn(32, 32) * (1 + 3 * step)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs.append((model.mid.fp8_amax_history.clone(), model.mid.fp8_overflow_count.clone(),
+                     model.mid.fp8_grad_amax.clone()))
+    (h1, o1, _), (h2, o2, ga2) = runs
+    assert torch.equal(o1, o2) and o1[G] >= 1  # (dy's NaN counted: one call per step, so once either way)
+    assert ga2.item() == 0  # (folded at the last step)
+    if recipe == "delayed":  # (under the current recipe the step's max, eager's last: one call, the same)
+        assert torch.allclose(h1[0, G:], h2[0, G:], rtol=1e-3, equal_nan=True) and bool(h1[0, G].isnan())
