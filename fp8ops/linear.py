@@ -798,6 +798,7 @@ class Fp8Linear(nn.Linear):
         d["_fp8_bf16_key"] = None
         d["_fp8_si_version"] = None
         d.pop("_fp8_views_flat", None)
+        d.pop("_fp8_fold_views", None)  # (scaling.fold_grad_amax's)
         if d.get("_fp8_pending"):
             from .loop_trial import forget  # noqa: PLC0415
             forget(self)
@@ -902,6 +903,7 @@ class Fp8Linear(nn.Linear):
         state = self.__dict__.copy()
         state["_w_cache"] = None
         state.pop("_fp8_views_flat", None)
+        state.pop("_fp8_fold_views", None)
         state.pop("_fp8_trial_watch", None)  # (a finalizer of this object: loop_trial._watch)
         if not isinstance(state.get("_fp8_group", ""), str):
             # a ProcessGroup (scaling.set_scaling_group) does not pickle: a copy takes the
