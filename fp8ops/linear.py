@@ -202,9 +202,10 @@ def _scaled_grad_output(ctx, gy: torch.Tensor):
     history here failed those checks, and behind them folded dy's amax into a
     forward-time copy of the whole history. Instead the cast folds dy's amax into
     fp8_grad_amax, a [1] buffer that only these casts (fp8ops::linear_bwd_sink, whose
-    schema does not declare that write) and eager code at the optimizer step touch
-    (scaling.fold_grad_amax); the scales come from _keep_scales, and under current
-    scaling dy's scale is computed into copies (the buffers keep theirs until the step)."""
+    schema does not declare that write) and eager code touch (scaling.fold_grad_amax: at each
+    optimizer step, in scaling_state_dict and in the report); the scales come from
+    _keep_scales, and under current scaling dy's scale is computed into copies (the buffers
+    keep theirs until the step)."""
     static = ctx.static
     current, margin, delayed, current_g = static[5], static[6], static[9], static[12]
     views = ctx.views
