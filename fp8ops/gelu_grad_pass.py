@@ -93,8 +93,6 @@ def _is_linear_bwd(node) -> bool:
 def _gy_args(node) -> tuple:
     """(gy, gelu_input) of the linear_bwd call `node`."""
     args, kwargs = node.args, node.kwargs
-    if "gy" in kwargs and "gelu_input" in kwargs:
-        return kwargs["gy"], kwargs["gelu_input"]
     return (kwargs["gy"] if "gy" in kwargs else args[_GY],
             kwargs["gelu_input"] if "gelu_input" in kwargs else args[_GELU_INPUT])
 
