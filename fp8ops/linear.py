@@ -233,14 +233,14 @@ def _keep_scales(ctx, views: tuple, static: tuple) -> torch.Tensor:
     before this backward; compiled code's version checks would refuse the write)."""
     compiled = ctx.compiled = torch.compiler.is_compiling()
     sx_inv, sw_inv = views[V_SI + X], views[V_SI + W]
-    g_scales = (views[V_S + G], views[V_SI + G])
     if static[5]:
         sx_inv = sx_inv.clone()
         if compiled:
-            sw_inv, g_scales = sw_inv.clone(), (g_scales[0].clone(), g_scales[1].clone())
+            sw_inv = sw_inv.clone()
     ctx.sw_inv = sw_inv
     if compiled:
-        ctx.g_scales = g_scales
+        sg, sg_inv = views[V_S + G], views[V_SI + G]
+        ctx.g_scales = (sg.clone(), sg_inv.clone()) if static[5] else (sg, sg_inv)
     return sx_inv
 
 
@@ -723,12 +723,13 @@ class Fp8Linear(nn.Linear):
         h, s, si, m, o, ga = (bufs["fp8_amax_history"], bufs["fp8_scale"], bufs["fp8_scale_inv"], bufs["fp8_max"],
                               bufs["fp8_overflow_count"], bufs["fp8_grad_amax"])
         if not compiling:
-            ptrs = (h.data_ptr(), s.data_ptr(), si.data_ptr(), m.data_ptr(), o.data_ptr(), ga.data_ptr())
+            # (fp8_grad_amax is not checked: only compiled code, which slices afresh, reads it)
+            ptrs = (h.data_ptr(), s.data_ptr(), si.data_ptr(), m.data_ptr(), o.data_ptr())
             cached = self.__dict__.get("_fp8_views_flat")
             if cached is not None:
                 c, cptrs = cached
                 if c[V_BUFFERS] is h and c[V_BUFFERS + 1] is s and c[V_BUFFERS + 2] is si \
-                        and c[V_BUFFERS + 3] is m and c[V_OVERFLOW] is o and c[V_GRAD_AMAX] is ga and cptrs == ptrs:
+                        and c[V_BUFFERS + 3] is m and c[V_OVERFLOW] is o and cptrs == ptrs:
                     return c
             if not _is_padded(si):
                 # .to() / .cuda() / a load made the buffer contiguous again (a buffer made under
