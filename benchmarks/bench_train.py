@@ -494,7 +494,10 @@ def main() -> int:
                 torch.cuda.synchronize()
                 per_step = [ev[i].elapsed_time(ev[i + 1]) for i in range(args.steps)]
                 total_ms = ev[0].elapsed_time(ev[-1])
+                # (each step's time kept: a slow step moves tokens/s, the target's measure, and
+                # not the median; the line below names the slowest where it stands out)
                 row.update(step_ms_median=statistics.median(per_step), total_ms=total_ms,
+                           step_ms=[round(t, 3) for t in per_step],
                            tokens_per_s=B * T * args.steps / (total_ms * 1e-3),
                            peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
                            model_tflops=fpt * B * T * args.steps / (total_ms * 1e-3) / 1e12,
@@ -502,6 +505,11 @@ def main() -> int:
                 print(f"  {v}: {row['tokens_per_s']:,.0f} tok/s, {row['step_ms_median']:.1f} ms/step, "
                       f"peak {row['peak_mem_gib']:.2f} GiB, {row['model_tflops']:.0f} model TFLOP/s "
                       f"({row['note']})", flush=True)
+                slowest = max(range(args.steps), key=per_step.__getitem__)
+                if per_step[slowest] > 1.05 * row["step_ms_median"]:
+                    print(f"  {v}: slowest timed step {slowest + 1} of {args.steps}: {per_step[slowest]:.1f} ms "
+                          f"({per_step[slowest] / row['step_ms_median']:.2f}x the median; all steps in the JSON)",
+                          flush=True)
             except torch.cuda.OutOfMemoryError as e:
                 row["error"] = f"OOM: {str(e).splitlines()[0]}"
                 print(f"  {v}: OUT OF MEMORY (try --batch-1b smaller): {row['error']}")

@@ -157,7 +157,7 @@ def _apply(fn_cls, compiling: bool, *args):
 
 
 def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float, keep_history: bool = False,
-                   reduce=None, count: bool = True):
+                   reduce=None, count: bool = True, into: tuple | None = None):
     """Current (dynamic) scaling of one tensor: its amax now -> scale. Reuses
     amax_update with most_recent, so the rules (zero / non-finite amax keeps the
     previous scale) are the same code, and a NaN/inf amax is counted in the
@@ -169,22 +169,25 @@ def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float, kee
     (scaling.update_scales): a layer no optimizer steps (a frozen LoRA base)
     stays here and still counts. reduce(amax): in place, e.g. the max over the
     shards of an FSDP2 weight. count=False: a NaN/inf amax is left to the update to count (a
-    layer on delayed scaling whose dy alone is scaled here, scaling._unprimed)."""
+    layer on delayed scaling whose dy alone is scaled here, scaling._unprimed). into: the
+    ([1] scale, [1] scale_inv) to set instead of the layer's, which writes nothing of the
+    layer's (compiled backward's copies, _scaled_grad_output)."""
     history, scale, scale_inv, fp8_max = views[V_BUFFERS:V_BUFFERS + 4]
     with torch.no_grad():
         a = ops._amax_raw(t2d.detach())
         if reduce is not None:
             a = a.reshape(1)
             reduce(a)
-        if keep_history:
+        if keep_history or into is not None:
             h = a.reshape(1, 1)
         else:
             h = history[:1, col:col + 1]
             h.copy_(a.reshape(1, 1))
+        s, si = (scale[col:col + 1], scale_inv[col:col + 1]) if into is None else into
         # a NaN/inf amax keeps the previous scale; amax_update counts the event
         # in the same launch
-        ops._amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent",
-                         overflow_count=views[V_OVERFLOW][col:col + 1] if count else None)
+        ops._amax_update(h, s, si, fp8_max[col:col + 1], margin, "most_recent",
+                         overflow_count=views[V_OVERFLOW][col:col + 1] if count and into is None else None)
 
 
 def _scaled_grad_output(ctx, gy: torch.Tensor):
@@ -217,11 +220,8 @@ def _scaled_grad_output(ctx, gy: torch.Tensor):
         return g2, views[V_S + G], views[V_SI + G], views[V_H + G]
     sg, sg_inv = ctx.g_scales
     if current_g:
-        # _current_scale's rules (a zero or NaN/inf amax keeps the scale), on copies
         sg, sg_inv = sg.clone(), sg_inv.clone()
-        with torch.no_grad():
-            ops._amax_update(ops._amax_raw(g2.detach()).reshape(1, 1), sg, sg_inv, views[V_BUFFERS + 3][G:G + 1],
-                             margin, "most_recent")
+        _current_scale(g2, views, G, margin, into=(sg, sg_inv))
     return g2, sg, sg_inv, views[V_GRAD_AMAX]
 
 

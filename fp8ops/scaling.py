@@ -366,15 +366,20 @@ def fold_grad_amax(layers: list[Fp8Linear]) -> None:
     """Compiled backwards fold dy's amax into each layer's fp8_grad_amax, not into its
     history (linear._scaled_grad_output): fold it in there as eager backward's casts do, and
     zero it. Before anything reads row 0 (the update, its all-reduce, a saved scaling state, the
-    report), for every live layer at each optimizer step.
-    Delayed scaling: the max, one launch per device for all layers. Where dy is on current
-    scaling its scale stays in copies in compiled code: the NaN/inf count of the step's amax
-    here (eager code counts each cast), and under the current recipe the scale of the step's
-    largest amax is set as well (eager code leaves the last cast's there), with that amax in
-    row 0. Nothing to do where no FP8 forward was ever compiled in this process."""
+    report), for every live layer at each optimizer step: the max over the bits as int32, as
+    the casts' atomicMax folds, one launch per device for all layers.
+    Where dy is on current scaling its scale stays in copies in compiled code: the NaN/inf
+    count of the step's amax here (eager code counts each cast), and under the current recipe
+    the scale of the step's largest amax is set as well (eager code leaves the last cast's
+    there; the CUDA layers' in one launch per device), with the step's largest amax in row 0.
+    No version counter moves (.data, raw pointers): an eager backward still to come sets dy's
+    scale itself under current scaling, and this also runs in scaling_state_dict and the report.
+    Nothing to do where no FP8 forward was ever compiled in this process."""
     if _linear._TRACES[0] == 0:
         return
     by_device: dict = {}
+    scale_jobs: dict = {}  # the current recipe's CUDA layers: device -> amax_update_many jobs
+    core = _loader._C
     with torch.no_grad():
         for layer in layers:
             bufs, d = layer._buffers, layer.__dict__
@@ -391,25 +396,46 @@ def fold_grad_amax(layers: list[Fp8Linear]) -> None:
                 slot = h[0, G:G + 1]
                 c = d["_fp8_fold_views"] = (hb, gb, (hb.data_ptr(), gb.data_ptr()), h, ga, slot,
                                             slot.view(torch.int32), ga.view(torch.int32))
-            h, ga, slot = c[3], c[4], c[5]
+            h, ga = c[3], c[4]
             if d["fp8_config"].recipe != "delayed":
-                cfg = d["fp8_config"]
-                ops._amax_update(ga.clone().reshape(1, 1), bufs["fp8_scale"].data[G:G + 1],
-                                 bufs["fp8_scale_inv"].data[G:G + 1], bufs["fp8_max"].data[G:G + 1], float(cfg.margin),
-                                 "most_recent", overflow_count=bufs["fp8_overflow_count"].data[G:G + 1])
-                slot.copy_(torch.where(ga != 0, ga, slot))
-                ga.zero_()
-                continue
-            if not d["_fp8_delayed_ready"]:
+                job = _grad_scale_job(layer, ga) if core is not None else None
+                if job is not None:
+                    scale_jobs.setdefault(job[0], []).append(job[1])
+                else:  # (CPU, or buffers of another layout: the checked op, one layer at a time)
+                    cfg = d["fp8_config"]
+                    ops._amax_update(ga.clone().reshape(1, 1), bufs["fp8_scale"].data[G:G + 1],
+                                     bufs["fp8_scale_inv"].data[G:G + 1], bufs["fp8_max"].data[G:G + 1],
+                                     float(cfg.margin), "most_recent",
+                                     overflow_count=bufs["fp8_overflow_count"].data[G:G + 1])
+            elif not d["_fp8_delayed_ready"]:
                 bufs["fp8_overflow_count"].data[G:G + 1].add_(ga.isfinite().logical_not())
             found = by_device.setdefault(h.device, ([], []))
-            # (the max over the bits as int32, as the casts' atomicMax folds: NaN's bits as they came)
             found[0].append(c[6])
             found[1].append(c[7])
+        # (no sync: also inside a CUDA graph capture of the optimizer step. The scale jobs read
+        # fp8_grad_amax, and may roll it as a one-row history: after the max, before the zeroing)
         for slots, grad_amaxes in by_device.values():
-            # (no sync: also inside a CUDA graph capture of the optimizer step)
             torch._foreach_maximum_(slots, grad_amaxes)
+        for device, jobs in scale_jobs.items():
+            core.amax_update_many(device, jobs)
+        for _slots, grad_amaxes in by_device.values():
             torch._foreach_zero_(grad_amaxes)
+
+
+def _grad_scale_job(layer: Fp8Linear, grad_amax: torch.Tensor):
+    """(device index, job) for _C.amax_update_many: dy's scale from the step's largest
+    compiled dy amax (fp8_grad_amax as a one-row history, "most_recent": a zero or NaN/inf
+    amax keeps the scale, and a NaN/inf is counted), or None where _fast_job refuses the
+    layer's buffers or fp8_grad_amax is not one float32 on their device."""
+    found = _fast_job(layer)
+    if found is None:
+        return None
+    dev, (hp, sp, sip, mp, op, n, _h, stride, margin, _algo) = found
+    if not (grad_amax.dtype is torch.float32 and grad_amax.numel() == 1 and grad_amax.device.index == dev
+            and grad_amax.is_cuda and G < n):
+        return None
+    return dev, (grad_amax.data_ptr(), sp + 4 * G, sip + 4 * G * stride, mp + 4 * G, op + 8 * G, 1, 1, stride,
+                 margin, ops.AMAX_ALGOS["most_recent"])
 
 
 def by_scaling_group(layers: list[Fp8Linear], group=None) -> list[tuple]:

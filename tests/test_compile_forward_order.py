@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import fp8ops
 from fp8ops._reference import sqnr
-from fp8ops.linear import G, Fp8Linear
+from fp8ops.linear import G, W, X, Fp8Linear
 
 from conftest import FP8_DEVICES, convert_as_on_fp8_gpu, requires_fp8
 
@@ -274,3 +274,45 @@ def test_a_frozen_layer_records_dy_amax_and_nan_counts_compiled_as_eager(monkeyp
     assert ga2.item() == 0  # (folded at the last step)
     if recipe == "delayed":  # (under the current recipe the step's max, eager's last: one call, the same)
         assert torch.allclose(h1[0, G:], h2[0, G:], rtol=1e-3, equal_nan=True) and bool(h1[0, G].isnan())
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_the_step_sets_the_current_recipes_dy_scale_from_the_compiled_amax(monkeypatch, device):
+    """scaling.fold_grad_amax under the current recipe, layer by layer: dy's scale from the
+    step's compiled dy amax (fp8_max / amax; a zero, NaN or inf amax keeps the scale, and a
+    NaN/inf is counted), its scale_inv 1 / scale, row 0 of the history the max of what it held
+    and that amax, fp8_grad_amax zeroed. On CUDA one launch
+    serves all layers (amax_update_many), on the CPU the checked op runs per layer."""
+    from fp8ops import scaling  # noqa: PLC0415
+    from fp8ops import linear as fp8_linear  # noqa: PLC0415
+
+    base = nn.Sequential(*[nn.Linear(32, 32) for _ in range(5)])
+    if device == "cpu":
+        model = convert_as_on_fp8_gpu(base, monkeypatch, recipe="current")
+    else:
+        model = fp8ops.convert(base.to(device), config=fp8ops.Fp8Config(policy="always", recipe="current"))
+    layers = list(model)
+    amaxes = [0.0, 3.5, float("nan"), float("inf"), 0.25]
+    held = [0.0, 0.0, 0.0, 1.0, 1.0]  # row 0's dy amax before the fold
+    for m, a, r0 in zip(layers, amaxes, held):
+        m.fp8_grad_amax.fill_(a)
+        m.fp8_amax_history[0, G] = r0
+        m.fp8_scale[G] = 2.0
+        m.fp8_scale_inv[G] = 0.5
+    versions = [m.fp8_scale_inv._version for m in layers]
+    monkeypatch.setattr(fp8_linear, "_TRACES", [1])
+    scaling.fold_grad_amax(layers)
+    for m, a, r0, v in zip(layers, amaxes, held, versions):
+        fmax = float(m.fp8_max[G])
+        ok = a == a and a not in (0.0, float("inf"))
+        want = torch.tensor(fmax, dtype=torch.float32) / torch.tensor(a, dtype=torch.float32) if ok else torch.tensor(2.0)
+        assert float(m.fp8_scale[G]) == float(want), (a, float(m.fp8_scale[G]))
+        assert float(m.fp8_scale_inv[G]) == float(1 / want), a
+        assert int(m.fp8_overflow_count[G]) == (0 if a == a and a != float("inf") else 1), a
+        row0 = float(m.fp8_amax_history[0, G])
+        assert (row0 != row0) if a != a else row0 == max(a, r0), (a, row0)
+        assert float(m.fp8_grad_amax) == 0.0
+        # (no version counter moves: an eager backward still to come, which sets dy's scale itself under
+        # current scaling, is not refused when the report or a saved state folds before it)
+        assert m.fp8_scale_inv._version == v
+        assert float(m.fp8_scale[X]) == 1.0 and float(m.fp8_scale[W]) == 1.0  # (x's and w's: untouched)
