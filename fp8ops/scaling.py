@@ -366,19 +366,20 @@ def fold_grad_amax(layers: list[Fp8Linear]) -> None:
     """Compiled backwards fold dy's amax into each layer's fp8_grad_amax, not into its
     history (linear._scaled_grad_output): fold it in there as eager backward's casts do, and
     zero it. Before anything reads row 0 (the update, its all-reduce, a saved scaling state, the
-    report), for every live layer at each optimizer step: the max over the bits as int32, as
-    the casts' atomicMax folds, one launch per device for all layers.
+    report), for every live layer at each optimizer step, in a few launches per device for all
+    layers. Delayed scaling: the max over the bits as int32, as the casts' atomicMax folds.
     Where dy is on current scaling its scale stays in copies in compiled code: the NaN/inf
     count of the step's amax here (eager code counts each cast), and under the current recipe
-    the scale of the step's largest amax is set as well (eager code leaves the last cast's
-    there; the CUDA layers' in one launch per device), with the step's largest amax in row 0.
-    No version counter moves (.data, raw pointers): an eager backward still to come sets dy's
+    the scale of the step's largest amax is set as well (amax_update_many on CUDA), with that
+    amax in row 0 in place of the one there (eager code leaves the last cast's in both). No
+    version counter moves (.data, raw pointers): an eager backward still to come sets dy's
     scale itself under current scaling, and this also runs in scaling_state_dict and the report.
     Nothing to do where no FP8 forward was ever compiled in this process."""
     if _linear._TRACES[0] == 0:
         return
-    by_device: dict = {}
-    scale_jobs: dict = {}  # the current recipe's CUDA layers: device -> amax_update_many jobs
+    delayed: dict = {}     # device -> (row 0's dy slots, fp8_grad_amax), as int32
+    current: dict = {}     # device -> (row 0's dy slots, fp8_grad_amax): the current recipe's
+    scale_jobs: dict = {}  # device -> amax_update_many jobs: the current recipe's CUDA layers
     core = _loader._C
     with torch.no_grad():
         for layer in layers:
@@ -396,30 +397,37 @@ def fold_grad_amax(layers: list[Fp8Linear]) -> None:
                 slot = h[0, G:G + 1]
                 c = d["_fp8_fold_views"] = (hb, gb, (hb.data_ptr(), gb.data_ptr()), h, ga, slot,
                                             slot.view(torch.int32), ga.view(torch.int32))
-            h, ga = c[3], c[4]
-            if d["fp8_config"].recipe != "delayed":
-                job = _grad_scale_job(layer, ga) if core is not None else None
-                if job is not None:
-                    scale_jobs.setdefault(job[0], []).append(job[1])
-                else:  # (CPU, or buffers of another layout: the checked op, one layer at a time)
-                    cfg = d["fp8_config"]
-                    ops._amax_update(ga.clone().reshape(1, 1), bufs["fp8_scale"].data[G:G + 1],
-                                     bufs["fp8_scale_inv"].data[G:G + 1], bufs["fp8_max"].data[G:G + 1],
-                                     float(cfg.margin), "most_recent",
-                                     overflow_count=bufs["fp8_overflow_count"].data[G:G + 1])
-            elif not d["_fp8_delayed_ready"]:
-                bufs["fp8_overflow_count"].data[G:G + 1].add_(ga.isfinite().logical_not())
-            found = by_device.setdefault(h.device, ([], []))
-            found[0].append(c[6])
-            found[1].append(c[7])
+            h, ga, slot = c[3], c[4], c[5]
+            if d["fp8_config"].recipe == "delayed":
+                if not d["_fp8_delayed_ready"]:
+                    bufs["fp8_overflow_count"].data[G:G + 1].add_(ga.isfinite().logical_not())
+                found = delayed.setdefault(h.device, ([], []))
+                found[0].append(c[6])
+                found[1].append(c[7])
+                continue
+            found = current.setdefault(h.device, ([], []))
+            found[0].append(slot)
+            found[1].append(ga)
+            job = _grad_scale_job(layer, ga) if core is not None else None
+            if job is not None:
+                scale_jobs.setdefault(job[0], []).append(job[1])
+            else:  # (CPU, or buffers of another layout: the checked op, one layer at a time)
+                cfg = d["fp8_config"]
+                ops._amax_update(ga.clone().reshape(1, 1), bufs["fp8_scale"].data[G:G + 1],
+                                 bufs["fp8_scale_inv"].data[G:G + 1], bufs["fp8_max"].data[G:G + 1],
+                                 float(cfg.margin), "most_recent",
+                                 overflow_count=bufs["fp8_overflow_count"].data[G:G + 1])
         # (no sync: also inside a CUDA graph capture of the optimizer step. The scale jobs read
-        # fp8_grad_amax, and may roll it as a one-row history: after the max, before the zeroing)
-        for slots, grad_amaxes in by_device.values():
+        # fp8_grad_amax, and roll it as a one-row history: before the zeroing, as the slots)
+        for slots, grad_amaxes in delayed.values():
             torch._foreach_maximum_(slots, grad_amaxes)
+        for slots, grad_amaxes in current.values():
+            ga_all = torch.cat(grad_amaxes)
+            torch._foreach_copy_(slots, list(torch.where(ga_all != 0, ga_all, torch.cat(slots)).split(1)))
         for device, jobs in scale_jobs.items():
             core.amax_update_many(device, jobs)
-        for _slots, grad_amaxes in by_device.values():
-            torch._foreach_zero_(grad_amaxes)
+        for found in (*delayed.values(), *current.values()):
+            torch._foreach_zero_(found[1])
 
 
 def _grad_scale_job(layer: Fp8Linear, grad_amax: torch.Tensor):
