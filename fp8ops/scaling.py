@@ -370,16 +370,18 @@ def fold_grad_amax(layers: list[Fp8Linear]) -> None:
     layers. Delayed scaling: the max over the bits as int32, as the casts' atomicMax folds.
     Where dy is on current scaling its scale stays in copies in compiled code: the NaN/inf
     count of the step's amax here (eager code counts each cast), and under the current recipe
-    the scale of the step's largest amax is set as well (amax_update_many on CUDA), with that
-    amax in row 0 in place of the one there (eager code leaves the last cast's in both). No
-    version counter moves (.data, raw pointers): an eager backward still to come sets dy's
-    scale itself under current scaling, and this also runs in scaling_state_dict and the report.
+    the scale of the step's largest amax is set as well (one amax_update_many call per device
+    on CUDA), with that amax in row 0 in place of the one there (eager code leaves the last
+    cast's in both). No version counter moves (.data, raw pointers): an eager backward still to
+    come sets dy's scale itself under current scaling, and this also runs in scaling_state_dict
+    and the report.
     Nothing to do where no FP8 forward was ever compiled in this process."""
     if _linear._TRACES[0] == 0:
         return
     delayed: dict = {}     # device -> (row 0's dy slots, fp8_grad_amax), as int32
     current: dict = {}     # device -> (row 0's dy slots, fp8_grad_amax): the current recipe's
     scale_jobs: dict = {}  # device -> amax_update_many jobs: the current recipe's CUDA layers
+    unready: list = []     # (overflow count slot, fp8_grad_amax): delayed scaling's first step
     core = _loader._C
     with torch.no_grad():
         for layer in layers:
@@ -393,32 +395,39 @@ def fold_grad_amax(layers: list[Fp8Linear]) -> None:
                 # last look is not read again, _find_compiled_casts; no backward still to come reads
                 # these. Kept while the buffers are these objects over this memory: ~9 us per layer
                 # and step on the CPU box otherwise)
-                h, ga = hb.data, gb.data
+                h, ga = hb.data, gb.data.reshape(1)
                 slot = h[0, G:G + 1]
                 c = d["_fp8_fold_views"] = (hb, gb, (hb.data_ptr(), gb.data_ptr()), h, ga, slot,
                                             slot.view(torch.int32), ga.view(torch.int32))
             h, ga, slot = c[3], c[4], c[5]
             if d["fp8_config"].recipe == "delayed":
                 if not d["_fp8_delayed_ready"]:
-                    bufs["fp8_overflow_count"].data[G:G + 1].add_(ga.isfinite().logical_not())
+                    unready.append((bufs["fp8_overflow_count"].data[G:G + 1], ga))
                 found = delayed.setdefault(h.device, ([], []))
                 found[0].append(c[6])
                 found[1].append(c[7])
                 continue
-            found = current.setdefault(h.device, ([], []))
-            found[0].append(slot)
-            found[1].append(ga)
             job = _grad_scale_job(layer, ga) if core is not None else None
-            if job is not None:
-                scale_jobs.setdefault(job[0], []).append(job[1])
-            else:  # (CPU, or buffers of another layout: the checked op, one layer at a time)
+            if job is None:
+                # (CPU, or buffers of another layout: the checked op, one layer at a time, the
+                # layer done before the next, which may refuse its buffers: nothing counted twice)
                 cfg = d["fp8_config"]
                 ops._amax_update(ga.clone().reshape(1, 1), bufs["fp8_scale"].data[G:G + 1],
                                  bufs["fp8_scale_inv"].data[G:G + 1], bufs["fp8_max"].data[G:G + 1],
                                  float(cfg.margin), "most_recent",
                                  overflow_count=bufs["fp8_overflow_count"].data[G:G + 1])
-        # (no sync: also inside a CUDA graph capture of the optimizer step. The scale jobs read
-        # fp8_grad_amax, and roll it as a one-row history: before the zeroing, as the slots)
+                slot.copy_(torch.where(ga != 0, ga, slot))
+                ga.zero_()
+                continue
+            scale_jobs.setdefault(job[0], []).append(job[1])
+            found = current.setdefault(h.device, ([], []))
+            found[0].append(slot)
+            found[1].append(ga)
+        # (what follows raises nothing a layer's buffers could cause, and needs no sync: also inside
+        # a CUDA graph capture of the optimizer step. The scale jobs read fp8_grad_amax, and roll it
+        # as a one-row history: before the zeroing, as the slots)
+        for count, ga in unready:
+            count.add_(ga.isfinite().logical_not())
         for slots, grad_amaxes in delayed.values():
             torch._foreach_maximum_(slots, grad_amaxes)
         for slots, grad_amaxes in current.values():
@@ -434,15 +443,20 @@ def _grad_scale_job(layer: Fp8Linear, grad_amax: torch.Tensor):
     """(device index, job) for _C.amax_update_many: dy's scale from the step's largest
     compiled dy amax (fp8_grad_amax as a one-row history, "most_recent": a zero or NaN/inf
     amax keeps the scale, and a NaN/inf is counted), or None where _fast_job refuses the
-    layer's buffers or fp8_grad_amax is not one float32 on their device."""
+    layer's buffers, or fp8_grad_amax is not one float32 on their device apart from them (the
+    kernel writes it: it rolls the one-row history)."""
     found = _fast_job(layer)
     if found is None:
         return None
-    dev, (hp, sp, sip, mp, op, n, _h, stride, margin, _algo) = found
-    if not (grad_amax.dtype is torch.float32 and grad_amax.numel() == 1 and grad_amax.device.index == dev
-            and grad_amax.is_cuda and G < n):
+    dev, (hp, sp, sip, mp, op, n, H, stride, margin, _algo) = found
+    if not (grad_amax.dtype is torch.float32 and grad_amax.numel() == 1 and grad_amax.is_cuda
+            and grad_amax.device.index == dev and G < n):
         return None
-    return dev, (grad_amax.data_ptr(), sp + 4 * G, sip + 4 * G * stride, mp + 4 * G, op + 8 * G, 1, 1, stride,
+    gp = grad_amax.data_ptr()
+    spans = ((hp, 4 * H * n), (sp, 4 * n), (sip, 4 * ((n - 1) * stride + 1)), (mp, 4 * n), (op, 8 * n))
+    if any(start < gp + 4 and gp < start + size for start, size in spans):
+        return None
+    return dev, (gp, sp + 4 * G, sip + 4 * G * stride, mp + 4 * G, op + 8 * G, 1, 1, stride,
                  margin, ops.AMAX_ALGOS["most_recent"])
 
 

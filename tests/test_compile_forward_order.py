@@ -316,3 +316,27 @@ def test_the_step_sets_the_current_recipes_dy_scale_from_the_compiled_amax(monke
         # current scaling, is not refused when the report or a saved state folds before it)
         assert m.fp8_scale_inv._version == v
         assert float(m.fp8_scale[X]) == 1.0 and float(m.fp8_scale[W]) == 1.0  # (x's and w's: untouched)
+
+
+def test_a_fold_refused_by_one_layer_counts_nothing_twice(monkeypatch):
+    """A layer whose buffers the checked op refuses (a user's float64 fp8_grad_amax) makes the
+    step's fold raise; the layers before it are folded whole or not at all, so the next fold
+    counts no NaN twice and leaves no amax behind."""
+    from fp8ops import scaling  # noqa: PLC0415
+    from fp8ops import linear as fp8_linear  # noqa: PLC0415
+
+    model = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)),
+                                  monkeypatch, recipe="current")
+    first, bad, delayed = model
+    delayed.fp8_config = fp8ops.Fp8Config(policy="always", recipe="delayed")
+    first.fp8_grad_amax.fill_(float("nan"))
+    delayed.fp8_grad_amax.fill_(float("inf"))
+    bad._buffers["fp8_grad_amax"] = torch.zeros(1, dtype=torch.float64)
+    monkeypatch.setattr(fp8_linear, "_TRACES", [1])
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="float32"):
+            scaling.fold_grad_amax([first, delayed, bad])
+    assert int(first.fp8_overflow_count[G]) == 1 and float(first.fp8_grad_amax) == 0.0
+    assert bool(first.fp8_amax_history[0, G].isnan())
+    # (the delayed layer after it in the batch: not folded yet, and not counted either)
+    assert int(delayed.fp8_overflow_count[G]) == 0 and float(delayed.fp8_grad_amax) == float("inf")
