@@ -357,7 +357,9 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     serial = loop_trial.note_optimizer_step()  # (policy auto's trial counts its steps by these too)
     # every live layer's, not only these: also a frozen one no optimizer steps (a LoRA base whose
     # input still needs its gradient), whose dy amax and NaN/inf counts eager code records too
-    fold_grad_amax(list(_LAYERS))
+    # (the list of every live layer built only once a compiled FP8 forward exists: eager steps skip it)
+    if _linear._TRACES[0]:
+        fold_grad_amax(list(_LAYERS))
     for g, members in by_scaling_group(layers, group):
         _update_group(members, g, serial)
 
