@@ -140,6 +140,17 @@ def gelu_grads_fused() -> int:
     return gelu_grad_pass.FUSED[0]
 
 
+def cat_grads_fused() -> int:
+    """Fp8Linear backwards inductor's pass has given their dy as the pieces of a concatenation
+    (the q, k, v gradients), read in place by the cast, so far in this process, in graphs it
+    compiled (fp8ops/cat_grad_pass.py; 0 without fp8ops)."""
+    try:
+        from fp8ops import cat_grad_pass  # noqa: PLC0415
+    except ImportError:
+        return 0
+    return cat_grad_pass.FUSED[0]
+
+
 def start(json_path: str | None) -> dict | None:
     """Print the environment header; return it, or None (after saying why and
     writing the JSON) when FP8 cannot run here and the script should exit 0."""

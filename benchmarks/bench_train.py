@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from bench_common import (gelu_grads_fused, graph_breaks, graphs_compiled, inductor_cache_hits, start,  # noqa: E402
+from bench_common import (cat_grads_fused, gelu_grads_fused, graph_breaks, graphs_compiled, inductor_cache_hits, start,  # noqa: E402
                           table, write_json)
 
 MODELS = {
@@ -390,6 +390,7 @@ def main() -> int:
             try:
                 torch._dynamo.reset()
                 gb0, ng0, gf0, ch0 = graph_breaks(), graphs_compiled(), gelu_grads_fused(), inductor_cache_hits()
+                cf0 = cat_grads_fused()
                 model, call, opt, cfg, note = build(v, GPT, GPTConfig, lm_filter, mcfg, args, fp8ops, batches[0])
                 row["note"] = note
                 fpt = flops_per_token(model, cfg)
@@ -418,6 +419,8 @@ def main() -> int:
                     # compiled backward graph; a graph from inductor's cache is not counted, so
                     # the row counts those as well)
                     row["gelu_grads_fused"] = gelu_grads_fused() - gf0
+                    # (likewise the q, k, v gradients read in place by c_attn's cast, cat_grad_pass.py)
+                    row["cat_grads_fused"] = cat_grads_fused() - cf0
                     row["inductor_cache_hits"] = inductor_cache_hits() - ch0
                     if row["graph_breaks"]:
                         row["note"] += f"; {row['graph_breaks']} graph break(s)"

@@ -71,6 +71,23 @@ int fp8ops_gelu_grad_cuda(const void* x, const void* aux, fp8ops_hp_dtype dtype,
   (void)x; (void)aux; (void)dtype; (void)n; (void)out; (void)stream;
   return NO_CUDA("gelu_grad");
 }
+int fp8ops_blocks_cast_fusable(const fp8ops_col_blocks* b, fp8ops_hp_dtype dtype, int64_t rows) {
+  (void)b; (void)dtype; (void)rows;
+  return 0;
+}
+int fp8ops_blocks_cast_accumulate_cuda(const fp8ops_col_blocks* b, fp8ops_hp_dtype x_dtype,
+                                       int64_t rows, const float* scale, fp8ops_fp8_format fmt,
+                                       uint8_t* out, uint8_t* out_t, float* amax, float* dbias,
+                                       float* partial, int64_t partial_floats, void* stream) {
+  (void)b; (void)x_dtype; (void)rows; (void)scale; (void)fmt; (void)out; (void)out_t; (void)amax;
+  (void)dbias; (void)partial; (void)partial_floats; (void)stream;
+  return NO_CUDA("blocks_cast");
+}
+int fp8ops_blocks_copy_cuda(const fp8ops_col_blocks* b, fp8ops_hp_dtype dtype, int64_t rows,
+                            void* out, void* stream) {
+  (void)b; (void)dtype; (void)rows; (void)out; (void)stream;
+  return NO_CUDA("blocks_copy");
+}
 int fp8ops_dgelu_cast_fusable(const void* x, const void* aux, int64_t rows, int64_t cols,
                               const uint8_t* out, const uint8_t* out_t) {
   (void)x; (void)aux; (void)rows; (void)cols; (void)out; (void)out_t;

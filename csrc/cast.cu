@@ -139,13 +139,18 @@ __host__ __device__ __forceinline__ uint32_t cast_byte(float x, float scale) {
 
 // The operands of a cast kernel's prologue (ACT): the GELU's input for
 // ACT_DGELU; per-row mean / rstd and per-column gamma / beta for ACT_LN
-// (gamma, beta NULL: ones, zeros; an RMSNorm's mean is 0, layernorm.cu).
+// (gamma, beta NULL: ones, zeros; an RMSNorm's mean is 0, layernorm.cu);
+// for ACT_BLOCKS the blocks' data, row strides (elements) and the columns
+// where blocks 0 and 1 end (x itself is unused).
 struct Prologue {
   const void* aux;
   const float* mean;
   const float* rstd;
   const float* gamma;
   const float* beta;
+  const void* blk[FP8OPS_MAX_BLOCKS];
+  int64_t blk_ld[FP8OPS_MAX_BLOCKS];
+  int64_t blk_end[FP8OPS_MAX_BLOCKS - 1];
 };
 
 // The elementwise prologue of a cast kernel instance (ACT template argument)
@@ -154,6 +159,7 @@ struct Prologue {
 #define ACT_DGELU 2  // cast x * gelu_tanh'(aux)
 #define ACT_LN 3     // cast LayerNorm(x): gamma * (rstd * (x - mean)) + beta, per row / column
 #define ACT_SWIGLU 4 // cast silu(x[:, :cols]) * x[:, cols:], x [rows, 2 * cols] (swiglu.h)
+#define ACT_BLOCKS 5 // cast x given as column blocks (fp8ops_col_blocks), never concatenated
 
 // ----------------------------------------------------------------------------
 // CUDA helpers (amax, packing)
@@ -472,9 +478,22 @@ __global__ void __launch_bounds__(CT_THREADS, DB || ((ACT == ACT_DGELU || ACT ==
   // x's rows are 2 * cols long for the SwiGLU (gate, then up), cols otherwise
   constexpr int XW = ACT == ACT_SWIGLU ? 2 : 1;
   if (valid) {
-    const int64_t xoff = XW == 1 ? off : (row0 + h * CT_RB) * XW * cols + col0 + l * VEC;
-    const uint4* src = (const uint4*)((const char*)x + xoff * ESZ);
-    const int64_t stride = XW * cols * ESZ / 16;  // one row of x in uint4
+    const uint4* src;
+    int64_t stride;  // one row of x in uint4
+    if constexpr (ACT == ACT_BLOCKS) {
+      // the tile's columns lie in one block (fp8ops_blocks_cast_fusable); selects, not an
+      // indexed parameter array (which would go through local memory)
+      const int b = col0 < pro.blk_end[0] ? 0 : col0 < pro.blk_end[1] ? 1 : 2;
+      const char* base = (const char*)(b == 0 ? pro.blk[0] : b == 1 ? pro.blk[1] : pro.blk[2]);
+      const int64_t ld = b == 0 ? pro.blk_ld[0] : b == 1 ? pro.blk_ld[1] : pro.blk_ld[2];
+      const int64_t c = col0 - (b == 0 ? 0 : b == 1 ? pro.blk_end[0] : pro.blk_end[1]) + l * VEC;
+      src = (const uint4*)(base + ((row0 + h * CT_RB) * ld + c) * ESZ);
+      stride = ld * ESZ / 16;
+    } else {
+      const int64_t xoff = XW == 1 ? off : (row0 + h * CT_RB) * XW * cols + col0 + l * VEC;
+      src = (const uint4*)((const char*)x + xoff * ESZ);
+      stride = XW * cols * ESZ / 16;
+    }
 #pragma unroll
     for (int i = 0; i < CT_RB; ++i) v[i] = __ldcs(src + i * stride);
     if constexpr (ACT == ACT_SWIGLU) {
@@ -1115,6 +1134,121 @@ extern "C" int fp8ops_dgelu_cast_accumulate_cuda(const void* x, const void* aux,
     default: FP8OPS_DGELU_LAUNCH(FP8OPS_F16);
   }
 #undef FP8OPS_DGELU_LAUNCH
+}
+
+// The column blocks' cast (fast path only; fp8ops_blocks_cast_fusable says
+// when): x = the blocks side by side, cast and transposed with the amax folded
+// in and its column sums into dbias when given, reading each block where it
+// lies, so the concatenation is never written (fp8ops::linear_bwd_cat).
+template <int DT, int FMT>
+static int launch_blocks_cast(const Prologue& pro, int64_t rows, int64_t cols, const float* scale,
+                              uint8_t* out, uint8_t* out_t, float* amax, float* dbias,
+                              float* partial, cudaStream_t stream) {
+  const int64_t tiles_m = FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM);
+  const dim3 grid((unsigned)FP8OPS_CEIL_DIV(cols, (int64_t)CT_TN(DT)), (unsigned)tiles_m);
+  if (dbias != NULL) {
+    cast_transpose_kernel<DT, FMT, true, ACT_BLOCKS><<<grid, CT_THREADS, 0, stream>>>(
+        NULL, scale, out, out_t, amax, rows, cols, partial, pro);
+    FP8OPS_CHECK_CUDA(cudaGetLastError());
+    dbias_reduce_kernel<<<(unsigned)FP8OPS_CEIL_DIV(cols, (int64_t)DBIAS_THREADS), DBIAS_THREADS, 0,
+                          stream>>>(partial, dbias, tiles_m, cols);
+  } else {
+    cast_transpose_kernel<DT, FMT, false, ACT_BLOCKS><<<grid, CT_THREADS, 0, stream>>>(
+        NULL, scale, out, out_t, amax, rows, cols, NULL, pro);
+  }
+  FP8OPS_CHECK_CUDA(cudaGetLastError());
+  return FP8OPS_OK;
+}
+
+// Total columns of the blocks, or -1 if a block has a negative width.
+static int64_t blocks_cols(const fp8ops_col_blocks* b) {
+  int64_t n = 0;
+  for (int i = 0; i < FP8OPS_MAX_BLOCKS; ++i) {
+    if (b->cols[i] < 0) return -1;
+    n += b->cols[i];
+  }
+  return n;
+}
+
+extern "C" int fp8ops_blocks_cast_fusable(const fp8ops_col_blocks* b, fp8ops_hp_dtype dtype,
+                                          int64_t rows) {
+  // bf16 / fp16 (a 128-column tile); every block but the last non-empty one a whole number
+  // of tiles wide, so no tile straddles two; rows and the last block's width multiples of
+  // 16; 16-byte aligned rows
+  if (b == NULL || (dtype != FP8OPS_BF16 && dtype != FP8OPS_F16) || rows <= 0 || rows % 16 != 0)
+    return 0;
+  const int64_t cols = blocks_cols(b);
+  if (cols <= 0 || FP8OPS_CEIL_DIV(rows, (int64_t)CT_TM) > 65535) return 0;
+  int last = -1;
+  for (int i = 0; i < FP8OPS_MAX_BLOCKS; ++i)
+    if (b->cols[i] > 0) last = i;
+  for (int i = 0; i < FP8OPS_MAX_BLOCKS; ++i) {
+    if (b->cols[i] == 0) continue;
+    if (b->cols[i] % (i == last ? 16 : CT_TN(FP8OPS_BF16)) != 0) return 0;
+    if (b->ld[i] < b->cols[i] || b->ld[i] % 8 != 0 || !aligned(b->data[i], 16)) return 0;
+  }
+  return 1;
+}
+
+extern "C" int fp8ops_blocks_cast_accumulate_cuda(const fp8ops_col_blocks* b,
+                                                  fp8ops_hp_dtype x_dtype, int64_t rows,
+                                                  const float* scale, fp8ops_fp8_format fmt,
+                                                  uint8_t* out, uint8_t* out_t, float* amax,
+                                                  float* dbias, float* partial,
+                                                  int64_t partial_floats, void* stream) {
+  FP8OPS_REQUIRE(fp8ops_blocks_cast_fusable(b, x_dtype, rows),
+                 "cast: the column blocks' cast needs bf16 / fp16 blocks, all but the last a "
+                 "multiple of 128 columns wide, rows and the last block's width multiples of 16 "
+                 "and 16-byte aligned rows (fp8ops_blocks_cast_fusable)");
+  const int64_t cols = blocks_cols(b);
+  FP8OPS_REQUIRE(aligned(out, 16) && aligned(out_t, 16), "cast: out and out_t must be 16-byte aligned");
+  FP8OPS_REQUIRE(fmt == FP8OPS_E4M3 || fmt == FP8OPS_E5M2, "cast: unknown fp8 format %d", (int)fmt);
+  FP8OPS_REQUIRE(scale && amax && aligned(amax, sizeof(float)), "cast: bad scale / amax pointer");
+  FP8OPS_REQUIRE(dbias == NULL || (partial != NULL &&
+                                   partial_floats >= fp8ops_dbias_workspace_floats(rows, cols)),
+                 "cast: the dbias workspace holds %lld floats, fp8ops_dbias_workspace_floats "
+                 "asks %lld", (long long)partial_floats,
+                 (long long)fp8ops_dbias_workspace_floats(rows, cols));
+  Prologue pro = kNoPrologue;
+  int64_t end = 0;
+  for (int i = 0; i < FP8OPS_MAX_BLOCKS; ++i) {
+    pro.blk[i] = b->data[i];
+    pro.blk_ld[i] = b->ld[i];
+    end += b->cols[i];
+    if (i < FP8OPS_MAX_BLOCKS - 1) pro.blk_end[i] = end;
+  }
+  cudaStream_t s = (cudaStream_t)stream;
+#define FP8OPS_BLOCKS_LAUNCH(DT)                                                                   \
+  return fmt == FP8OPS_E4M3                                                                        \
+             ? launch_blocks_cast<DT, FP8OPS_E4M3>(pro, rows, cols, scale, out, out_t, amax, dbias, \
+                                                   partial, s)                                     \
+             : launch_blocks_cast<DT, FP8OPS_E5M2>(pro, rows, cols, scale, out, out_t, amax, dbias, \
+                                                   partial, s)
+  if (x_dtype == FP8OPS_BF16) FP8OPS_BLOCKS_LAUNCH(FP8OPS_BF16);
+  FP8OPS_BLOCKS_LAUNCH(FP8OPS_F16);
+#undef FP8OPS_BLOCKS_LAUNCH
+}
+
+// The blocks side by side into out [rows, cols] (contiguous): one strided copy
+// per block, for the shapes the fused cast does not take.
+extern "C" int fp8ops_blocks_copy_cuda(const fp8ops_col_blocks* b, fp8ops_hp_dtype dtype,
+                                       int64_t rows, void* out, void* stream) {
+  const int64_t cols = blocks_cols(b);
+  FP8OPS_REQUIRE(cols >= 0 && rows >= 0, "blocks_copy: negative shape");
+  const size_t esz = (size_t)dtype_size(dtype);
+  int64_t c0 = 0;
+  for (int i = 0; i < FP8OPS_MAX_BLOCKS; ++i) {
+    if (b->cols[i] > 0 && rows > 0) {
+      FP8OPS_REQUIRE(b->ld[i] >= b->cols[i] || rows == 1, "blocks_copy: block %d's row stride %lld "
+                     "is below its width %lld", i, (long long)b->ld[i], (long long)b->cols[i]);
+      FP8OPS_CHECK_CUDA(cudaMemcpy2DAsync((char*)out + c0 * esz, cols * esz, b->data[i],
+                                          (rows == 1 ? b->cols[i] : b->ld[i]) * esz,
+                                          b->cols[i] * esz, rows, cudaMemcpyDeviceToDevice,
+                                          (cudaStream_t)stream));
+    }
+    c0 += b->cols[i];
+  }
+  return FP8OPS_OK;
 }
 
 // The SwiGLU cast (fast path only; fp8ops_swiglu_cast_fusable says when):

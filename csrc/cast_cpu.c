@@ -264,3 +264,24 @@ int fp8ops_amax_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t n, float* am
   *amax = fp8ops_bits_f32(m);
   return FP8OPS_OK;
 }
+
+int fp8ops_blocks_copy_cpu(const fp8ops_col_blocks* b, fp8ops_hp_dtype dtype, int64_t rows,
+                           void* out) {
+  FP8OPS_REQUIRE(b != NULL && rows >= 0 && (dtype == FP8OPS_F32 || dtype == FP8OPS_BF16 ||
+                                            dtype == FP8OPS_F16), "blocks_copy: bad arguments");
+  const size_t esz = dtype == FP8OPS_F32 ? 4 : 2;
+  int64_t cols = 0;
+  for (int i = 0; i < FP8OPS_MAX_BLOCKS; ++i) {
+    FP8OPS_REQUIRE(b->cols[i] >= 0, "blocks_copy: block %d has %lld columns", i,
+                   (long long)b->cols[i]);
+    cols += b->cols[i];
+  }
+  int64_t c0 = 0;
+  for (int i = 0; i < FP8OPS_MAX_BLOCKS; ++i) {
+    for (int64_t r = 0; r < rows && b->cols[i] > 0; ++r)
+      memcpy((char*)out + (r * cols + c0) * esz, (const char*)b->data[i] + r * b->ld[i] * esz,
+             (size_t)b->cols[i] * esz);
+    c0 += b->cols[i];
+  }
+  return FP8OPS_OK;
+}

@@ -257,6 +257,33 @@ int fp8ops_cast_accumulate_dbias_cuda(const void* x, fp8ops_hp_dtype x_dtype, in
                                       uint8_t* out, uint8_t* out_t, float* amax, float* dbias,
                                       float* partial, int64_t partial_floats, void* stream);
 
+/* A [rows, cols] tensor given as FP8OPS_MAX_BLOCKS column blocks side by side
+ * (a concatenation along the columns, never written): block i is [rows,
+ * cols[i]] (cols[i] >= 0) at data[i], ld[i] elements from one row to the next,
+ * one element to the next column. Fp8Linear's dy under torch.compile when a
+ * layer's output was split (q, k, v of an attention projection):
+ * fp8ops::linear_bwd_cat, which inductor's pass (cat_grad_pass.py) calls.
+ * fp8ops_blocks_cast_accumulate_cuda: cast_accumulate (with the column sums
+ * into dbias unless NULL, as fp8ops_cast_accumulate_dbias_cuda) of the blocks'
+ * concatenation, reading each block in place; bf16 / fp16 only, for the shapes
+ * fp8ops_blocks_cast_fusable accepts. fp8ops_blocks_copy_*: the concatenation
+ * into out [rows, cols] (contiguous), for the others. */
+#define FP8OPS_MAX_BLOCKS 3
+typedef struct {
+  const void* data[FP8OPS_MAX_BLOCKS];
+  int64_t cols[FP8OPS_MAX_BLOCKS];
+  int64_t ld[FP8OPS_MAX_BLOCKS];
+} fp8ops_col_blocks;
+int fp8ops_blocks_cast_fusable(const fp8ops_col_blocks* b, fp8ops_hp_dtype dtype, int64_t rows);
+int fp8ops_blocks_cast_accumulate_cuda(const fp8ops_col_blocks* b, fp8ops_hp_dtype x_dtype,
+                                       int64_t rows, const float* scale, fp8ops_fp8_format fmt,
+                                       uint8_t* out, uint8_t* out_t, float* amax, float* dbias,
+                                       float* partial, int64_t partial_floats, void* stream);
+int fp8ops_blocks_copy_cpu(const fp8ops_col_blocks* b, fp8ops_hp_dtype dtype, int64_t rows,
+                           void* out);
+int fp8ops_blocks_copy_cuda(const fp8ops_col_blocks* b, fp8ops_hp_dtype dtype, int64_t rows,
+                            void* out, void* stream);
+
 /* ------------------------------------------------------------------------- */
 /* amax: max |x| of a contiguous hp tensor of n elements into one fp32
  * (NaN-propagating; 0 for n == 0). Used by current (dynamic) scaling. */

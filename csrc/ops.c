@@ -954,16 +954,21 @@ static void boxed_ln_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nr
 // path) or in a pass of its own (fp8ops_gelu_grad_*).
 
 #define LBWD_NIN 9
-static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t dx_dtype,
-                          int32_t dw_dtype, bool need_dx, bool need_dw, bool need_db,
-                          AtenTensorHandle outs[3], AtenTensorHandle tmp[4],
+// (blocks: linear_bwd_cat's gy, described by gy_blocks, cast from its column blocks in
+// place; in[0] and in[8] (gelu_input) are then unused. in[8] NULL: no gelu_input.)
+static int run_linear_bwd(const char* op, AtenTensorHandle in[LBWD_NIN],
+                          const fp8ops_col_blocks* blocks, const tinfo* gy_blocks, int32_t g_fp8,
+                          int32_t dx_dtype, int32_t dw_dtype, bool need_dx, bool need_dw,
+                          bool need_db, AtenTensorHandle outs[3], AtenTensorHandle tmp[4],
                           gemm_scratch* scratch) {
-  const char* op = "fp8ops::linear_bwd";
   tinfo g, wt, xt, gs, ga, gsi, wsi, xsi, gi;
   fp8ops_hp_dtype gd = FP8OPS_F32, dxd = FP8OPS_BF16, dwd = FP8OPS_F32;
   fp8ops_fp8_format gf = FP8OPS_E5M2, wf = FP8OPS_E4M3, xf = FP8OPS_E4M3;
   char sh1[96], sh2[96];
-  FP8OPS_TRY(describe(op, "gy", in[0], &g));
+  if (blocks)
+    g = *gy_blocks;
+  else
+    FP8OPS_TRY(describe(op, "gy", in[0], &g));
   FP8OPS_TRY(describe(op, "w8t", in[1], &wt));
   FP8OPS_TRY(describe(op, "x8t", in[2], &xt));
   FP8OPS_TRY(describe(op, "g_scale", in[3], &gs));
@@ -971,7 +976,10 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
   FP8OPS_TRY(describe(op, "g_scale_inv", in[5], &gsi));
   FP8OPS_TRY(describe(op, "w_scale_inv", in[6], &wsi));
   FP8OPS_TRY(describe(op, "x_scale_inv", in[7], &xsi));
-  FP8OPS_TRY(describe(op, "gelu_input", in[8], &gi));
+  if (in[8])
+    FP8OPS_TRY(describe(op, "gelu_input", in[8], &gi));
+  else
+    memset(&gi, 0, sizeof gi);
   FP8OPS_TRY(hp_code(op, "gy", g.dtype, &gd));
   FP8OPS_TRY(fp8_code(op, "g_fp8_dtype", g_fp8, &gf));
   FP8OPS_REQUIRE(g.ndim == 2, "%s: gy must be 2-D [M, N], found %lld dims; reshape it to "
@@ -1056,7 +1064,10 @@ static int run_linear_bwd(AtenTensorHandle in[LBWD_NIN], int32_t g_fp8, int32_t 
   const gemm_operand a_dw = {tmp[1], p8t, gf}, b_dw = {in[2], xt.data, xf};
   int rc;
   CUDA_BODY(op, &g, need_dx || need_dw, rc, {
-    if (gelu_fused) {
+    if (blocks) {
+      rc = fp8ops_blocks_cast_accumulate_cuda(blocks, gd, M, gs.data, gf, p8, p8t, ga.data, db,
+                                              partial, partial_floats, stream);
+    } else if (gelu_fused) {
       rc = fp8ops_dgelu_cast_accumulate_cuda(g.data, gi.data, gd, M, N, gs.data, gf, p8, p8t,
                                              ga.data, db, partial, partial_floats, stream);
     } else if (is_cuda(&g)) {
@@ -1089,11 +1100,104 @@ static void boxed_linear_bwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
   for (int i = 0; i < LBWD_NIN; ++i) in[i] = sv_tensor(stack[i]);
   AtenTensorHandle outs[3] = {NULL, NULL, NULL}, tmp[4] = {NULL, NULL, NULL, NULL};
   gemm_scratch scratch = {0};
-  int rc = run_linear_bwd(in, sv_i32(stack[9]), sv_i32(stack[10]), sv_i32(stack[11]),
-                          sv_bool(stack[12]), sv_bool(stack[13]), sv_bool(stack[14]), outs, tmp,
-                          &scratch);
+  int rc = run_linear_bwd("fp8ops::linear_bwd", in, NULL, NULL, sv_i32(stack[9]),
+                          sv_i32(stack[10]), sv_i32(stack[11]), sv_bool(stack[12]),
+                          sv_bool(stack[13]), sv_bool(stack[14]), outs, tmp, &scratch);
   release(in, LBWD_NIN);
   release(tmp, 4); /* stream-ordered, after the kernels that read them */
+  scratch_release(&scratch);
+  finish_boxed(__func__, rc, outs, 3, stack);
+}
+
+// ----------------------------------------------------------------------------
+// linear_bwd_cat(Tensor gy_a, Tensor gy_b, Tensor gy_c, Tensor w8t, Tensor x8t,
+//                Tensor g_scale, Tensor g_amax, Tensor g_scale_inv, Tensor w_scale_inv,
+//                Tensor x_scale_inv, ScalarType g_fp8_dtype, ScalarType dx_dtype,
+//                ScalarType dw_dtype, bool need_dx, bool need_dw, bool need_db=False)
+//     -> (Tensor dx, Tensor dw, Tensor db)
+//
+// linear_bwd_sink (compiled code's; g_amax's write not declared) of
+// gy = cat([gy_a, gy_b, gy_c], dim=1), the concatenation never written: each
+// block is [M, n_i] with its own row stride (one element to the next column).
+// Called by inductor's pass where a layer's output was split (cat_grad_pass.py:
+// the q, k, v gradients of an attention projection). On CUDA, for the shapes
+// fp8ops_blocks_cast_fusable takes, the cast reads the blocks in place; else
+// (and on the CPU) they are copied side by side first. Bit for bit the plain
+// op on the concatenation either way.
+
+#define LBWD_CAT_NIN 10
+static int run_linear_bwd_cat(AtenTensorHandle in[LBWD_CAT_NIN], int32_t g_fp8, int32_t dx_dtype,
+                              int32_t dw_dtype, bool need_dx, bool need_dw, bool need_db,
+                              AtenTensorHandle outs[3], AtenTensorHandle tmp[5],
+                              gemm_scratch* scratch) {
+  const char* op = "fp8ops::linear_bwd_cat";
+  static const char* names[FP8OPS_MAX_BLOCKS] = {"gy_a", "gy_b", "gy_c"};
+  tinfo p[FP8OPS_MAX_BLOCKS];
+  fp8ops_col_blocks blocks;
+  fp8ops_hp_dtype gd = FP8OPS_F32;
+  char sh1[96];
+  int64_t N = 0;
+  for (int i = 0; i < FP8OPS_MAX_BLOCKS; ++i) {
+    FP8OPS_TRY(describe(op, names[i], in[i], &p[i]));
+    FP8OPS_TRY(hp_code(op, names[i], p[i].dtype, &gd));
+    FP8OPS_REQUIRE(p[i].ndim == 2, "%s: %s must be 2-D [M, n], found %lld dims; reshape it to "
+                   "(-1, n)", op, names[i], (long long)p[i].ndim);
+    if (i > 0) {
+      FP8OPS_REQUIRE(p[i].sizes[0] == p[0].sizes[0], "%s: %s must have gy_a's %lld rows, found %s",
+                     op, names[i], (long long)p[0].sizes[0], SHAPE(&p[i], sh1));
+      FP8OPS_REQUIRE(p[i].dtype == p[0].dtype, "%s: %s must have gy_a's dtype %s, found %s", op,
+                     names[i], dtype_name(p[0].dtype), dtype_name(p[i].dtype));
+      FP8OPS_TRY(require_same_device(op, names[i], &p[i], "gy_a", &p[0]));
+    }
+    int64_t* st = NULL;
+    SHIM(aoti_torch_get_strides(in[i], &st));
+    const int64_t rows = p[i].sizes[0], n = p[i].sizes[1];
+    const int64_t ld = rows > 1 ? st[0] : n;
+    FP8OPS_REQUIRE(n <= 1 || st[1] == 1, "%s: %s's columns must be adjacent (stride 1), found "
+                   "stride %lld; call .contiguous() on it first", op, names[i], (long long)st[1]);
+    FP8OPS_REQUIRE(rows <= 1 || n == 0 || ld >= n, "%s: %s's rows must not overlap (row stride "
+                   "%lld < %lld columns); call .contiguous() on it first", op, names[i],
+                   (long long)ld, (long long)n);
+    blocks.data[i] = p[i].data;
+    blocks.cols[i] = n;
+    blocks.ld[i] = ld;
+    N += n;
+  }
+  const int64_t M = p[0].sizes[0];
+  /* the concatenation as the plain op sees it: [M, N], contiguous */
+  tinfo g = p[0];
+  g.sizes[1] = N;
+  g.numel = M * N;
+  g.contiguous = true;
+  AtenTensorHandle in2[LBWD_NIN] = {NULL, in[3], in[4], in[5], in[6], in[7], in[8], in[9], NULL};
+  if (is_cuda(&g) && fp8ops_blocks_cast_fusable(&blocks, gd, M))
+    return run_linear_bwd(op, in2, &blocks, &g, g_fp8, dx_dtype, dw_dtype, need_dx, need_dw,
+                          need_db, outs, tmp, scratch);
+  FP8OPS_TRY(new_tensor(op, 2, g.sizes, g.dtype, &g, &tmp[4]));
+  void* cat = data_of(tmp[4]);
+  int rc;
+  CUDA_BODY(op, &g, 0, rc, {
+    if (M * N > 0)
+      rc = is_cuda(&g) ? fp8ops_blocks_copy_cuda(&blocks, gd, M, cat, stream)
+                       : fp8ops_blocks_copy_cpu(&blocks, gd, M, cat);
+  });
+  if (rc != FP8OPS_OK) return rc;
+  in2[0] = tmp[4];
+  return run_linear_bwd(op, in2, NULL, NULL, g_fp8, dx_dtype, dw_dtype, need_dx, need_dw, need_db,
+                        outs, tmp, scratch);
+}
+
+static void boxed_linear_bwd_cat(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  AtenTensorHandle in[LBWD_CAT_NIN];
+  for (int i = 0; i < LBWD_CAT_NIN; ++i) in[i] = sv_tensor(stack[i]);
+  AtenTensorHandle outs[3] = {NULL, NULL, NULL}, tmp[5] = {NULL, NULL, NULL, NULL, NULL};
+  gemm_scratch scratch = {0};
+  int rc = run_linear_bwd_cat(in, sv_i32(stack[10]), sv_i32(stack[11]), sv_i32(stack[12]),
+                              sv_bool(stack[13]), sv_bool(stack[14]), sv_bool(stack[15]), outs,
+                              tmp, &scratch);
+  release(in, LBWD_CAT_NIN);
+  release(tmp, 5); /* stream-ordered, after the kernels that read them */
   scratch_release(&scratch);
   finish_boxed(__func__, rc, outs, 3, stack);
 }
@@ -1333,6 +1437,14 @@ static const op_row k_ops[] = {
                         "bool need_db=False) -> "
                         "(Tensor dx, Tensor dw, Tensor db)",
      boxed_linear_bwd},
+    // linear_bwd_sink of gy = cat([gy_a, gy_b, gy_c], dim=1), never written (above)
+    {"linear_bwd_cat", "linear_bwd_cat(Tensor gy_a, Tensor gy_b, Tensor gy_c, Tensor w8t, "
+                       "Tensor x8t, Tensor g_scale, Tensor g_amax, Tensor g_scale_inv, "
+                       "Tensor w_scale_inv, Tensor x_scale_inv, ScalarType g_fp8_dtype, "
+                       "ScalarType dx_dtype, ScalarType dw_dtype, bool need_dx, bool need_dw, "
+                       "bool need_db=False) -> "
+                       "(Tensor dx, Tensor dw, Tensor db)",
+     boxed_linear_bwd_cat},
 };
 #define N_OPS (sizeof k_ops / sizeof k_ops[0])
 
@@ -1366,5 +1478,5 @@ int fp8ops_register(int with_cuda) {
 
 const char* fp8ops_op_names(void) {
   return "cast amax amax_update gemm cast_accumulate linear_fwd ln_linear_fwd linear_bwd "
-         "linear_bwd_sink layernorm_bwd swiglu swiglu_backward";
+         "linear_bwd_sink linear_bwd_cat layernorm_bwd swiglu swiglu_backward";
 }

@@ -25,12 +25,14 @@ pointwise decomposition of gelu_backward, which inductor fuses as it did
 before this pass existed. (Current scaling, and delayed scaling's first
 step, run the GELU unfused and never reach this.)
 
-Installed as inductor's post_grad_custom_post_pass while dynamo traces a
-fused-GELU consumer, and left there for the process: it changes only graphs
-that hold gelu_tanh_backward, but other graphs' cache keys change with it
-(one cache miss each). Where the user has a pass of their own there, theirs
-is kept, gelu_tanh_backward stays an opaque op (torch's kernel, as in eager
-code) and a warning says so once.
+Installed as inductor's post_grad_custom_post_pass while dynamo traces an
+Fp8Linear, and left there for the process; the same pass then runs
+cat_grad_pass.py's rewrite (the q, k, v gradients' concatenation read in
+place by the cast). It changes only graphs that hold gelu_tanh_backward or
+fp8ops.linear_bwd_sink, but other graphs' cache keys change with it (one
+cache miss each). Where the user has a pass of their own there, theirs is
+kept, gelu_tanh_backward stays an opaque op (torch's kernel, as in eager
+code), the concatenation stays inductor's, and a warning says so once.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ import contextlib
 import logging
 
 import torch
+
+from . import cat_grad_pass
 
 log = logging.getLogger("fp8ops")
 
@@ -197,10 +201,11 @@ def _pass_class():
     class FuseGeluGrads(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
             fuse_gelu_grads(graph)
+            cat_grad_pass.fuse_cat_grads(graph)
 
         def uuid(self):
-            # (inductor's cache key: this file's text)
-            return get_hash_for_files((__file__,))
+            # (inductor's cache key: the two passes' text)
+            return get_hash_for_files((__file__, cat_grad_pass.__file__))
 
     return FuseGeluGrads
 
@@ -225,7 +230,8 @@ def install() -> bool:
         _STATE["warned"] = True
         log.warning("fp8ops: torch._inductor.config.post_grad_custom_post_pass holds another pass (%r), so "
                     "fp8ops leaves it there: under torch.compile the fused GELU's gradient then runs as an op "
-                    "of its own instead of inside the producer's gradient cast", current)
+                    "of its own instead of inside the producer's gradient cast, and a split projection's "
+                    "gradients (q, k, v) are concatenated before its cast instead of read in place", current)
     return False
 
 

@@ -1111,8 +1111,9 @@ class Fp8Linear(nn.Linear):
         ln_bias = None if not ln_fused or rms else ln.bias  # (an RMSNorm has no bias attribute)
         if compiling:
             _cast_traced()  # (no side effect for the graph, no guard on this layer)
-            if act_in == GELU_GRAD_HERE:
-                gelu_grad_pass.install()  # (inductor's pass that may hand the GELU's gradient to the producer)
+            # (inductor's pass that may hand the GELU's gradient to the producer, and this layer's
+            # cast the pieces of a concatenated dy: gelu_grad_pass.py, cat_grad_pass.py)
+            gelu_grad_pass.install()
         elif not d["_fp8_cast_since_update"]:  # (once: see update_scales)
             d["_fp8_cast_since_update"] = True
             d.pop("_fp8_scaling_loaded", None)  # (a loaded scaling state in use: a weight load restarts it)

@@ -659,6 +659,24 @@ def _linear_bwd_sink_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_in
                             g_fp8_dtype, dx_dtype, dw_dtype, need_dx, need_dw, need_db, op="fp8ops::linear_bwd_sink")
 
 
+def _linear_bwd_cat_fake(gy_a, gy_b, gy_c, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv,
+                         g_fp8_dtype, dx_dtype, dw_dtype, need_dx, need_dw, need_db=False):
+    # linear_bwd_sink of gy = cat([gy_a, gy_b, gy_c], 1), never written (csrc/ops.c; cat_grad_pass.py)
+    op = "fp8ops::linear_bwd_cat"
+    for name, t in (("gy_a", gy_a), ("gy_b", gy_b), ("gy_c", gy_c)):
+        _chk(t.dtype in HP_DTYPES, f"{op}: {name} must be float32, bfloat16 or float16, found {_dname(t.dtype)}")
+        _chk(t.dim() == 2, f"{op}: {name} must be 2-D [M, n], found {t.dim()} dims; reshape it to (-1, n)")
+        _chk(t.shape[0] == gy_a.shape[0], f"{op}: {name} must have gy_a's {gy_a.shape[0]} rows, found {list(t.shape)}")
+        _chk(t.dtype == gy_a.dtype, f"{op}: {name} must have gy_a's dtype {_dname(gy_a.dtype)}, found {_dname(t.dtype)}")
+        _chk(t.shape[1] <= 1 or t.stride(1) == 1,
+             f"{op}: {name}'s columns must be adjacent (stride 1), found stride {t.stride(1)}; call .contiguous() on "
+             f"it first")
+        _chk_device(op, name, t, "gy_a", gy_a)
+    gy = gy_a.new_empty((gy_a.shape[0], gy_a.shape[1] + gy_b.shape[1] + gy_c.shape[1]))
+    return _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv,
+                            gy.new_empty((0,)), g_fp8_dtype, dx_dtype, dw_dtype, need_dx, need_dw, need_db, op=op)
+
+
 # ----------------------------------------------------------------------------
 # swiglu, swiglu_backward
 
@@ -795,6 +813,7 @@ def _register() -> None:
     torch.library.register_fake("fp8ops::linear_fwd")(_linear_fwd_fake)
     torch.library.register_fake("fp8ops::linear_bwd")(_linear_bwd_fake)
     torch.library.register_fake("fp8ops::linear_bwd_sink")(_linear_bwd_sink_fake)
+    torch.library.register_fake("fp8ops::linear_bwd_cat")(_linear_bwd_cat_fake)
     torch.library.register_fake("fp8ops::ln_linear_fwd")(_ln_linear_fwd_fake)
     torch.library.register_fake("fp8ops::layernorm_bwd")(_layernorm_bwd_fake)
     torch.library.register_fake("fp8ops::swiglu")(_swiglu_fake)

@@ -236,6 +236,8 @@ def test_bench_train_compiles_ten_blocks_into_two_graphs(monkeypatch, tmp_path):
     assert row["graphs"] == 2 and "; 2 graph(s)" in row["note"], row
     # (the blocks' one delayed-scaling backward graph: its MLP's GELU gradient in c_fc's cast)
     assert row["gelu_grads_fused"] == 1 and row["inductor_cache_hits"] == 0, row
+    # (and its attention's q, k, v gradients read in place by c_attn's cast)
+    assert row["cat_grads_fused"] == 1, row
     assert torch._dynamo.config.recompile_limit == limit  # (torch's, not raised for the run)
 
 
