@@ -1201,7 +1201,8 @@ extern "C" int fp8ops_blocks_cast_accumulate_cuda(const fp8ops_col_blocks* b,
                  "multiple of 128 columns wide, rows and the last block's width multiples of 16 "
                  "and 16-byte aligned rows (fp8ops_blocks_cast_fusable)");
   const int64_t cols = blocks_cols(b);
-  FP8OPS_REQUIRE(aligned(out, 16) && aligned(out_t, 16), "cast: out and out_t must be 16-byte aligned");
+  FP8OPS_REQUIRE(out != NULL && out_t != NULL && aligned(out, 16) && aligned(out_t, 16),
+                 "cast: the column blocks' cast needs out and out_t, 16-byte aligned");
   FP8OPS_REQUIRE(fmt == FP8OPS_E4M3 || fmt == FP8OPS_E5M2, "cast: unknown fp8 format %d", (int)fmt);
   FP8OPS_REQUIRE(scale && amax && aligned(amax, sizeof(float)), "cast: bad scale / amax pointer");
   FP8OPS_REQUIRE(dbias == NULL || (partial != NULL &&

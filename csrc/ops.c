@@ -1170,7 +1170,8 @@ static int run_linear_bwd_cat(AtenTensorHandle in[LBWD_CAT_NIN], int32_t g_fp8, 
   g.numel = M * N;
   g.contiguous = true;
   AtenTensorHandle in2[LBWD_NIN] = {NULL, in[3], in[4], in[5], in[6], in[7], in[8], in[9], NULL};
-  if (is_cuda(&g) && fp8ops_blocks_cast_fusable(&blocks, gd, M))
+  /* (the fused cast writes the transposed FP8 dy, which only the weight gradient reads) */
+  if (is_cuda(&g) && need_dw && fp8ops_blocks_cast_fusable(&blocks, gd, M))
     return run_linear_bwd(op, in2, &blocks, &g, g_fp8, dx_dtype, dw_dtype, need_dx, need_dw,
                           need_db, outs, tmp, scratch);
   FP8OPS_TRY(new_tensor(op, 2, g.sizes, g.dtype, &g, &tmp[4]));

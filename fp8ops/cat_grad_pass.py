@@ -17,7 +17,10 @@ views that flatten the leading dims), that call becomes fp8ops.linear_bwd_cat
 of the three pieces, each viewed as [tokens, n_i]: the cast reads them where
 the attention's backward wrote them (csrc/ops.c). The results are the same bit
 for bit. Not taken: a cat whose result has another use (current scaling reads
-dy's amax first; a hook), any other number of pieces, pieces of other dtypes.
+dy's amax first; a hook), any other number of pieces, pieces of other dtypes,
+and pieces not laid out as the op takes them, adjacent columns and rows that do
+not overlap (a manual attention's k gradient, transposed, at batch 1; the
+gradient of an expand).
 
 Run by gelu_grad_pass's inductor pass, after the GELU rewrite (see install()
 there: one post_grad_custom_post_pass slot, both rewrites).
@@ -98,15 +101,21 @@ def _fuse_one(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     vals = [_val(p) for p in pieces]
     if any(v is None or v.dtype != v_gy.dtype or v.shape[:-1] != v_cat.shape[:-1] for v in vals):
         return False
+    # [..., n] -> [M, n]: a view where the leading dims collapse, else a copy
+    flat_vals = [v if v.dim() == 2 else _fake_reshape(v, (M, v.shape[-1])) for v in vals]
+    # inductor hands a custom op its inputs with exactly these strides, and the op wants adjacent
+    # columns and rows that do not overlap (csrc/ops.c): a transposed view (a manual attention's k
+    # gradient at batch 1) or a broadcast (an expand's gradient) stays concatenated
+    if not all(_op_layout(f) for f in flat_vals):
+        return False
     with graph.inserting_before(node):
         flat = []
-        for p, v in zip(pieces, vals):
+        for p, v, f in zip(pieces, vals, flat_vals):
             if v.dim() == 2:
                 flat.append(p)
                 continue
-            # [..., n] -> [M, n]: a view where the leading dims collapse, else inductor copies
             r = graph.call_function(torch.ops.aten.reshape.default, (p, [M, v.shape[-1]]))
-            r.meta["val"] = _fake_reshape(v, (M, v.shape[-1]))
+            r.meta["val"] = f
             flat.append(r)
         new_args = (*flat, *args[1:_GELU_INPUT], *args[_GELU_INPUT + 1:])
         new = graph.call_function(torch.ops.fp8ops.linear_bwd_cat.default, new_args)
@@ -120,6 +129,14 @@ def _fuse_one(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
         if not n.users:
             graph.erase_node(n)
     return True
+
+
+def _op_layout(f: torch.Tensor) -> bool:
+    """Is the [M, n] fake tensor f laid out as linear_bwd_cat takes a block (adjacent columns,
+    rows at least n apart)? Only when provably so: no guard is added on symbolic sizes."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known  # noqa: PLC0415
+    (m, n), (s0, s1) = f.shape, f.stride()
+    return (known(n <= 1) or known(s1 == 1)) and (known(m <= 1) or known(n == 0) or known(s0 >= n))
 
 
 def _fake_reshape(v: torch.Tensor, shape: tuple) -> torch.Tensor:

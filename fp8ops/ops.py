@@ -671,6 +671,9 @@ def _linear_bwd_cat_fake(gy_a, gy_b, gy_c, w8t, x8t, g_scale, g_amax, g_scale_in
         _chk(t.shape[1] <= 1 or t.stride(1) == 1,
              f"{op}: {name}'s columns must be adjacent (stride 1), found stride {t.stride(1)}; call .contiguous() on "
              f"it first")
+        _chk(t.shape[0] <= 1 or t.shape[1] == 0 or t.stride(0) >= t.shape[1],
+             f"{op}: {name}'s rows must not overlap (row stride {t.stride(0)} < {t.shape[1]} columns); call "
+             f".contiguous() on it first")
         _chk_device(op, name, t, "gy_a", gy_a)
     gy = gy_a.new_empty((gy_a.shape[0], gy_a.shape[1] + gy_b.shape[1] + gy_c.shape[1]))
     return _linear_bwd_fake(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_inv,
