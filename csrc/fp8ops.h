@@ -266,8 +266,9 @@ int fp8ops_cast_accumulate_dbias_cuda(const void* x, fp8ops_hp_dtype x_dtype, in
  * fp8ops_blocks_cast_accumulate_cuda: cast_accumulate (with the column sums
  * into dbias unless NULL, as fp8ops_cast_accumulate_dbias_cuda) of the blocks'
  * concatenation, reading each block in place; bf16 / fp16 only, for the shapes
- * fp8ops_blocks_cast_fusable accepts, with both out and out_t. fp8ops_blocks_copy_*: the concatenation
- * into out [rows, cols] (contiguous), for the others. */
+ * fp8ops_blocks_cast_fusable accepts, with both out and out_t.
+ * fp8ops_blocks_copy_*: the concatenation into out [rows, cols] (contiguous),
+ * for the others. */
 #define FP8OPS_MAX_BLOCKS 3
 typedef struct {
   const void* data[FP8OPS_MAX_BLOCKS];
