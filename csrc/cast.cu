@@ -1102,6 +1102,21 @@ extern "C" int fp8ops_dgelu_cast_fusable(const void* x, const void* aux, int64_t
   return rows > 0 && cols > 0 && aligned(aux, 16) && ct_fast(x, rows, cols, out, out_t);
 }
 
+// The checks the fused transposing casts (DGELU, column blocks, SwiGLU) share, past their
+// own fusable test. dbias NULL: no column sums (partial and partial_floats unused).
+static int fused_cast_check(fp8ops_fp8_format fmt, const float* scale, const float* amax,
+                            const float* dbias, const float* partial, int64_t partial_floats,
+                            int64_t rows, int64_t cols) {
+  FP8OPS_REQUIRE(fmt == FP8OPS_E4M3 || fmt == FP8OPS_E5M2, "cast: unknown fp8 format %d", (int)fmt);
+  FP8OPS_REQUIRE(scale && amax && aligned(amax, sizeof(float)), "cast: bad scale / amax pointer");
+  FP8OPS_REQUIRE(dbias == NULL || (partial != NULL &&
+                                   partial_floats >= fp8ops_dbias_workspace_floats(rows, cols)),
+                 "cast: the dbias workspace holds %lld floats, fp8ops_dbias_workspace_floats "
+                 "asks %lld", (long long)partial_floats,
+                 (long long)fp8ops_dbias_workspace_floats(rows, cols));
+  return FP8OPS_OK;
+}
+
 extern "C" int fp8ops_dgelu_cast_accumulate_cuda(const void* x, const void* aux,
                                                  fp8ops_hp_dtype x_dtype, int64_t rows,
                                                  int64_t cols, const float* scale,
@@ -1114,13 +1129,7 @@ extern "C" int fp8ops_dgelu_cast_accumulate_cuda(const void* x, const void* aux,
                  "and 16-byte aligned pointers (fp8ops_dgelu_cast_fusable)");
   FP8OPS_REQUIRE(x_dtype == FP8OPS_F32 || x_dtype == FP8OPS_BF16 || x_dtype == FP8OPS_F16,
                  "cast: unknown input dtype code %d", (int)x_dtype);
-  FP8OPS_REQUIRE(fmt == FP8OPS_E4M3 || fmt == FP8OPS_E5M2, "cast: unknown fp8 format %d", (int)fmt);
-  FP8OPS_REQUIRE(scale && amax && aligned(amax, sizeof(float)), "cast: bad scale / amax pointer");
-  FP8OPS_REQUIRE(dbias == NULL || (partial != NULL &&
-                                   partial_floats >= fp8ops_dbias_workspace_floats(rows, cols)),
-                 "cast: the dbias workspace holds %lld floats, fp8ops_dbias_workspace_floats "
-                 "asks %lld", (long long)partial_floats,
-                 (long long)fp8ops_dbias_workspace_floats(rows, cols));
+  FP8OPS_TRY(fused_cast_check(fmt, scale, amax, dbias, partial, partial_floats, rows, cols));
   cudaStream_t s = (cudaStream_t)stream;
 #define FP8OPS_DGELU_LAUNCH(DT)                                                               \
   return fmt == FP8OPS_E4M3                                                                    \
@@ -1203,13 +1212,7 @@ extern "C" int fp8ops_blocks_cast_accumulate_cuda(const fp8ops_col_blocks* b,
   const int64_t cols = blocks_cols(b);
   FP8OPS_REQUIRE(out != NULL && out_t != NULL && aligned(out, 16) && aligned(out_t, 16),
                  "cast: the column blocks' cast needs out and out_t, 16-byte aligned");
-  FP8OPS_REQUIRE(fmt == FP8OPS_E4M3 || fmt == FP8OPS_E5M2, "cast: unknown fp8 format %d", (int)fmt);
-  FP8OPS_REQUIRE(scale && amax && aligned(amax, sizeof(float)), "cast: bad scale / amax pointer");
-  FP8OPS_REQUIRE(dbias == NULL || (partial != NULL &&
-                                   partial_floats >= fp8ops_dbias_workspace_floats(rows, cols)),
-                 "cast: the dbias workspace holds %lld floats, fp8ops_dbias_workspace_floats "
-                 "asks %lld", (long long)partial_floats,
-                 (long long)fp8ops_dbias_workspace_floats(rows, cols));
+  FP8OPS_TRY(fused_cast_check(fmt, scale, amax, dbias, partial, partial_floats, rows, cols));
   Prologue pro = kNoPrologue;
   int64_t end = 0;
   for (int i = 0; i < FP8OPS_MAX_BLOCKS; ++i) {
@@ -1281,8 +1284,7 @@ extern "C" int fp8ops_swiglu_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype
                  "16-byte aligned pointers (fp8ops_swiglu_cast_fusable)");
   FP8OPS_REQUIRE(x_dtype == FP8OPS_F32 || x_dtype == FP8OPS_BF16 || x_dtype == FP8OPS_F16,
                  "cast: unknown input dtype code %d", (int)x_dtype);
-  FP8OPS_REQUIRE(fmt == FP8OPS_E4M3 || fmt == FP8OPS_E5M2, "cast: unknown fp8 format %d", (int)fmt);
-  FP8OPS_REQUIRE(scale && amax && aligned(amax, sizeof(float)), "cast: bad scale / amax pointer");
+  FP8OPS_TRY(fused_cast_check(fmt, scale, amax, NULL, NULL, 0, rows, cols));
   cudaStream_t s = (cudaStream_t)stream;
 #define FP8OPS_SWIGLU_LAUNCH(DT)                                                                 \
   return fmt == FP8OPS_E4M3                                                                       \

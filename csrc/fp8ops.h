@@ -337,6 +337,20 @@ typedef struct {
 int fp8ops_amax_update_many_cuda(const fp8ops_amax_update_job* jobs, int64_t count, void* stream);
 
 /* ------------------------------------------------------------------------- */
+/* the record of amax slots written by ops that do not declare that write
+ * (amax_writes.c; compiled backwards' dy casts into fp8_grad_amax) */
+
+#define FP8OPS_AMAX_WRITES_MAX 4096 /* distinct slots between two takes (a layer's is one) */
+
+/* Note that an op wrote the amax `slot` on `stream` (NULL: the CPU). */
+void fp8ops_note_amax_write(const void* slot, void* stream);
+/* The slots noted since the last take, into out[0 .. *count - 1], and forgets them.
+ * Returns 1 instead (and *count = 0) if any slot may have been written unnoted: one
+ * written during a CUDA graph capture, or more distinct slots than fit; from then on
+ * it always returns 1. */
+int fp8ops_take_amax_writes(uintptr_t out[FP8OPS_AMAX_WRITES_MAX], int* count);
+
+/* ------------------------------------------------------------------------- */
 /* gemm: out[M, N] = (a[M, K] . b[N, K]^T) * a_scale_inv * b_scale_inv (+ bias[N])
  * a, b fp8 bytes, row-major ("TN": both K-major, as cuBLASLt FP8 requires);
  * formats (a, b) in {(e4m3, e4m3), (e5m2, e4m3), (e4m3, e5m2)}; fp32 accumulation.

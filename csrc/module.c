@@ -97,11 +97,31 @@ static PyObject* py_amax_update_many(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+/* _C.take_amax_writes() -> None, or a set of ints: the data pointers of the amax slots
+ * that ops with an undeclared amax write wrote since the last call (amax_writes.c);
+ * None: any slot may have been written (a CUDA graph captured such a write). */
+static PyObject* py_take_amax_writes(PyObject* self, PyObject* noargs) {
+  (void)self; (void)noargs;
+  static uintptr_t slots[FP8OPS_AMAX_WRITES_MAX]; /* (the GIL serializes callers) */
+  int count = 0;
+  if (fp8ops_take_amax_writes(slots, &count)) Py_RETURN_NONE;
+  PyObject* out = PySet_New(NULL);
+  for (int i = 0; out && i < count; ++i) {
+    PyObject* v = PyLong_FromUnsignedLongLong((unsigned long long)slots[i]);
+    if (!v || PySet_Add(out, v) < 0) Py_CLEAR(out);
+    Py_XDECREF(v);
+  }
+  return out;
+}
+
 static PyMethodDef k_methods[] = {
     {"amax_update_many", py_amax_update_many, METH_VARARGS,
      "Delayed-scaling update of many histories on one CUDA device, in few launches."},
     {"build_info", py_build_info, METH_NOARGS, "Build and registration facts."},
     {"cublaslt_status", py_cublaslt_status, METH_NOARGS, "None, or why cuBLASLt is unusable."},
+    {"take_amax_writes", py_take_amax_writes, METH_NOARGS,
+     "The amax slots compiled backwards wrote since the last call (a set of data pointers), "
+     "or None: any may have been."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef k_module = {PyModuleDef_HEAD_INIT, "fp8ops._C",

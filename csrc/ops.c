@@ -955,20 +955,23 @@ static void boxed_ln_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nr
 
 #define LBWD_NIN 9
 // (blocks: linear_bwd_cat's gy, described by gy_blocks, cast from its column blocks in
-// place; in[0] and in[8] (gelu_input) are then unused. in[8] NULL: no gelu_input.)
+// place; in[0] and in[8] (gelu_input) are then unused. in[8] NULL: no gelu_input.
+// note_amax: the op does not declare its write to g_amax, so it notes it (amax_writes.c).)
 static int run_linear_bwd(const char* op, AtenTensorHandle in[LBWD_NIN],
                           const fp8ops_col_blocks* blocks, const tinfo* gy_blocks, int32_t g_fp8,
                           int32_t dx_dtype, int32_t dw_dtype, bool need_dx, bool need_dw,
-                          bool need_db, AtenTensorHandle outs[3], AtenTensorHandle tmp[4],
-                          gemm_scratch* scratch) {
+                          bool need_db, bool note_amax, AtenTensorHandle outs[3],
+                          AtenTensorHandle tmp[4], gemm_scratch* scratch) {
   tinfo g, wt, xt, gs, ga, gsi, wsi, xsi, gi;
   fp8ops_hp_dtype gd = FP8OPS_F32, dxd = FP8OPS_BF16, dwd = FP8OPS_F32;
   fp8ops_fp8_format gf = FP8OPS_E5M2, wf = FP8OPS_E4M3, xf = FP8OPS_E4M3;
   char sh1[96], sh2[96];
+  /* what the messages call dy: linear_bwd_cat's is its blocks side by side, never written */
+  const char* gy = blocks ? "cat(gy_a, gy_b, gy_c)" : "gy";
   if (blocks)
     g = *gy_blocks;
   else
-    FP8OPS_TRY(describe(op, "gy", in[0], &g));
+    FP8OPS_TRY(describe(op, gy, in[0], &g));
   FP8OPS_TRY(describe(op, "w8t", in[1], &wt));
   FP8OPS_TRY(describe(op, "x8t", in[2], &xt));
   FP8OPS_TRY(describe(op, "g_scale", in[3], &gs));
@@ -980,14 +983,14 @@ static int run_linear_bwd(const char* op, AtenTensorHandle in[LBWD_NIN],
     FP8OPS_TRY(describe(op, "gelu_input", in[8], &gi));
   else
     memset(&gi, 0, sizeof gi);
-  FP8OPS_TRY(hp_code(op, "gy", g.dtype, &gd));
+  FP8OPS_TRY(hp_code(op, gy, g.dtype, &gd));
   FP8OPS_TRY(fp8_code(op, "g_fp8_dtype", g_fp8, &gf));
   FP8OPS_REQUIRE(g.ndim == 2, "%s: gy must be 2-D [M, N], found %lld dims; reshape it to "
                  "(-1, out_features)", op, (long long)g.ndim);
-  FP8OPS_TRY(require_contiguous(op, "gy", &g));
-  FP8OPS_TRY(require_scalar_f32(op, "g_scale", &gs, &g, "gy"));
-  FP8OPS_TRY(require_scalar_f32(op, "g_amax", &ga, &g, "gy"));
-  FP8OPS_TRY(require_scalar_f32(op, "g_scale_inv", &gsi, &g, "gy"));
+  FP8OPS_TRY(require_contiguous(op, gy, &g));
+  FP8OPS_TRY(require_scalar_f32(op, "g_scale", &gs, &g, gy));
+  FP8OPS_TRY(require_scalar_f32(op, "g_amax", &ga, &g, gy));
+  FP8OPS_TRY(require_scalar_f32(op, "g_scale_inv", &gsi, &g, gy));
   const int64_t M = g.sizes[0], N = g.sizes[1];
   int64_t K = 0;
   /* both output dtypes, needed or not: an output not asked for is still allocated (empty) */
@@ -997,11 +1000,11 @@ static int run_linear_bwd(const char* op, AtenTensorHandle in[LBWD_NIN],
     FP8OPS_TRY(fp8_code(op, "w8t", wt.dtype, &wf));
     FP8OPS_REQUIRE(!(gf == FP8OPS_E5M2 && wf == FP8OPS_E5M2), "%s: g_fp8_dtype and w8t are "
                    "both float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand", op);
-    FP8OPS_REQUIRE(wt.ndim == 2 && wt.sizes[1] == N, "%s: w8t must be [K, N] for gy %s "
-                   "(the transposed FP8 weight), found %s", op, SHAPE(&g, sh1), SHAPE(&wt, sh2));
+    FP8OPS_REQUIRE(wt.ndim == 2 && wt.sizes[1] == N, "%s: w8t must be [K, N] for %s %s "
+                   "(the transposed FP8 weight), found %s", op, gy, SHAPE(&g, sh1), SHAPE(&wt, sh2));
     FP8OPS_TRY(require_contiguous(op, "w8t", &wt));
-    FP8OPS_TRY(require_same_device(op, "w8t", &wt, "gy", &g));
-    FP8OPS_TRY(require_scalar_f32(op, "w_scale_inv", &wsi, &g, "gy"));
+    FP8OPS_TRY(require_same_device(op, "w8t", &wt, gy, &g));
+    FP8OPS_TRY(require_scalar_f32(op, "w_scale_inv", &wsi, &g, gy));
     K = wt.sizes[0];
   }
   if (need_dw) {
@@ -1009,12 +1012,12 @@ static int run_linear_bwd(const char* op, AtenTensorHandle in[LBWD_NIN],
     FP8OPS_REQUIRE(!(gf == FP8OPS_E5M2 && xf == FP8OPS_E5M2), "%s: g_fp8_dtype and x8t are "
                    "both float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand", op);
     FP8OPS_REQUIRE(xt.ndim == 2 && xt.sizes[1] == M && (!need_dx || xt.sizes[0] == K),
-                   "%s: x8t must be [K, M]%s for gy %s (the transposed FP8 input), found %s", op,
-                   need_dx ? " with K = w8t.shape[0]" : "", SHAPE(&g, sh1),
+                   "%s: x8t must be [K, M]%s for %s %s (the transposed FP8 input), found %s", op,
+                   need_dx ? " with K = w8t.shape[0]" : "", gy, SHAPE(&g, sh1),
                    SHAPE(&xt, sh2));
     FP8OPS_TRY(require_contiguous(op, "x8t", &xt));
-    FP8OPS_TRY(require_same_device(op, "x8t", &xt, "gy", &g));
-    FP8OPS_TRY(require_scalar_f32(op, "x_scale_inv", &xsi, &g, "gy"));
+    FP8OPS_TRY(require_same_device(op, "x8t", &xt, gy, &g));
+    FP8OPS_TRY(require_scalar_f32(op, "x_scale_inv", &xsi, &g, gy));
     K = xt.sizes[0];
   }
   {
@@ -1053,7 +1056,7 @@ static int run_linear_bwd(const char* op, AtenTensorHandle in[LBWD_NIN],
     FP8OPS_REQUIRE(gi.dtype == g.dtype, "%s: gelu_input must have gy's dtype %s, found %s", op,
                    dtype_name(g.dtype), dtype_name(gi.dtype));
     FP8OPS_TRY(require_contiguous(op, "gelu_input", &gi));
-    FP8OPS_TRY(require_same_device(op, "gelu_input", &gi, "gy", &g));
+    FP8OPS_TRY(require_same_device(op, "gelu_input", &gi, gy, &g));
     gelu_fused = is_cuda(&g) && fp8ops_dgelu_cast_fusable(g.data, gi.data, M, N, p8, p8t);
     if (!gelu_fused) {
       FP8OPS_TRY(new_tensor(op, 2, g.sizes, g.dtype, &g, &tmp[3]));
@@ -1064,6 +1067,7 @@ static int run_linear_bwd(const char* op, AtenTensorHandle in[LBWD_NIN],
   const gemm_operand a_dw = {tmp[1], p8t, gf}, b_dw = {in[2], xt.data, xf};
   int rc;
   CUDA_BODY(op, &g, need_dx || need_dw, rc, {
+    if (note_amax) fp8ops_note_amax_write(ga.data, stream);
     if (blocks) {
       rc = fp8ops_blocks_cast_accumulate_cuda(blocks, gd, M, gs.data, gf, p8, p8t, ga.data, db,
                                               partial, partial_floats, stream);
@@ -1094,19 +1098,29 @@ static int run_linear_bwd(const char* op, AtenTensorHandle in[LBWD_NIN],
   return rc;
 }
 
-static void boxed_linear_bwd(StableIValue* stack, uint64_t nargs, uint64_t nret) {
-  (void)nargs; (void)nret;
+/* linear_bwd and linear_bwd_sink: one schema but g_amax's declaration */
+static void boxed_linear_bwd_as(const char* func, const char* op, bool sink, StableIValue* stack) {
   AtenTensorHandle in[LBWD_NIN];
   for (int i = 0; i < LBWD_NIN; ++i) in[i] = sv_tensor(stack[i]);
   AtenTensorHandle outs[3] = {NULL, NULL, NULL}, tmp[4] = {NULL, NULL, NULL, NULL};
   gemm_scratch scratch = {0};
-  int rc = run_linear_bwd("fp8ops::linear_bwd", in, NULL, NULL, sv_i32(stack[9]),
-                          sv_i32(stack[10]), sv_i32(stack[11]), sv_bool(stack[12]),
-                          sv_bool(stack[13]), sv_bool(stack[14]), outs, tmp, &scratch);
+  int rc = run_linear_bwd(op, in, NULL, NULL, sv_i32(stack[9]), sv_i32(stack[10]),
+                          sv_i32(stack[11]), sv_bool(stack[12]), sv_bool(stack[13]),
+                          sv_bool(stack[14]), sink, outs, tmp, &scratch);
   release(in, LBWD_NIN);
   release(tmp, 4); /* stream-ordered, after the kernels that read them */
   scratch_release(&scratch);
-  finish_boxed(__func__, rc, outs, 3, stack);
+  finish_boxed(func, rc, outs, 3, stack);
+}
+
+static void boxed_linear_bwd(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  boxed_linear_bwd_as(__func__, "fp8ops::linear_bwd", false, stack);
+}
+
+static void boxed_linear_bwd_sink(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  boxed_linear_bwd_as(__func__, "fp8ops::linear_bwd_sink", true, stack);
 }
 
 // ----------------------------------------------------------------------------
@@ -1173,7 +1187,7 @@ static int run_linear_bwd_cat(AtenTensorHandle in[LBWD_CAT_NIN], int32_t g_fp8, 
   /* (the fused cast writes the transposed FP8 dy, which only the weight gradient reads) */
   if (is_cuda(&g) && need_dw && fp8ops_blocks_cast_fusable(&blocks, gd, M))
     return run_linear_bwd(op, in2, &blocks, &g, g_fp8, dx_dtype, dw_dtype, need_dx, need_dw,
-                          need_db, outs, tmp, scratch);
+                          need_db, true, outs, tmp, scratch);
   FP8OPS_TRY(new_tensor(op, 2, g.sizes, g.dtype, &g, &tmp[4]));
   void* cat = data_of(tmp[4]);
   int rc;
@@ -1185,7 +1199,7 @@ static int run_linear_bwd_cat(AtenTensorHandle in[LBWD_CAT_NIN], int32_t g_fp8, 
   if (rc != FP8OPS_OK) return rc;
   in2[0] = tmp[4];
   return run_linear_bwd(op, in2, NULL, NULL, g_fp8, dx_dtype, dw_dtype, need_dx, need_dw, need_db,
-                        outs, tmp, scratch);
+                        true, outs, tmp, scratch);
 }
 
 static void boxed_linear_bwd_cat(StableIValue* stack, uint64_t nargs, uint64_t nret) {
@@ -1437,7 +1451,7 @@ static const op_row k_ops[] = {
                         "ScalarType dx_dtype, ScalarType dw_dtype, bool need_dx, bool need_dw, "
                         "bool need_db=False) -> "
                         "(Tensor dx, Tensor dw, Tensor db)",
-     boxed_linear_bwd},
+     boxed_linear_bwd_sink},
     // linear_bwd_sink of gy = cat([gy_a, gy_b, gy_c], dim=1), never written (above)
     {"linear_bwd_cat", "linear_bwd_cat(Tensor gy_a, Tensor gy_b, Tensor gy_c, Tensor w8t, "
                        "Tensor x8t, Tensor g_scale, Tensor g_amax, Tensor g_scale_inv, "

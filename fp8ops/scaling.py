@@ -360,16 +360,53 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     # (the list of every live layer built only once a compiled FP8 forward exists: eager steps skip it)
     if _linear._TRACES[0]:
         fold_grad_amax(list(_LAYERS))
+        _WRITTEN.clear()  # (every live layer's looked at: what is left was a freed layer's)
     for g, members in by_scaling_group(layers, group):
         _update_group(members, g, serial)
+
+
+# data pointers of fp8_grad_amax slots that compiled backwards wrote (linear_bwd_sink and
+# linear_bwd_cat note each write in C: csrc/amax_writes.c) and no fold has read yet
+_WRITTEN: set = set()
+
+
+def _written_grad_amaxes() -> set | None:
+    """The fp8_grad_amax slots written since their last fold (by data pointer), or None
+    where any may have been: a CUDA graph captured such a write (a replay notes nothing),
+    or an fp8ops build without the record. The emulated GEMMs' casts (gemm_emulated)
+    declare their write and note nothing: fold_grad_amax reads those layers always."""
+    core = _loader._C
+    new = core.take_amax_writes() if core is not None and hasattr(core, "take_amax_writes") else None
+    if new is None:
+        return None
+    _WRITTEN.update(new)
+    return _WRITTEN
+
+
+class _FoldViews:
+    """One layer's views that fold_grad_amax reads and writes, kept while its buffers are
+    these objects over this memory (~9 us per layer and step on the CPU box to make them).
+    .data: no version counter moves. A layer whose history was not written since the last
+    look is not read again (_find_compiled_casts); no backward still to come reads these."""
+    __slots__ = ("hb", "gb", "ob", "ptrs", "device", "h", "ga", "slot", "slot_bits", "ga_bits", "count")
+
+    def __init__(self, hb: torch.Tensor, gb: torch.Tensor, ob: torch.Tensor):
+        self.hb, self.gb, self.ob = hb, gb, ob
+        self.ptrs = (hb.data_ptr(), gb.data_ptr(), ob.data_ptr())
+        self.device = hb.device
+        self.h, self.ga = hb.data, gb.data.reshape(1)
+        self.slot = self.h[0, G:G + 1]                 # row 0's dy amax
+        self.slot_bits, self.ga_bits = self.slot.view(torch.int32), self.ga.view(torch.int32)
+        self.count = ob.data[G:G + 1]                  # dy's NaN/inf count
 
 
 def fold_grad_amax(layers: list[Fp8Linear]) -> None:
     """Compiled backwards fold dy's amax into each layer's fp8_grad_amax, not into its
     history (linear._scaled_grad_output): fold it in there as eager backward's casts do, and
     zero it. Before anything reads row 0 (the update, its all-reduce, a saved scaling state, the
-    report), for every live layer at each optimizer step, in a few launches per device for all
-    layers. Delayed scaling: the max over the bits as int32, as the casts' atomicMax folds.
+    report), at each optimizer step for every live layer whose slot a compiled backward wrote
+    since its last fold (_written_grad_amaxes; every live layer where that is not known), in a
+    few launches per device for all of them. Delayed scaling: the max over the bits as int32, as the casts' atomicMax folds.
     Where dy is on current scaling its scale stays in copies in compiled code: the NaN/inf
     count of the step's amax here (eager code counts each cast), and under the current recipe
     the scale of the step's largest amax is set as well (one amax_update_many call per device
@@ -380,35 +417,44 @@ def fold_grad_amax(layers: list[Fp8Linear]) -> None:
     Nothing to do where no FP8 forward was ever compiled in this process."""
     if _linear._TRACES[0] == 0:
         return
+    written = _written_grad_amaxes()
     delayed: dict = {}     # device -> (row 0's dy slots, fp8_grad_amax), as int32
     current: dict = {}     # device -> (row 0's dy slots, fp8_grad_amax): the current recipe's
     scale_jobs: dict = {}  # device -> amax_update_many jobs: the current recipe's CUDA layers
-    unready: list = []     # (overflow count slot, fp8_grad_amax): delayed scaling's first step
+    unready: dict = {}     # device -> (overflow count slots, fp8_grad_amax): delayed scaling's first step
     core = _loader._C
     with torch.no_grad():
         for layer in layers:
             bufs, d = layer._buffers, layer.__dict__
-            hb, gb = bufs.get("fp8_amax_history"), bufs.get("fp8_grad_amax")
-            if hb is None or gb is None or hb.is_meta:
-                continue
             c = d.get("_fp8_fold_views")
-            if c is None or c[0] is not hb or c[1] is not gb or c[2] != (hb.data_ptr(), gb.data_ptr()):
-                # (.data: no version counter moves. A layer whose history was not written since the
-                # last look is not read again, _find_compiled_casts; no backward still to come reads
-                # these. Kept while the buffers are these objects over this memory: ~9 us per layer
-                # and step on the CPU box otherwise)
-                h, ga = hb.data, gb.data.reshape(1)
-                slot = h[0, G:G + 1]
-                c = d["_fp8_fold_views"] = (hb, gb, (hb.data_ptr(), gb.data_ptr()), h, ga, slot,
-                                            slot.view(torch.int32), ga.view(torch.int32))
-            h, ga, slot = c[3], c[4], c[5]
+            hb, gb, ob = bufs.get("fp8_amax_history"), bufs.get("fp8_grad_amax"), bufs.get("fp8_overflow_count")
+            if hb is None or gb is None or ob is None:
+                continue
+            gp = gb.data_ptr()
+            if c is None or c.hb is not hb or c.gb is not gb or c.ob is not ob \
+                    or c.ptrs != (hb.data_ptr(), gp, ob.data_ptr()):
+                if hb.is_meta:
+                    continue
+                # (new buffers, or new memory under them: read once, whatever the record says)
+                c = d["_fp8_fold_views"] = _FoldViews(hb, gb, ob)
+            elif written is not None and gp not in written and not d["fp8_config"].gemm_emulated:
+                continue  # no compiled backward wrote its dy amax since the last fold: still 0
+            if written is not None:
+                written.discard(gp)
             if d["fp8_config"].recipe == "delayed":
                 if not d["_fp8_delayed_ready"]:
-                    unready.append((bufs["fp8_overflow_count"].data[G:G + 1], ga))
-                found = delayed.setdefault(h.device, ([], []))
-                found[0].append(c[6])
-                found[1].append(c[7])
+                    waiting = unready.get(c.device)
+                    if waiting is None:
+                        waiting = unready[c.device] = ([], [])
+                    waiting[0].append(c.count)
+                    waiting[1].append(c.ga)
+                found = delayed.get(c.device)
+                if found is None:
+                    found = delayed[c.device] = ([], [])
+                found[0].append(c.slot_bits)
+                found[1].append(c.ga_bits)
                 continue
+            h, ga, slot = c.h, c.ga, c.slot
             job = _grad_scale_job(layer, ga) if core is not None else None
             if job is None:
                 # (CPU, or buffers of another layout: the checked op, one layer at a time, the
@@ -428,8 +474,14 @@ def fold_grad_amax(layers: list[Fp8Linear]) -> None:
         # (what follows raises nothing a layer's buffers could cause, and needs no sync: also inside
         # a CUDA graph capture of the optimizer step. The scale jobs read fp8_grad_amax, and roll it
         # as a one-row history: before the zeroing, as the slots)
-        for count, ga in unready:
-            count.add_(ga.isfinite().logical_not())
+        for counts, grad_amaxes in unready.values():
+            # (a layer that waits for its first update, e.g. one policy "auto" rested in BF16, is
+            # here at every step: one device's in five launches, where each took three)
+            if len(counts) == 1:
+                counts[0].add_(grad_amaxes[0].isfinite().logical_not())
+            else:
+                bad = torch.cat(grad_amaxes).isfinite().logical_not_().to(torch.int64)
+                torch._foreach_add_(counts, list(bad.split(1)))
         for slots, grad_amaxes in delayed.values():
             torch._foreach_maximum_(slots, grad_amaxes)
         for slots, grad_amaxes in current.values():

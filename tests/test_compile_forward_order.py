@@ -10,6 +10,11 @@ backward wrote the amax history, which its forward writes too, and those orders 
 optimizer step folds into the history (linear._scaled_grad_output, scaling.fold_grad_amax).
 These tests train the same steps eager and compiled, and compare them step by step."""
 import copy
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -333,6 +338,9 @@ def test_a_fold_refused_by_one_layer_counts_nothing_twice(monkeypatch):
     delayed.fp8_grad_amax.fill_(float("inf"))
     bad._buffers["fp8_grad_amax"] = torch.zeros(1, dtype=torch.float64)
     monkeypatch.setattr(fp8_linear, "_TRACES", [1])
+    # (the amaxes set by hand: no record of compiled writes, so every layer is read, as after a
+    # CUDA graph captured one)
+    monkeypatch.setattr(scaling, "_written_grad_amaxes", lambda: None)
     for _ in range(2):
         with pytest.raises(RuntimeError, match="float32"):
             scaling.fold_grad_amax([first, delayed, bad])
@@ -340,3 +348,127 @@ def test_a_fold_refused_by_one_layer_counts_nothing_twice(monkeypatch):
     assert bool(first.fp8_amax_history[0, G].isnan())
     # (the delayed layer after it in the batch: not folded yet, and not counted either)
     assert int(delayed.fp8_overflow_count[G]) == 0 and float(delayed.fp8_grad_amax) == float("inf")
+
+
+
+# The record of undeclared amax writes (csrc/amax_writes.c) answers "every slot" for good once a
+# CUDA graph captured such a write, as test_cuda_graphs_compiled_trains_like_eager's do: its
+# tests run in a process of their own.
+_RECORD_PRELUDE = """
+import torch, torch.nn as nn
+import fp8ops, fp8ops.conversion
+from fp8ops import _loader, scaling
+from fp8ops.linear import G
+take = _loader._C.take_amax_writes
+assert take() == set(), "the record starts empty"
+def convert(model, recipe):  # (conftest.convert_as_on_fp8_gpu: the CPU reference kernels)
+    fp8ops.conversion.fp8_supported_here = lambda device=None: (True, "ok")
+    fp8ops.convert(model, config=fp8ops.Fp8Config(policy="always", recipe=recipe))
+    for m in model.modules():
+        m.fp8_on_cpu = True
+    return model
+"""
+
+
+def _in_a_process_of_its_own(code: str, tmp_path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(fp8ops.__file__).resolve().parents[1])}
+    p = subprocess.run([sys.executable, "-c", _RECORD_PRELUDE + textwrap.dedent(code) + "\nprint('ok')"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-3000:] + p.stderr[-6000:]
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_the_ops_that_write_dy_amax_undeclared_record_the_slot(device, tmp_path):
+    """linear_bwd_sink and linear_bwd_cat (compiled backwards' casts of dy) note the amax slot
+    they write (csrc/amax_writes.c), which the step's fold reads back; linear_bwd, whose write
+    is declared, notes nothing."""
+    _in_a_process_of_its_own(f"""
+        device = {device!r}
+        e4, f32 = torch.float8_e4m3fn, torch.float32
+        M, N, K = 32, 48, 16
+        gy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+        w8t, x8t = torch.randn(K, N, device=device).to(e4), torch.randn(K, M, device=device).to(e4)
+        one = lambda: torch.ones(1, device=device, dtype=f32)
+        st = fp8ops.ops.ST
+        tail = (st[torch.float8_e5m2], st[torch.bfloat16], st[f32], True, True, False)
+        slots = {{}}
+        for name in ("linear_bwd", "linear_bwd_sink", "linear_bwd_cat"):
+            amax = torch.zeros(1, device=device, dtype=f32)
+            gys = (gy,) if name != "linear_bwd_cat" else (gy[:, :16], gy[:, 16:32], gy[:, 32:])
+            gelu = (torch.empty(0, device=device, dtype=torch.bfloat16),) if name != "linear_bwd_cat" else ()
+            getattr(torch.ops.fp8ops, name)(*gys, w8t, x8t, one(), amax, one(), one(), one(), *gelu, *tail)
+            assert amax.item() > 0
+            slots[name] = amax
+        got = take()
+        assert got == {{slots["linear_bwd_sink"].data_ptr(), slots["linear_bwd_cat"].data_ptr()}}, got
+        assert take() == set()  # (taken: forgotten)
+    """, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.fp8
+@requires_fp8
+def test_a_captured_undeclared_amax_write_makes_the_record_every_slot(tmp_path):
+    """A replay of a CUDA graph runs no host code, so nothing would note its writes: once
+    linear_bwd_sink runs inside a capture, the record answers "every slot" (None) from then on,
+    and the step's fold reads every live layer, as before the record."""
+    _in_a_process_of_its_own("""
+        e4, f32, dev = torch.float8_e4m3fn, torch.float32, "cuda"
+        gy = torch.randn(32, 48, device=dev, dtype=torch.bfloat16)
+        w8t, x8t = torch.randn(16, 48, device=dev).to(e4), torch.randn(16, 32, device=dev).to(e4)
+        one, amax = torch.ones(1, device=dev), torch.zeros(1, device=dev)
+        st = fp8ops.ops.ST
+        args = (gy, w8t, x8t, one, amax, one, one, one, torch.empty(0, device=dev, dtype=torch.bfloat16),
+                st[torch.float8_e5m2], st[torch.bfloat16], st[f32], True, True, False)
+        torch.ops.fp8ops.linear_bwd_sink(*args)  # (warm-up: cuBLASLt's handle, outside the capture)
+        assert take() == {amax.data_ptr()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.ops.fp8ops.linear_bwd_sink(*args)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert take() is None and take() is None
+        layer = fp8ops.convert(nn.Linear(16, 16).cuda(), config=fp8ops.Fp8Config(policy="always"))
+        fp8ops.linear._TRACES[0] += 1  # (as after a compiled FP8 forward)
+        fp8ops.step(layer)  # (the fold's views made: from here on a slot is read only if noted, or always)
+        layer.fp8_grad_amax.fill_(3.0)  # (as a replayed compiled backward leaves it)
+        fp8ops.step(layer)
+        assert layer.fp8_grad_amax.item() == 0 and layer.fp8_amax_history[:, G].max().item() == 3.0
+    """, tmp_path)
+
+
+def test_the_step_reads_only_the_dy_amaxes_compiled_backwards_wrote(tmp_path):
+    """With a compiled FP8 forward in the process, each optimizer step folds fp8_grad_amax
+    into the history for the layers whose compiled backward wrote it since (the ops note
+    it), not for every live layer: an eager layer's slot is not read at its steps (a value
+    left in it by hand stays; before, every step read it: a few launches per step, and three
+    more per layer that waits for its first update). A compiled layer's slot is read at
+    each step, its amax reaching row 0 as before (delayed scaling: rolled to the last row by
+    the update; current: dy's scale from it)."""
+    _in_a_process_of_its_own("""
+        for recipe in ("delayed", "current"):
+            torch.manual_seed(0)
+            eager = convert(nn.Sequential(nn.Linear(32, 32)), recipe)
+            compiled = convert(nn.Sequential(nn.Linear(32, 32)), recipe)
+            fn = torch.compile(compiled)
+            torch._dynamo.reset()
+            opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (eager, compiled)]
+            for step in range(3):
+                x = torch.randn(32, 32)
+                eager(x).square().mean().backward()
+                fn(x).square().mean().backward()
+                written = compiled[0].fp8_grad_amax.item()
+                assert written > 0  # (compiled backward's dy amax, not yet in the history)
+                if step == 2:
+                    eager[0].fp8_grad_amax.fill_(1e9)  # read by no step: no compiled backward wrote it
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                assert compiled[0].fp8_grad_amax.item() == 0 and scaling._WRITTEN == set()  # folded
+                if recipe == "delayed":
+                    assert compiled[0].fp8_amax_history[-1, G].item() == written
+                else:
+                    assert abs(compiled[0].fp8_scale[G].item() / (57344.0 / written) - 1) < 1e-6
+            assert eager[0].fp8_grad_amax.item() == 1e9
+            assert eager[0].fp8_amax_history.max().item() < 1e9 and eager[0].fp8_scale[G].item() > 1e-3
+    """, tmp_path)
