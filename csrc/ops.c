@@ -956,8 +956,9 @@ static void boxed_ln_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nr
 #define LBWD_NIN 9
 // (blocks: linear_bwd_cat's gy, described by gy_blocks, cast from its column blocks in
 // place; in[0] and in[8] (gelu_input) are then unused. in[8] NULL: no gelu_input.
-// note_amax: the op does not declare its write to g_amax, so it notes it (amax_writes.c).)
-static int run_linear_bwd(const char* op, AtenTensorHandle in[LBWD_NIN],
+// gy: what the messages call dy (linear_bwd_cat's: its blocks side by side). note_amax: the op
+// does not declare its write to g_amax, so it notes it (amax_writes.c).)
+static int run_linear_bwd(const char* op, const char* gy, AtenTensorHandle in[LBWD_NIN],
                           const fp8ops_col_blocks* blocks, const tinfo* gy_blocks, int32_t g_fp8,
                           int32_t dx_dtype, int32_t dw_dtype, bool need_dx, bool need_dw,
                           bool need_db, bool note_amax, AtenTensorHandle outs[3],
@@ -966,8 +967,6 @@ static int run_linear_bwd(const char* op, AtenTensorHandle in[LBWD_NIN],
   fp8ops_hp_dtype gd = FP8OPS_F32, dxd = FP8OPS_BF16, dwd = FP8OPS_F32;
   fp8ops_fp8_format gf = FP8OPS_E5M2, wf = FP8OPS_E4M3, xf = FP8OPS_E4M3;
   char sh1[96], sh2[96];
-  /* what the messages call dy: linear_bwd_cat's is its blocks side by side, never written */
-  const char* gy = blocks ? "cat(gy_a, gy_b, gy_c)" : "gy";
   if (blocks)
     g = *gy_blocks;
   else
@@ -1001,7 +1000,8 @@ static int run_linear_bwd(const char* op, AtenTensorHandle in[LBWD_NIN],
     FP8OPS_REQUIRE(!(gf == FP8OPS_E5M2 && wf == FP8OPS_E5M2), "%s: g_fp8_dtype and w8t are "
                    "both float8_e5m2; FP8 tensor cores need at least one float8_e4m3fn operand", op);
     FP8OPS_REQUIRE(wt.ndim == 2 && wt.sizes[1] == N, "%s: w8t must be [K, N] for %s %s "
-                   "(the transposed FP8 weight), found %s", op, gy, SHAPE(&g, sh1), SHAPE(&wt, sh2));
+                   "(the transposed FP8 weight), found %s", op, gy, SHAPE(&g, sh1),
+                   SHAPE(&wt, sh2));
     FP8OPS_TRY(require_contiguous(op, "w8t", &wt));
     FP8OPS_TRY(require_same_device(op, "w8t", &wt, gy, &g));
     FP8OPS_TRY(require_scalar_f32(op, "w_scale_inv", &wsi, &g, gy));
@@ -1104,7 +1104,7 @@ static void boxed_linear_bwd_as(const char* func, const char* op, bool sink, Sta
   for (int i = 0; i < LBWD_NIN; ++i) in[i] = sv_tensor(stack[i]);
   AtenTensorHandle outs[3] = {NULL, NULL, NULL}, tmp[4] = {NULL, NULL, NULL, NULL};
   gemm_scratch scratch = {0};
-  int rc = run_linear_bwd(op, in, NULL, NULL, sv_i32(stack[9]), sv_i32(stack[10]),
+  int rc = run_linear_bwd(op, "gy", in, NULL, NULL, sv_i32(stack[9]), sv_i32(stack[10]),
                           sv_i32(stack[11]), sv_bool(stack[12]), sv_bool(stack[13]),
                           sv_bool(stack[14]), sink, outs, tmp, &scratch);
   release(in, LBWD_NIN);
@@ -1140,6 +1140,7 @@ static void boxed_linear_bwd_sink(StableIValue* stack, uint64_t nargs, uint64_t 
 // op on the concatenation either way.
 
 #define LBWD_CAT_NIN 10
+#define GY_CAT "cat(gy_a, gy_b, gy_c)" /* the concatenation, as the messages name it */
 static int run_linear_bwd_cat(AtenTensorHandle in[LBWD_CAT_NIN], int32_t g_fp8, int32_t dx_dtype,
                               int32_t dw_dtype, bool need_dx, bool need_dw, bool need_db,
                               AtenTensorHandle outs[3], AtenTensorHandle tmp[5],
@@ -1186,8 +1187,8 @@ static int run_linear_bwd_cat(AtenTensorHandle in[LBWD_CAT_NIN], int32_t g_fp8, 
   AtenTensorHandle in2[LBWD_NIN] = {NULL, in[3], in[4], in[5], in[6], in[7], in[8], in[9], NULL};
   /* (the fused cast writes the transposed FP8 dy, which only the weight gradient reads) */
   if (is_cuda(&g) && need_dw && fp8ops_blocks_cast_fusable(&blocks, gd, M))
-    return run_linear_bwd(op, in2, &blocks, &g, g_fp8, dx_dtype, dw_dtype, need_dx, need_dw,
-                          need_db, true, outs, tmp, scratch);
+    return run_linear_bwd(op, GY_CAT, in2, &blocks, &g, g_fp8, dx_dtype, dw_dtype, need_dx,
+                          need_dw, need_db, true, outs, tmp, scratch);
   FP8OPS_TRY(new_tensor(op, 2, g.sizes, g.dtype, &g, &tmp[4]));
   void* cat = data_of(tmp[4]);
   int rc;
@@ -1198,8 +1199,8 @@ static int run_linear_bwd_cat(AtenTensorHandle in[LBWD_CAT_NIN], int32_t g_fp8, 
   });
   if (rc != FP8OPS_OK) return rc;
   in2[0] = tmp[4];
-  return run_linear_bwd(op, in2, NULL, NULL, g_fp8, dx_dtype, dw_dtype, need_dx, need_dw, need_db,
-                        true, outs, tmp, scratch);
+  return run_linear_bwd(op, GY_CAT, in2, NULL, NULL, g_fp8, dx_dtype, dw_dtype, need_dx, need_dw,
+                        need_db, true, outs, tmp, scratch);
 }
 
 static void boxed_linear_bwd_cat(StableIValue* stack, uint64_t nargs, uint64_t nret) {

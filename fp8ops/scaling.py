@@ -359,8 +359,7 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     # input still needs its gradient), whose dy amax and NaN/inf counts eager code records too
     # (the list of every live layer built only once a compiled FP8 forward exists: eager steps skip it)
     if _linear._TRACES[0]:
-        fold_grad_amax(list(_LAYERS))
-        _WRITTEN.clear()  # (every live layer's looked at: what is left was a freed layer's)
+        fold_grad_amax(list(_LAYERS), every_live=True)
     for g, members in by_scaling_group(layers, group):
         _update_group(members, g, serial)
 
@@ -373,10 +372,15 @@ _WRITTEN: set = set()
 def _written_grad_amaxes() -> set | None:
     """The fp8_grad_amax slots written since their last fold (by data pointer), or None
     where any may have been: a CUDA graph captured such a write (a replay notes nothing),
-    or an fp8ops build without the record. The emulated GEMMs' casts (gemm_emulated)
-    declare their write and note nothing: fold_grad_amax reads those layers always."""
+    or an fp8ops build without the record; and while this fold is being captured itself (an
+    optimizer step in a CUDA graph: its replays must read every layer, whichever wrote).
+    The emulated GEMMs' casts declare their write and note nothing: fold_grad_amax reads
+    those layers always."""
     core = _loader._C
-    new = core.take_amax_writes() if core is not None and hasattr(core, "take_amax_writes") else None
+    if core is None or not hasattr(core, "take_amax_writes") or (
+            torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
+        return None
+    new = core.take_amax_writes()
     if new is None:
         return None
     _WRITTEN.update(new)
@@ -400,7 +404,7 @@ class _FoldViews:
         self.count = ob.data[G:G + 1]                  # dy's NaN/inf count
 
 
-def fold_grad_amax(layers: list[Fp8Linear]) -> None:
+def fold_grad_amax(layers: list[Fp8Linear], every_live: bool = False) -> None:
     """Compiled backwards fold dy's amax into each layer's fp8_grad_amax, not into its
     history (linear._scaled_grad_output): fold it in there as eager backward's casts do, and
     zero it. Before anything reads row 0 (the update, its all-reduce, a saved scaling state, the
@@ -413,11 +417,16 @@ def fold_grad_amax(layers: list[Fp8Linear]) -> None:
     on CUDA), with that amax in row 0 in place of the one there (eager code leaves the last
     cast's in both). No version counter moves (.data, raw pointers): an eager backward still to
     come sets dy's scale itself under current scaling, and this also runs in scaling_state_dict
-    and the report.
+    and the report. every_live: `layers` are every live layer (the step's fold), so a recorded
+    slot none of them holds was a freed layer's, and is forgotten.
     Nothing to do where no FP8 forward was ever compiled in this process."""
     if _linear._TRACES[0] == 0:
         return
     written = _written_grad_amaxes()
+    # the recorded slots this fold reads: forgotten once it has folded them (a fold that raises
+    # forgets none, so the next one reads them again)
+    read: list = []
+    seen = set(written) if every_live and written is not None else None
     delayed: dict = {}     # device -> (row 0's dy slots, fp8_grad_amax), as int32
     current: dict = {}     # device -> (row 0's dy slots, fp8_grad_amax): the current recipe's
     scale_jobs: dict = {}  # device -> amax_update_many jobs: the current recipe's CUDA layers
@@ -435,12 +444,14 @@ def fold_grad_amax(layers: list[Fp8Linear]) -> None:
                     or c.ptrs != (hb.data_ptr(), gp, ob.data_ptr()):
                 if hb.is_meta:
                     continue
-                # (new buffers, or new memory under them: read once, whatever the record says)
+                # (new buffers, or new memory under them: read once, whatever the record says;
+                # recorded, so that should this fold raise, the next reads it again)
                 c = d["_fp8_fold_views"] = _FoldViews(hb, gb, ob)
-            elif written is not None and gp not in written and not d["fp8_config"].gemm_emulated:
+                if written is not None:
+                    written.add(gp)
+            elif written is not None and gp not in written and d.get("_fp8_fn") is _linear._Fp8LinearFn:
                 continue  # no compiled backward wrote its dy amax since the last fold: still 0
-            if written is not None:
-                written.discard(gp)
+            read.append(gp)
             if d["fp8_config"].recipe == "delayed":
                 if not d["_fp8_delayed_ready"]:
                     waiting = unready.get(c.device)
@@ -466,6 +477,7 @@ def fold_grad_amax(layers: list[Fp8Linear]) -> None:
                                  overflow_count=bufs["fp8_overflow_count"].data[G:G + 1])
                 slot.copy_(torch.where(ga != 0, ga, slot))
                 ga.zero_()
+                _WRITTEN.discard(read.pop())  # (folded: a later layer's refusal raises after this)
                 continue
             scale_jobs.setdefault(job[0], []).append(job[1])
             found = current.setdefault(h.device, ([], []))
@@ -491,6 +503,9 @@ def fold_grad_amax(layers: list[Fp8Linear]) -> None:
             core.amax_update_many(device, jobs)
         for found in (*delayed.values(), *current.values()):
             torch._foreach_zero_(found[1])
+    _WRITTEN.difference_update(read)
+    if seen is not None:
+        _WRITTEN.difference_update(seen)  # (what no live layer holds: a freed layer's slots)
 
 
 def _grad_scale_job(layer: Fp8Linear, grad_amax: torch.Tensor):

@@ -411,7 +411,8 @@ def test_the_ops_that_write_dy_amax_undeclared_record_the_slot(device, tmp_path)
 def test_a_captured_undeclared_amax_write_makes_the_record_every_slot(tmp_path):
     """A replay of a CUDA graph runs no host code, so nothing would note its writes: once
     linear_bwd_sink runs inside a capture, the record answers "every slot" (None) from then on,
-    and the step's fold reads every live layer, as before the record."""
+    and the step's fold reads every live layer, as before the record. A fold being captured
+    reads every layer too."""
     _in_a_process_of_its_own("""
         e4, f32, dev = torch.float8_e4m3fn, torch.float32, "cuda"
         gy = torch.randn(32, 48, device=dev, dtype=torch.bfloat16)
@@ -421,6 +422,12 @@ def test_a_captured_undeclared_amax_write_makes_the_record_every_slot(tmp_path):
         args = (gy, w8t, x8t, one, amax, one, one, one, torch.empty(0, device=dev, dtype=torch.bfloat16),
                 st[torch.float8_e5m2], st[torch.bfloat16], st[f32], True, True, False)
         torch.ops.fp8ops.linear_bwd_sink(*args)  # (warm-up: cuBLASLt's handle, outside the capture)
+        # a fold captured itself (an optimizer step in a CUDA graph) reads every layer at each
+        # replay, whichever wrote: it neither trusts nor takes the record while capturing
+        step_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(step_graph):
+            assert scaling._written_grad_amaxes() is None
+            amax.add_(0)
         assert take() == {amax.data_ptr()}
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -471,4 +478,36 @@ def test_the_step_reads_only_the_dy_amaxes_compiled_backwards_wrote(tmp_path):
                     assert abs(compiled[0].fp8_scale[G].item() / (57344.0 / written) - 1) < 1e-6
             assert eager[0].fp8_grad_amax.item() == 1e9
             assert eager[0].fp8_amax_history.max().item() < 1e9 and eager[0].fp8_scale[G].item() > 1e-3
+    """, tmp_path)
+
+
+def test_a_fold_that_raises_forgets_no_recorded_slot(tmp_path):
+    """The record keeps a slot until a fold has folded it: where a later layer's buffers make
+    the fold raise, the next fold still reads the slots the failed one had reached (and the
+    refusing layer raises again), so no compiled dy amax is lost or folded a step late."""
+    _in_a_process_of_its_own("""
+        model = convert(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)), "current")
+        first, bad, delayed = model
+        delayed.fp8_config = fp8ops.Fp8Config(policy="always", recipe="delayed")
+        fp8ops.linear._TRACES[0] += 1  # (as after a compiled FP8 forward)
+        scaling.fold_grad_amax([first, delayed])  # (an earlier step: the fold's views made)
+        e4, f32, st = torch.float8_e4m3fn, torch.float32, fp8ops.ops.ST
+        # a compiled backward's cast of dy writes delayed's slot (and notes it)
+        torch.ops.fp8ops.linear_bwd_sink(torch.full((16, 16), 7.0), torch.ones(16, 16).to(e4),
+                                         torch.ones(16, 16).to(e4), torch.ones(1), delayed.fp8_grad_amax,
+                                         torch.ones(1), torch.ones(1), torch.ones(1), torch.empty(0),
+                                         st[torch.float8_e5m2], st[f32], st[f32], True, True, False)
+        assert delayed.fp8_grad_amax.item() == 7.0
+        bad._buffers["fp8_grad_amax"] = torch.zeros(1, dtype=torch.float64)  # refused by the checked op
+        for _ in range(2):
+            try:
+                scaling.fold_grad_amax([first, delayed, bad])
+                raise AssertionError("the fold did not raise")
+            except RuntimeError as e:
+                assert "float32" in str(e), e
+        assert delayed.fp8_grad_amax.item() == 7.0  # (not folded, and still recorded)
+        bad._buffers["fp8_grad_amax"] = torch.zeros(1)
+        scaling.fold_grad_amax([first, delayed, bad], every_live=True)
+        assert delayed.fp8_grad_amax.item() == 0.0 and delayed.fp8_amax_history[0, G].item() == 7.0
+        assert scaling._WRITTEN == set()  # (and the refused buffer's slot, no live layer's now, forgotten)
     """, tmp_path)

@@ -118,6 +118,12 @@ def test_linear_bwd_cat_errors_name_the_block(device):
     for blocks, pattern in cases:
         with pytest.raises(Exception, match=pattern):
             _bwd(cat, list(blocks), 16, device, E5, True, with_gelu_input=False)
+    # past the blocks' own checks the messages name their concatenation (the op has no "gy")
+    f32 = lambda v: torch.tensor([v], device=device)  # noqa: E731
+    w8t_bad, x8t = torch.randn(16, 49).to(E4).to(device), torch.randn(16, 32).to(E4).to(device)
+    with pytest.raises(RuntimeError, match=r"w8t must be \[K, N\] for cat\(gy_a, gy_b, gy_c\) \[32, 48\]"):
+        cat(a, b, c, w8t_bad, x8t, f32(1.0), f32(0.0), f32(1.0), f32(1.0), f32(1.0), ST[E5], ST[torch.bfloat16],
+            ST[torch.float32], True, True, False)
 
 
 # ------------------------------------------------------------------ the pass
