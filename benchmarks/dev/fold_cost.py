@@ -16,8 +16,8 @@ import time
 import torch
 
 import fp8ops
-from fp8ops import policy, scaling
-from layer_iteration import layer_and_batch, make_iteration as make  # this folder
+from fp8ops import scaling
+from layer_iteration import layer_and_batch, make_iteration as make, settled_bf16  # this folder
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="16384x768x3072")
@@ -29,25 +29,9 @@ args = ap.parse_args()
 (M, K, N), base, x, g = layer_and_batch(args.shape)
 
 
-def rested_bf16():
-    """A layer policy "auto" settled BF16 after FP8 steps (as settled_bf16_cost.py makes it)."""
-    layer = fp8ops.convert(copy.deepcopy(base), config=fp8ops.Fp8Config(policy="auto"))
-    it = make(layer, x, g, True)
-    key = (M, torch.bfloat16)
-    layer.fp8_policy[key] = (True, 1.0)
-    for _ in range(5):
-        it()
-    del layer.fp8_policy[key]
-    measure = policy.measure
-    policy.measure = lambda *a: policy.Timing(1.0, 2.0, 1.0, 2.0, 0.1, 0.2)
-    it()
-    policy.measure = measure
-    it()  # (rests at this step)
-    return layer
-
-
 fp8 = fp8ops.convert(copy.deepcopy(base), config=fp8ops.Fp8Config(policy="always"))
-auto = rested_bf16()
+auto = settled_bf16(base, x, g, True)
+make(auto, x, g, True)()  # (rests at this step)
 runs = [0]
 auto_it = make(auto, x, g, True)
 

@@ -14,9 +14,7 @@ import time
 
 import torch
 
-import fp8ops
-from fp8ops import policy
-from layer_iteration import layer_and_batch, make_iteration as make  # this folder
+from layer_iteration import layer_and_batch, make_iteration as make, settled_bf16  # this folder
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="256x256x256")
@@ -25,31 +23,8 @@ ap.add_argument("--reps", type=int, default=200)
 args = ap.parse_args()
 
 (M, K, N), base, x, g = layer_and_batch(args.shape)
-key = (M, torch.bfloat16)
-
-
-def settled_bf16(cast_first: bool, rest: bool = True):
-    layer = fp8ops.convert(copy.deepcopy(base), config=fp8ops.Fp8Config(policy="auto"))
-    it = make(layer, x, g, True)
-    if cast_first:  # FP8 steps first, as a trial's FP8 blocks run them
-        layer.fp8_policy[key] = (True, 1.0)
-        for _ in range(5):
-            it()
-        del layer.fp8_policy[key]
-    if rest:
-        # the verdict BF16 through the layer's own decision (as a trial's or both timings'
-        # would come), so that it rests at the next optimizer step
-        measure = policy.measure
-        policy.measure = lambda *a: policy.Timing(1.0, 2.0, 1.0, 2.0, 0.1, 0.2)
-        it()
-        policy.measure = measure
-    else:  # the verdict set by hand: no decision, so no rest (the update runs every step)
-        layer.fp8_policy[key] = (False, 1.0)
-        layer.__dict__["_fp8_bf16_key"] = None
-    return layer
-
-
-never, after, kept = settled_bf16(False), settled_bf16(True), settled_bf16(True, rest=False)
+never, after, kept = (settled_bf16(base, x, g, False), settled_bf16(base, x, g, True),
+                      settled_bf16(base, x, g, True, rest=False))
 fns = {"nn.Linear": make(copy.deepcopy(base), x, g, False),
        "BF16, never cast, + step": make(never, x, g, True),
        "BF16 after FP8 steps, rested, + step": make(after, x, g, True),
