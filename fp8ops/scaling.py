@@ -410,7 +410,8 @@ def fold_grad_amax(layers: list[Fp8Linear], every_live: bool = False) -> None:
     zero it. Before anything reads row 0 (the update, its all-reduce, a saved scaling state, the
     report), at each optimizer step for every live layer whose slot a compiled backward wrote
     since its last fold (_written_grad_amaxes; every live layer where that is not known), in a
-    few launches per device for all of them. Delayed scaling: the max over the bits as int32, as the casts' atomicMax folds.
+    few launches per device for all of them. Delayed scaling: the max over the bits as int32,
+    as the casts' atomicMax folds.
     Where dy is on current scaling its scale stays in copies in compiled code: the NaN/inf
     count of the step's amax here (eager code counts each cast), and under the current recipe
     the scale of the step's largest amax is set as well (one amax_update_many call per device
@@ -487,8 +488,8 @@ def fold_grad_amax(layers: list[Fp8Linear], every_live: bool = False) -> None:
         # a CUDA graph capture of the optimizer step. The scale jobs read fp8_grad_amax, and roll it
         # as a one-row history: before the zeroing, as the slots)
         for counts, grad_amaxes in unready.values():
-            # (a layer that waits for its first update, e.g. one policy "auto" rested in BF16, is
-            # here at every step: one device's in five launches, where each took three)
+            # (the layers waiting for their first update: one device's in five launches, where
+            # each took three)
             if len(counts) == 1:
                 counts[0].add_(grad_amaxes[0].isfinite().logical_not())
             else:
