@@ -350,7 +350,6 @@ def test_a_fold_refused_by_one_layer_counts_nothing_twice(monkeypatch):
     assert int(delayed.fp8_overflow_count[G]) == 0 and float(delayed.fp8_grad_amax) == float("inf")
 
 
-
 # The record of undeclared amax writes (csrc/amax_writes.c) answers "every slot" for good once a
 # CUDA graph captured such a write, as test_cuda_graphs_compiled_trains_like_eager's do: its
 # tests run in a process of their own.
