@@ -13,7 +13,10 @@ Variants:
   torchao_compiled  torchao.float8 tensorwise + torch.compile     (torchao: the same, eager)
 torch.compile is applied per transformer block by default (--compile-scope blocks, as torchtitan
 does: one graph reused by every block, so compile time does not grow with depth); 'model'
-compiles the whole model instead. fp8ops_lmhead(_compiled): fp8ops with the tied lm_head converted
+compiles the whole model instead. Compiled variants compile the loss (the logits' FP32 cross-entropy)
+as a function of its own beside the model, as torchtitan does (its compile components: model and
+loss); --eager-loss leaves it eager, as every run before the thirty-seventh session did (in GPT-2
+small that eager loss is ~22 ms of a ~72 ms step, alike in every variant). fp8ops_lmhead(_compiled): fp8ops with the tied lm_head converted
 too (in place, so it stays tied); in GPT-2 small its GEMMs are about a third of the linears' FLOPs.
 The targets compare fp8ops and fp8ops_compiled (lm_head in BF16, as torchtitan keeps its output
 layer); the *_lmhead rows are for reading beside them.
@@ -80,12 +83,13 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # ------------------------------------------------------------------------------------------------
 
 def import_gpt():
-    """examples/gpt2.py's GPT, GPTConfig and the lm_head filter (the model the example trains)."""
+    """examples/gpt2.py's GPT, GPTConfig, the lm_head filter and the loss (the model the example
+    trains)."""
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
     import gpt2
     filt = getattr(gpt2, "LM_HEAD_FILTER", None) or (lambda mod, fqn: fqn.split(".")[-1] != "lm_head")
-    return gpt2.GPT, gpt2.GPTConfig, filt
+    return gpt2.GPT, gpt2.GPTConfig, filt, gpt2.cross_entropy_loss
 
 
 def flops_per_token(model, cfg) -> float:
@@ -94,8 +98,9 @@ def flops_per_token(model, cfg) -> float:
     return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
 
-def build(variant: str, GPT, GPTConfig, lm_filter, mcfg: dict, args, fp8ops, example):
-    """(model to call, optimizer, note). example: a (idx, targets) batch of the training shape."""
+def build(variant: str, GPT, GPTConfig, lm_filter, loss_fn, mcfg: dict, args, fp8ops, example):
+    """(model, its call: (idx, targets) -> (logits, loss), optimizer, config, note). example: a
+    (idx, targets) batch of the training shape."""
     torch.manual_seed(0)
     cfg = GPTConfig(**mcfg, vocab_size=VOCAB, dropout=0.0)
     model = GPT(cfg).to(DEVICE)  # fp32 master weights
@@ -121,15 +126,19 @@ def build(variant: str, GPT, GPTConfig, lm_filter, mcfg: dict, args, fp8ops, exa
         note = f"{n_fp8} linears Float8Linear (tensorwise)"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95),
                             fused=DEVICE == "cuda")
+    body = model
     if variant.endswith("compiled"):
         if args.compile_scope == "blocks":
             for blk in model.transformer.h:
                 blk.compile()
-            call = model
         else:
-            call = torch.compile(model)
-    else:
-        call = model
+            body = torch.compile(model)
+        if not args.eager_loss:
+            loss_fn = torch.compile(loss_fn)
+
+    def call(idx, tgt):
+        logits, _ = body(idx)
+        return logits, loss_fn(logits, tgt)
     return model, call, opt, cfg, note
 
 
@@ -327,6 +336,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--compile-scope", choices=("blocks", "model"), default="blocks",
                     help="torch.compile each transformer block, or the whole model")
+    ap.add_argument("--eager-loss", action="store_true",
+                    help="compiled variants: run the loss eagerly (as every run before the thirty-seventh session)")
     ap.add_argument("--fp8-policy", choices=("auto", "always"), default="auto",
                     help="fp8ops policy: auto = FP8 only where measured faster (the default users get)")
     ap.add_argument("--fp8-recipe", choices=("delayed", "current"), default="delayed")
@@ -351,7 +362,7 @@ def main() -> int:
     if env is None:
         return 0
     import fp8ops
-    GPT, GPTConfig, lm_filter = import_gpt()
+    GPT, GPTConfig, lm_filter, loss_fn = import_gpt()
     notes = []
     if any(v.startswith("torchao") for v in variants):
         try:
@@ -391,7 +402,7 @@ def main() -> int:
                 torch._dynamo.reset()
                 gb0, ng0, gf0, ch0 = graph_breaks(), graphs_compiled(), gelu_grads_fused(), inductor_cache_hits()
                 cf0 = cat_grads_fused()
-                model, call, opt, cfg, note = build(v, GPT, GPTConfig, lm_filter, mcfg, args, fp8ops, batches[0])
+                model, call, opt, cfg, note = build(v, GPT, GPTConfig, lm_filter, loss_fn, mcfg, args, fp8ops, batches[0])
                 row["note"] = note
                 fpt = flops_per_token(model, cfg)
 
@@ -412,7 +423,7 @@ def main() -> int:
                 if v.endswith("compiled"):
                     row["graph_breaks"] = graph_breaks() - gb0
                     # (compile scope "blocks": one graph serves every block; fp8ops makes two, for
-                    # delayed scaling's first step and the steps after it)
+                    # delayed scaling's first step and the steps after it; the loss one more)
                     row["graphs"] = graphs_compiled() - ng0
                     row["note"] += f"{'; ' if row['note'] else ''}{row['graphs']} graph(s)"
                     # (the GELU gradients inductor's pass moved into their producers' casts, per
@@ -580,7 +591,7 @@ def main() -> int:
                      f"{r['model_tflops']:.0f}", r.get("note", "")[:60]])
     print(table(hdr, rows, title=(f"GPT training step (fwd+bwd+fused AdamW), fp32 master + bf16 autocast, "
                                   f"{args.steps} timed steps after {args.warmup} warm-up; compile scope "
-                                  f"{args.compile_scope}; same mode = compiled vs bf16_compiled")))
+                                  f"{args.compile_scope}, loss {'eager' if args.eager_loss else 'compiled'}; same mode = compiled vs bf16_compiled")))
     failed = bool(failures) or any("error" in r for r in result["rows"])
     return 1 if failed else 0
 

@@ -62,6 +62,13 @@ class GPTConfig:
         return cls(**fields)
 
 
+def cross_entropy_loss(logits, targets):
+    """The model's loss: mean cross-entropy over every position, in FP32 (the logits may be
+    BF16 under autocast). A function of its own so that a harness can compile it apart from
+    the model, as torchtitan compiles its loss (benchmarks/bench_train.py)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1))
+
+
 def LM_HEAD_FILTER(module, fqn):
     """module_filter_fn for FP8 conversion: everything except the tied lm_head."""
     return fqn.split(".")[-1] != "lm_head"
@@ -187,5 +194,5 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1))
+            loss = cross_entropy_loss(logits, targets)
         return logits, loss

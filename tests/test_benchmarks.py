@@ -218,22 +218,25 @@ def test_bench_train_runs_a_tiny_gpt_in_fp8_and_validates_it(monkeypatch, tmp_pa
     assert rows["bf16"]["settled_check"]["grad_sqnr_db"] > 100
 
 
-def test_bench_train_compiles_ten_blocks_into_two_graphs(monkeypatch, tmp_path):
+@pytest.mark.parametrize("eager_loss", [False, True], ids=["loss_compiled", "loss_eager"])
+def test_bench_train_compiles_ten_blocks_into_two_graphs(monkeypatch, tmp_path, eager_loss):
     """Compile scope "blocks" with torch's recompile limit (8) and more blocks than that: every
     block shares fp8ops' two graphs (delayed scaling's first step, the steps after), and the
-    row says so; a block past the limit would fail the row, not time eager code. The row also
-    counts the GELU gradients inductor's pass fused."""
+    row says so; a block past the limit would fail the row, not time eager code. The loss is
+    one graph more, unless --eager-loss. The row also counts the GELU gradients inductor's pass
+    fused."""
     bench = _bench_train_on_cpu(monkeypatch, n_layer=10)
     out = tmp_path / "train.json"
     monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "fp8ops_compiled",
                                       "--steps", "2", "--warmup", "3", "--fp8-policy", "always",
-                                      "--json", str(out)])
+                                      "--json", str(out)] + (["--eager-loss"] if eager_loss else []))
     limit = torch._dynamo.config.recompile_limit
     with torch.compiler.config.patch(force_disable_caches=True):  # (a cached graph runs no pass)
         assert bench.main() == 0
     (row,) = [r for r in json.loads(out.read_text())["rows"] if r["variant"] == "fp8ops_compiled"]
     assert row["valid"] and row["fp8_layers_ran"] == 40, row
-    assert row["graphs"] == 2 and "; 2 graph(s)" in row["note"], row
+    graphs = 2 if eager_loss else 3
+    assert row["graphs"] == graphs and f"; {graphs} graph(s)" in row["note"], row
     # (the blocks' one delayed-scaling backward graph: its MLP's GELU gradient in c_fc's cast)
     assert row["gelu_grads_fused"] == 1 and row["inductor_cache_hits"] == 0, row
     # (and its attention's q, k, v gradients read in place by c_attn's cast)
