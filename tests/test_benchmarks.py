@@ -358,7 +358,7 @@ def test_model_grads_in_unequal_slices_is_the_whole_batch(monkeypatch):
     """The FP32 arbiter's pass in slices: 5 rows in slices of 2, 2 and 1 give the whole batch's
     loss and gradients (each slice weighted by its share of the rows)."""
     bench = _bench_train_on_cpu(monkeypatch, n_layer=1)
-    GPT, GPTConfig, _ = bench.import_gpt()
+    GPT, GPTConfig, _, _ = bench.import_gpt()
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0))
     batch = (torch.randint(0, 64, (5, 16)), torch.randint(0, 64, (5, 16)))

@@ -56,6 +56,7 @@ def main() -> int:
                          "mix BF16 and FP8 steps and the layers' first FP8 step (current scaling)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--fp8-policy", default="auto")
+    ap.add_argument("--eager-loss", action="store_true", help="compiled variants: the loss eager (bench_train's flag)")
     ap.add_argument("--top", type=int, default=8, help="kernels listed per variant")
     ap.add_argument("--json", default=None, help="also write {model: {variant: {kernel: ms per step}}} here")
     args = ap.parse_args()
@@ -64,8 +65,9 @@ def main() -> int:
     # (a block past torch's recompile limit would run eager, and the "compiled" profile would
     # show eager's kernels: fail instead)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    GPT, GPTConfig, lm_filter = bench_train.import_gpt()
-    bargs = SimpleNamespace(fp8_policy=args.fp8_policy, fp8_recipe="delayed", lr=6e-4, compile_scope="blocks")
+    GPT, GPTConfig, lm_filter, loss_fn = bench_train.import_gpt()
+    bargs = SimpleNamespace(fp8_policy=args.fp8_policy, fp8_recipe="delayed", lr=6e-4, compile_scope="blocks",
+                            eager_loss=args.eager_loss)
     for mname in args.models.split(","):
         spec = bench_train.MODELS[mname]
         B = args.batch_1b if (mname == "1b" and args.batch_1b) else (args.batch or spec["batch"])
@@ -77,8 +79,8 @@ def main() -> int:
         for v in args.variants.split(","):
             torch._dynamo.reset()
             graphs0 = graphs_compiled()
-            model, call, opt, cfg, note = bench_train.build(v, GPT, GPTConfig, lm_filter, spec["cfg"], bargs,
-                                                            fp8ops, batch)
+            model, call, opt, cfg, note = bench_train.build(v, GPT, GPTConfig, lm_filter, loss_fn, spec["cfg"],
+                                                            bargs, fp8ops, batch)
 
             def step():
                 with torch.autocast("cuda", dtype=torch.bfloat16):
