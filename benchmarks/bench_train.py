@@ -66,9 +66,11 @@ MODELS = {
     "llama4096": dict(cfg=dict(n_layer=4, n_head=32, n_embd=4096, block_size=2048, arch="llama"), batch=4),
 }
 VOCAB = 50304
-# fp8ops_unfused: fp8ops with Fp8Config(fuse_gelu=False, fuse_layernorm=False, fuse_swiglu=False), the GELUs,
-# norms and SwiGLUs left to torch (what the fusions save)
-VARIANTS = ("bf16", "bf16_compiled", "fp8ops", "fp8ops_compiled", "fp8ops_unfused", "fp8ops_lmhead",
+# fp8ops_unfused(_compiled): fp8ops with Fp8Config(fuse_gelu=False, fuse_layernorm=False, fuse_swiglu=False), the
+# GELUs, norms and SwiGLUs left to torch (what the fusions save); fp8ops_lnunfused_compiled: the norms alone left to
+# torch, where inductor can fuse them with the residual adds around them
+VARIANTS = ("bf16", "bf16_compiled", "fp8ops", "fp8ops_compiled", "fp8ops_unfused", "fp8ops_unfused_compiled",
+            "fp8ops_lnunfused_compiled", "fp8ops_lmhead",
             "fp8ops_lmhead_compiled", "torchao_compiled", "torchao")
 DEFAULT_VARIANTS = "bf16,bf16_compiled,fp8ops,fp8ops_compiled,torchao_compiled"
 TARGETS = {"small": 1.15, "1b": 1.30}
@@ -106,9 +108,10 @@ def build(variant: str, GPT, GPTConfig, lm_filter, loss_fn, mcfg: dict, args, fp
     model = GPT(cfg).to(DEVICE)  # fp32 master weights
     note = ""
     if variant.startswith("fp8ops"):
-        fuse = variant != "fp8ops_unfused"
+        fuse = not variant.startswith("fp8ops_unfused")
+        fuse_ln = fuse and not variant.startswith("fp8ops_lnunfused")
         fp8ops.convert(model, config=fp8ops.Fp8Config(policy=args.fp8_policy, recipe=args.fp8_recipe,
-                                                      fuse_gelu=fuse, fuse_layernorm=fuse, fuse_swiglu=fuse),
+                                                      fuse_gelu=fuse, fuse_layernorm=fuse_ln, fuse_swiglu=fuse),
                        module_filter_fn=None if "_lmhead" in variant else lm_filter)  # (converted in place: tied still)
         n_fp8 = sum(type(m).__name__ == "Fp8Linear" for m in model.modules())
         n_lin = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
