@@ -12,12 +12,13 @@ Variants:
   bf16_compiled     torch.compile                  fp8ops_compiled  fp8ops.convert + torch.compile
   torchao_compiled  torchao.float8 tensorwise + torch.compile     (torchao: the same, eager)
 torch.compile is applied per transformer block by default (--compile-scope blocks, as torchtitan
-does: one graph reused by every block, so compile time does not grow with depth); 'model'
-compiles the whole model instead. Compiled variants compile the loss (the logits' FP32 cross-entropy)
-as a function of its own beside the model, as torchtitan does (its compile components: model and
-loss); --eager-loss leaves it eager, as every run before the thirty-seventh session did (in GPT-2
-small that eager loss is ~22 ms of a ~72 ms step, alike in every variant). fp8ops_lmhead(_compiled): fp8ops with the tied lm_head converted
-too (in place, so it stays tied); in GPT-2 small its GEMMs are about a third of the linears' FLOPs.
+does: one graph reused by every block, so compile time does not grow with depth), and to the loss
+(the logits' FP32 cross-entropy) as a function of its own, as torchtitan does too (its compile
+components: model and loss). --eager-loss leaves the loss eager, as every run before the
+thirty-seventh session did (in GPT-2 small that eager loss took ~22 ms of each step, fp8ops' ~72 ms
+and BF16's ~87 ms alike). --compile-scope model compiles the whole model, the loss inside its graph.
+fp8ops_lmhead(_compiled): fp8ops with the tied lm_head converted too (in place, so it stays tied);
+in GPT-2 small its GEMMs are about a third of the linears' FLOPs.
 The targets compare fp8ops and fp8ops_compiled (lm_head in BF16, as torchtitan keeps its output
 layer); the *_lmhead rows are for reading beside them.
 
@@ -129,19 +130,19 @@ def build(variant: str, GPT, GPTConfig, lm_filter, loss_fn, mcfg: dict, args, fp
         note = f"{n_fp8} linears Float8Linear (tensorwise)"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95),
                             fused=DEVICE == "cuda")
-    body = model
+    call = model  # (model(idx, tgt) -> (logits, loss): GPT.forward computes the loss)
     if variant.endswith("compiled"):
-        if args.compile_scope == "blocks":
+        if args.compile_scope == "model":
+            call = torch.compile(model)  # (the loss in the model's graph)
+        else:
             for blk in model.transformer.h:
                 blk.compile()
-        else:
-            body = torch.compile(model)
-        if not args.eager_loss:
-            loss_fn = torch.compile(loss_fn)
+            if not args.eager_loss:
+                compiled_loss = torch.compile(loss_fn)
 
-    def call(idx, tgt):
-        logits, _ = body(idx)
-        return logits, loss_fn(logits, tgt)
+                def call(idx, tgt):
+                    logits, _ = model(idx)
+                    return logits, compiled_loss(logits, tgt)
     return model, call, opt, cfg, note
 
 
@@ -340,7 +341,8 @@ def main() -> int:
     ap.add_argument("--compile-scope", choices=("blocks", "model"), default="blocks",
                     help="torch.compile each transformer block, or the whole model")
     ap.add_argument("--eager-loss", action="store_true",
-                    help="compiled variants: run the loss eagerly (as every run before the thirty-seventh session)")
+                    help="compiled variants under --compile-scope blocks: run the loss eagerly (as every run "
+                         "before the thirty-seventh session)")
     ap.add_argument("--fp8-policy", choices=("auto", "always"), default="auto",
                     help="fp8ops policy: auto = FP8 only where measured faster (the default users get)")
     ap.add_argument("--fp8-recipe", choices=("delayed", "current"), default="delayed")
@@ -356,6 +358,9 @@ def main() -> int:
             ap.error(f"unknown variant {v!r}; choose from {VARIANTS}")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1 (got {args.repeats})")
+    if args.eager_loss and args.compile_scope == "model":
+        ap.error("--eager-loss goes with --compile-scope blocks: --compile-scope model compiles the loss inside the "
+                 "model's graph; drop one of the two")
     if "bf16" not in variants:
         variants.insert(0, "bf16")  # the reference of the validation
     # torchao last: from 0.18 its convert patches inductor's min/max codegen for the process
@@ -405,7 +410,8 @@ def main() -> int:
                 torch._dynamo.reset()
                 gb0, ng0, gf0, ch0 = graph_breaks(), graphs_compiled(), gelu_grads_fused(), inductor_cache_hits()
                 cf0 = cat_grads_fused()
-                model, call, opt, cfg, note = build(v, GPT, GPTConfig, lm_filter, loss_fn, mcfg, args, fp8ops, batches[0])
+                model, call, opt, cfg, note = build(v, GPT, GPTConfig, lm_filter, loss_fn, mcfg, args, fp8ops,
+                                                    batches[0])
                 row["note"] = note
                 fpt = flops_per_token(model, cfg)
 
@@ -592,9 +598,11 @@ def main() -> int:
                      f"{r['peak_mem_gib']:.2f}",
                      f"{r['mem_vs_bf16_same_mode']:.2f}x" if "mem_vs_bf16_same_mode" in r else "-",
                      f"{r['model_tflops']:.0f}", r.get("note", "")[:60]])
+    loss_how = "eager" if args.eager_loss else "compiled"
     print(table(hdr, rows, title=(f"GPT training step (fwd+bwd+fused AdamW), fp32 master + bf16 autocast, "
                                   f"{args.steps} timed steps after {args.warmup} warm-up; compile scope "
-                                  f"{args.compile_scope}, loss {'eager' if args.eager_loss else 'compiled'}; same mode = compiled vs bf16_compiled")))
+                                  f"{args.compile_scope}, loss {loss_how}; same mode = compiled vs "
+                                  f"bf16_compiled")))
     failed = bool(failures) or any("error" in r for r in result["rows"])
     return 1 if failed else 0
 

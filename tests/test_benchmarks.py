@@ -219,7 +219,7 @@ def test_bench_train_runs_a_tiny_gpt_in_fp8_and_validates_it(monkeypatch, tmp_pa
 
 
 @pytest.mark.parametrize("eager_loss", [False, True], ids=["loss_compiled", "loss_eager"])
-def test_bench_train_compiles_ten_blocks_into_two_graphs(monkeypatch, tmp_path, eager_loss):
+def test_bench_train_compiles_ten_blocks_into_two_graphs_and_the_loss_apart(monkeypatch, tmp_path, eager_loss):
     """Compile scope "blocks" with torch's recompile limit (8) and more blocks than that: every
     block shares fp8ops' two graphs (delayed scaling's first step, the steps after), and the
     row says so; a block past the limit would fail the row, not time eager code. The loss is
@@ -242,6 +242,27 @@ def test_bench_train_compiles_ten_blocks_into_two_graphs(monkeypatch, tmp_path, 
     # (and its attention's q, k, v gradients read in place by c_attn's cast)
     assert row["cat_grads_fused"] == 1, row
     assert torch._dynamo.config.recompile_limit == limit  # (torch's, not raised for the run)
+
+
+def test_bench_train_compile_scope_model_keeps_the_loss_in_the_models_graph(monkeypatch, tmp_path, capsys):
+    """--compile-scope model: one compiled model, the loss inside its graph (GPT.forward's), so no
+    graph of its own (fp8ops: its two, delayed scaling's first step and the steps after); the
+    variant trains like BF16. --eager-loss with it is refused, naming both flags."""
+    bench = _bench_train_on_cpu(monkeypatch, n_layer=1)
+    out = tmp_path / "train.json"
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "fp8ops_compiled",
+                                      "--steps", "2", "--warmup", "3", "--fp8-policy", "always",
+                                      "--compile-scope", "model", "--json", str(out)])
+    assert bench.main() == 0
+    (row,) = [r for r in json.loads(out.read_text())["rows"] if r["variant"] == "fp8ops_compiled"]
+    assert row["valid"] and row["graphs"] == 2, row
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--compile-scope", "model",
+                                      "--eager-loss"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        bench.main()
+    err = capsys.readouterr().err
+    assert "--eager-loss" in err and "--compile-scope model" in err, err
 
 
 def test_bench_train_repeats_in_alternating_order_and_pairs_ratios_within_a_repeat(monkeypatch, tmp_path, capsys):

@@ -34,7 +34,7 @@ args = ap.parse_args()
 checks = sorted(int(c) for c in args.checks.split(","))
 bench_train.DEVICE = "cpu"
 fp8ops.conversion.fp8_supported_here = lambda device=None: (True, "the CPU reference kernels")
-GPT, GPTConfig, lm_filter, _loss = bench_train.import_gpt()
+GPT, GPTConfig, lm_filter, _ = bench_train.import_gpt()
 if args.fp32_control:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from settled_check_fp32 import check_with_fp32
