@@ -194,14 +194,21 @@ def _bench_train_on_cpu(monkeypatch, n_layer: int):
     return bench
 
 
+def _run_bench_train(bench, monkeypatch, tmp_path, *argv) -> tuple:
+    """(main's exit status, its JSON result) of bench_train with these arguments, for the model
+    "small" under policy "always"."""
+    out = tmp_path / "train.json"
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--fp8-policy", "always", *argv,
+                                      "--json", str(out)])
+    rc = bench.main()
+    return rc, json.loads(out.read_text())
+
+
 def test_bench_train_runs_a_tiny_gpt_in_fp8_and_validates_it(monkeypatch, tmp_path, capsys):
     bench = _bench_train_on_cpu(monkeypatch, n_layer=2)
-    out = tmp_path / "train.json"
-    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "bf16,fp8ops,fp8ops_lmhead",
-                                      "--steps", "3", "--warmup", "4", "--fp8-policy", "always",
-                                      "--json", str(out)])
-    assert bench.main() == 0
-    result = json.loads(out.read_text())
+    rc, result = _run_bench_train(bench, monkeypatch, tmp_path, "--variants", "bf16,fp8ops,fp8ops_lmhead",
+                                  "--steps", "3", "--warmup", "4")
+    assert rc == 0
     rows = {r["variant"]: r for r in result["rows"]}
     assert set(rows) == {"bf16", "fp8ops", "fp8ops_lmhead"} and not result["validation_failures"]
     # the tied lm_head converted too, still tied (the validation's gradients are those of one weight)
@@ -226,14 +233,12 @@ def test_bench_train_compiles_ten_blocks_into_two_graphs_and_the_loss_apart(monk
     one graph more, unless --eager-loss. The row also counts the GELU gradients inductor's pass
     fused."""
     bench = _bench_train_on_cpu(monkeypatch, n_layer=10)
-    out = tmp_path / "train.json"
-    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "fp8ops_compiled",
-                                      "--steps", "2", "--warmup", "3", "--fp8-policy", "always",
-                                      "--json", str(out)] + (["--eager-loss"] if eager_loss else []))
     limit = torch._dynamo.config.recompile_limit
     with torch.compiler.config.patch(force_disable_caches=True):  # (a cached graph runs no pass)
-        assert bench.main() == 0
-    (row,) = [r for r in json.loads(out.read_text())["rows"] if r["variant"] == "fp8ops_compiled"]
+        rc, result = _run_bench_train(bench, monkeypatch, tmp_path, "--variants", "fp8ops_compiled", "--steps", "2",
+                                      "--warmup", "3", *(["--eager-loss"] if eager_loss else []))
+    assert rc == 0
+    (row,) = [r for r in result["rows"] if r["variant"] == "fp8ops_compiled"]
     assert row["valid"] and row["fp8_layers_ran"] == 40, row
     graphs = 2 if eager_loss else 3
     assert row["graphs"] == graphs and f"; {graphs} graph(s)" in row["note"], row
@@ -249,12 +254,10 @@ def test_bench_train_compile_scope_model_keeps_the_loss_in_the_models_graph(monk
     graph of its own (fp8ops: its two, delayed scaling's first step and the steps after); the
     variant trains like BF16. --eager-loss with it is refused, naming both flags."""
     bench = _bench_train_on_cpu(monkeypatch, n_layer=1)
-    out = tmp_path / "train.json"
-    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "fp8ops_compiled",
-                                      "--steps", "2", "--warmup", "3", "--fp8-policy", "always",
-                                      "--compile-scope", "model", "--json", str(out)])
-    assert bench.main() == 0
-    (row,) = [r for r in json.loads(out.read_text())["rows"] if r["variant"] == "fp8ops_compiled"]
+    rc, result = _run_bench_train(bench, monkeypatch, tmp_path, "--variants", "fp8ops_compiled", "--steps", "2",
+                                  "--warmup", "3", "--compile-scope", "model")
+    assert rc == 0
+    (row,) = [r for r in result["rows"] if r["variant"] == "fp8ops_compiled"]
     assert row["valid"] and row["graphs"] == 2, row
     monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--compile-scope", "model",
                                       "--eager-loss"])
@@ -269,12 +272,9 @@ def test_bench_train_repeats_in_alternating_order_and_pairs_ratios_within_a_repe
     """--repeats 2: every variant twice, from fresh builds, the second pass in reverse order; each
     ratio pairs rows of one pass, and the target is the median of those ratios."""
     bench = _bench_train_on_cpu(monkeypatch, n_layer=1)
-    out = tmp_path / "train.json"
-    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "bf16,fp8ops",
-                                      "--steps", "2", "--warmup", "2", "--fp8-policy", "always",
-                                      "--repeats", "2", "--json", str(out)])
-    assert bench.main() == 0
-    result = json.loads(out.read_text())
+    rc, result = _run_bench_train(bench, monkeypatch, tmp_path, "--variants", "bf16,fp8ops", "--steps", "2",
+                                  "--warmup", "2", "--repeats", "2")
+    assert rc == 0
     assert [(r["variant"], r["repeat"]) for r in result["rows"]] == \
         [("bf16", 0), ("fp8ops", 0), ("fp8ops", 1), ("bf16", 1)]
     assert all(r["valid"] for r in result["rows"]) and not result["validation_failures"]
@@ -301,11 +301,9 @@ def _bench_train_with_settled_bounds(monkeypatch, tmp_path, min_db: float, max_d
     bench = _bench_train_on_cpu(monkeypatch, n_layer=1)
     monkeypatch.setattr(bench, "SETTLED_MIN_SQNR_DB", min_db)
     monkeypatch.setattr(bench, "SETTLED_MAX_DEFICIT_DB", max_deficit_db)
-    out = tmp_path / "train.json"
-    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--models", "small", "--variants", "bf16,fp8ops",
-                                      "--steps", "2", "--warmup", "2", "--fp8-policy", "always", "--json", str(out)])
-    rc = bench.main()
-    return rc, json.loads(out.read_text()), bench
+    rc, result = _run_bench_train(bench, monkeypatch, tmp_path, "--variants", "bf16,fp8ops", "--steps", "2",
+                                  "--warmup", "2")
+    return rc, result, bench
 
 
 def test_bench_train_marks_a_variant_whose_settled_path_disagrees(monkeypatch, tmp_path):
