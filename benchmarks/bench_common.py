@@ -140,6 +140,18 @@ def gelu_grads_fused() -> int:
     return gelu_grad_pass.FUSED[0]
 
 
+def residual_adds_fused() -> tuple[int, int, int]:
+    """(residual adds run inside the next fused norm's forward, residual gradients added inside
+    the fused norms' backward, of those the ones that also wrote the sum's 16-bit copy) that
+    inductor's pass has rewritten so far in this process, in graphs it compiled
+    (fp8ops/residual_pass.py, on unless its ENABLED is False; zeros without fp8ops)."""
+    try:
+        from fp8ops import residual_pass  # noqa: PLC0415
+    except ImportError:
+        return 0, 0, 0
+    return residual_pass.FUSED_ADDS[0], residual_pass.FUSED[0], residual_pass.COPIES[0]
+
+
 def cat_grads_fused() -> int:
     """Fp8Linear backwards inductor's pass has given their dy as the pieces of a concatenation
     (the q, k, v gradients), read in place by the cast, so far in this process, in graphs it

@@ -55,8 +55,8 @@ from pathlib import Path
 
 import torch
 
-from bench_common import (cat_grads_fused, gelu_grads_fused, graph_breaks, graphs_compiled, inductor_cache_hits, start,  # noqa: E402
-                          table, write_json)
+from bench_common import (cat_grads_fused, gelu_grads_fused, graph_breaks, graphs_compiled, inductor_cache_hits,  # noqa: E402
+                          residual_adds_fused, start, table, write_json)
 
 MODELS = {
     "small": dict(cfg=dict(n_layer=12, n_head=12, n_embd=768, block_size=1024), batch=8),
@@ -69,9 +69,10 @@ MODELS = {
 VOCAB = 50304
 # fp8ops_unfused(_compiled): fp8ops with Fp8Config(fuse_gelu=False, fuse_layernorm=False, fuse_swiglu=False), the
 # GELUs, norms and SwiGLUs left to torch (what the fusions save); fp8ops_lnunfused_compiled: the norms alone left to
-# torch, where inductor can fuse them with the residual adds around them
+# torch, where inductor can fuse them with the residual adds around them; fp8ops_noresadd_compiled: fp8ops compiled
+# with residual_pass off (the residual adds left apart from the norms' ops, as before the thirty-eighth session)
 VARIANTS = ("bf16", "bf16_compiled", "fp8ops", "fp8ops_compiled", "fp8ops_unfused", "fp8ops_unfused_compiled",
-            "fp8ops_lnunfused_compiled", "fp8ops_lmhead",
+            "fp8ops_lnunfused_compiled", "fp8ops_noresadd_compiled", "fp8ops_lmhead",
             "fp8ops_lmhead_compiled", "torchao_compiled", "torchao")
 DEFAULT_VARIANTS = "bf16,bf16_compiled,fp8ops,fp8ops_compiled,torchao_compiled"
 TARGETS = {"small": 1.15, "1b": 1.30}
@@ -108,6 +109,8 @@ def build(variant: str, GPT, GPTConfig, lm_filter, loss_fn, mcfg: dict, args, fp
     cfg = GPTConfig(**mcfg, vocab_size=VOCAB, dropout=0.0)
     model = GPT(cfg).to(DEVICE)  # fp32 master weights
     note = ""
+    from fp8ops import residual_pass  # noqa: PLC0415
+    residual_pass.ENABLED = variant != "fp8ops_noresadd_compiled"  # (this variant's graphs only)
     if variant.startswith("fp8ops"):
         fuse = not variant.startswith("fp8ops_unfused")
         fuse_ln = fuse and not variant.startswith("fp8ops_lnunfused")
@@ -409,7 +412,7 @@ def main() -> int:
             try:
                 torch._dynamo.reset()
                 gb0, ng0, gf0, ch0 = graph_breaks(), graphs_compiled(), gelu_grads_fused(), inductor_cache_hits()
-                cf0 = cat_grads_fused()
+                cf0, rf0 = cat_grads_fused(), residual_adds_fused()
                 model, call, opt, cfg, note = build(v, GPT, GPTConfig, lm_filter, loss_fn, mcfg, args, fp8ops,
                                                     batches[0])
                 row["note"] = note
@@ -441,6 +444,8 @@ def main() -> int:
                     row["gelu_grads_fused"] = gelu_grads_fused() - gf0
                     # (likewise the q, k, v gradients read in place by c_attn's cast, cat_grad_pass.py)
                     row["cat_grads_fused"] = cat_grads_fused() - cf0
+                    # (and the residual adds fused into the norms' ops, residual_pass.py)
+                    row["residual_adds_fused"] = [a - b for a, b in zip(residual_adds_fused(), rf0)]
                     row["inductor_cache_hits"] = inductor_cache_hits() - ch0
                     if row["graph_breaks"]:
                         row["note"] += f"; {row['graph_breaks']} graph break(s)"

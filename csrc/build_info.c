@@ -124,6 +124,14 @@ int fp8ops_swiglu_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, i
   (void)amax; (void)stream;
   return NO_CUDA("swiglu_cast");
 }
+int fp8ops_add_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype, const void* res,
+                                    fp8ops_hp_dtype res_dtype, int64_t rows, int64_t cols,
+                                    float eps, int rms, void* sum, float* mean, float* rstd,
+                                    void* stream) {
+  (void)x; (void)dtype; (void)res; (void)res_dtype; (void)rows; (void)cols; (void)eps; (void)rms;
+  (void)sum; (void)mean; (void)rstd; (void)stream;
+  return NO_CUDA("add_layernorm_stats");
+}
 int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
                                 float eps, int rms, float* mean, float* rstd, void* stream) {
   (void)x; (void)dtype; (void)rows; (void)cols; (void)eps; (void)rms; (void)mean; (void)rstd;
@@ -140,10 +148,11 @@ int fp8ops_ln_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64
 }
 int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_hp_dtype dtype, int64_t rows,
                               int64_t cols, const float* mean, const float* rstd,
-                              const float* gamma, int rms, void* dx, float* dgb, float* partial,
-                              int64_t partial_floats, void* stream) {
+                              const float* gamma, int rms, const void* dres,
+                              fp8ops_hp_dtype copy_dtype, void* dx, void* dcopy, float* dgb,
+                              float* partial, int64_t partial_floats, void* stream) {
   (void)dy; (void)x; (void)dtype; (void)rows; (void)cols; (void)mean; (void)rstd; (void)gamma;
-  (void)rms;
+  (void)rms; (void)dres; (void)copy_dtype; (void)dcopy;
   (void)dx; (void)dgb; (void)partial; (void)partial_floats; (void)stream;
   return NO_CUDA("layernorm_bwd");
 }

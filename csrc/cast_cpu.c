@@ -143,16 +143,38 @@ int fp8ops_layernorm_stats_cpu(const void* x, fp8ops_hp_dtype dtype, int64_t row
   return FP8OPS_OK;
 }
 
-/* Row sums in double; dx rounded once from float, as the CUDA kernel does. */
+int fp8ops_add_layernorm_stats_cpu(const void* x, fp8ops_hp_dtype dtype, const void* res,
+                                   fp8ops_hp_dtype res_dtype, int64_t rows, int64_t cols,
+                                   float eps, int rms, void* sum, float* mean, float* rstd) {
+  FP8OPS_REQUIRE(rows >= 0 && cols > 0 && (rows == 0 || (x && res && sum && mean && rstd)),
+                 "add_layernorm_stats: bad arguments (rows %lld, cols %lld)", (long long)rows,
+                 (long long)cols);
+  FP8OPS_REQUIRE(fp8ops_add_res_dtypes_ok(dtype, res_dtype),
+                 "add_layernorm_stats: res of dtype code %d cannot be added to x of dtype code %d",
+                 (int)res_dtype, (int)dtype);
+  for (int64_t i = 0; i < rows * cols; ++i)
+    store_hp(sum, dtype, i, load_hp(x, dtype, i) + load_hp(res, res_dtype, i));
+  return fp8ops_layernorm_stats_cpu(sum, dtype, rows, cols, eps, rms, mean, rstd);
+}
+
+/* Row sums in double; dx rounded once from float, as the CUDA kernel does (with dres:
+ * rounded, then added to dres in float and rounded again, as a separate add would; the
+ * copy: that sum rounded to copy_dtype). */
 int fp8ops_layernorm_bwd_cpu(const void* dy, const void* x, fp8ops_hp_dtype dtype, int64_t rows,
                              int64_t cols, const float* mean, const float* rstd,
-                             const float* gamma, int rms, void* dx, float* dgb) {
+                             const float* gamma, int rms, const void* dres,
+                             fp8ops_hp_dtype copy_dtype, void* dx, void* dcopy, float* dgb) {
   FP8OPS_REQUIRE(rows >= 0 && cols > 0 && dgb &&
                      (rows == 0 || (dy && x && mean && rstd && dx)),
                  "layernorm_bwd: bad arguments (rows %lld, cols %lld)", (long long)rows,
                  (long long)cols);
   FP8OPS_REQUIRE(dtype == FP8OPS_F32 || dtype == FP8OPS_BF16 || dtype == FP8OPS_F16,
                  "layernorm_bwd: unknown dtype code %d", (int)dtype);
+  const int copy = copy_dtype != FP8OPS_F32;
+  FP8OPS_REQUIRE(!copy || (dtype == FP8OPS_F32 && (rows == 0 || (dres && dcopy)) &&
+                           (copy_dtype == FP8OPS_BF16 || copy_dtype == FP8OPS_F16)),
+                 "layernorm_bwd: a copy (dtype code %d) only of dx + dres over fp32 rows",
+                 (int)copy_dtype);
   double* col = (double*)calloc(2 * (size_t)cols, sizeof(double));
   FP8OPS_REQUIRE(col != NULL, "layernorm_bwd: out of memory: fp8ops' CPU reference could not "
                  "allocate %lld columns", (long long)cols);
@@ -170,7 +192,10 @@ int fp8ops_layernorm_bwd_cpu(const void* dy, const void* x, fp8ops_hp_dtype dtyp
       const float xh = (load_hp(x, dtype, r * cols + c) - m) * rs;
       col[c] += (double)d * xh;
       col[cols + c] += d;
-      store_hp(dx, dtype, r * cols + c, rs * (d * (gamma ? gamma[c] : 1.0f) - c1 - xh * c2));
+      const float v = rs * (d * (gamma ? gamma[c] : 1.0f) - c1 - xh * c2);
+      const float o = dres ? round_hp(round_hp(v, dtype) + load_hp(dres, dtype, r * cols + c), dtype) : v;
+      store_hp(dx, dtype, r * cols + c, o);
+      if (copy) store_hp(dcopy, copy_dtype, r * cols + c, o);
     }
   }
   for (int64_t c = 0; c < 2 * cols; ++c) dgb[c] = (float)col[c];

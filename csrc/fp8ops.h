@@ -175,6 +175,23 @@ int fp8ops_layernorm_stats_cpu(const void* x, fp8ops_hp_dtype dtype, int64_t row
                                float eps, int rms, float* mean, float* rstd);
 int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype, int64_t rows, int64_t cols,
                                 float eps, int rms, float* mean, float* rstd, void* stream);
+/* add_layernorm_stats: sum = x + res [rows, cols] in x's dtype, each element
+ * the fp32 sum (res promoted to x's dtype: res of x's dtype, or bfloat16 or
+ * float16 for fp32 x, fp8ops_add_res_dtypes_ok) rounded to x's dtype, what
+ * torch's add writes, then layernorm_stats of sum: the separate add and
+ * layernorm_stats, bit for bit, in one pass over the rows on CUDA where they are
+ * whole 16-byte vectors (an add kernel first where not). ln_linear_fwd_res's
+ * norm: a residual stream's add fused into the next norm's statistics. */
+static inline int fp8ops_add_res_dtypes_ok(fp8ops_hp_dtype dtype, fp8ops_hp_dtype res_dtype) {
+  return res_dtype == dtype || dtype == FP8OPS_F32;
+}
+int fp8ops_add_layernorm_stats_cpu(const void* x, fp8ops_hp_dtype dtype, const void* res,
+                                   fp8ops_hp_dtype res_dtype, int64_t rows, int64_t cols,
+                                   float eps, int rms, void* sum, float* mean, float* rstd);
+int fp8ops_add_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype, const void* res,
+                                    fp8ops_hp_dtype res_dtype, int64_t rows, int64_t cols,
+                                    float eps, int rms, void* sum, float* mean, float* rstd,
+                                    void* stream);
 int fp8ops_ln_cast_accumulate_cpu(const void* x, fp8ops_hp_dtype x_dtype, int64_t rows,
                                   int64_t cols, const fp8ops_ln_params* ln, const float* scale,
                                   fp8ops_fp8_format fmt, uint8_t* out, uint8_t* out_t, float* amax);
@@ -187,7 +204,11 @@ int fp8ops_ln_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64
  * for x and dy [rows, cols] of one dtype, gamma fp32 [cols] (NULL: ones); per
  * row, with xhat = (x - mean[r]) * rstd[r] and g = dy * gamma[c],
  *   dx = rstd[r] * (g - sum_c(g) / cols - xhat * sum_c(g * xhat) / cols)
- * rounded to the dtype, and over the rows dgb[c] = sum_r dy * xhat (dgamma),
+ * rounded to the dtype (plus dres[r, c] when dres, x's dtype and shape, is not
+ * NULL: dx rounded first, then the sum in fp32 rounded again, which is a separate
+ * add's result bit for bit; then, with copy_dtype FP8OPS_BF16 or FP8OPS_F16 and
+ * fp32 rows, also dcopy = that sum rounded to copy_dtype, the conversion the
+ * add's kernel would write; FP8OPS_F32: no copy), and over the rows dgb[c] = sum_r dy * xhat (dgamma),
  * dgb[cols + c] = sum_r dy (dbeta), fp32: what torch's
  * native_layer_norm_backward computes, with one read of x and dy instead of
  * two. With rms (RMSNorm's statistics, mean 0) the sum_c(g) / cols term is
@@ -233,11 +254,13 @@ static inline int fp8ops_layernorm_bwd_fusable(const void* dy, const void* x, co
 }
 int fp8ops_layernorm_bwd_cpu(const void* dy, const void* x, fp8ops_hp_dtype dtype, int64_t rows,
                              int64_t cols, const float* mean, const float* rstd,
-                             const float* gamma, int rms, void* dx, float* dgb);
+                             const float* gamma, int rms, const void* dres,
+                             fp8ops_hp_dtype copy_dtype, void* dx, void* dcopy, float* dgb);
 int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_hp_dtype dtype, int64_t rows,
                               int64_t cols, const float* mean, const float* rstd,
-                              const float* gamma, int rms, void* dx, float* dgb, float* partial,
-                              int64_t partial_floats, void* stream);
+                              const float* gamma, int rms, const void* dres,
+                              fp8ops_hp_dtype copy_dtype, void* dx, void* dcopy, float* dgb,
+                              float* partial, int64_t partial_floats, void* stream);
 
 /* dbias: the column sums of x [rows, cols] (Fp8Linear's bias gradient: the
  * sum of dy over the tokens) into dbias[cols], fp32, in one fixed order that

@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #include "common.h"       // defines: FP8OPS_REQUIRE, FP8OPS_CHECK_CUDA, FP8OPS_CEIL_DIV
-#include "load_elem.cuh"  // defines: load_elem, vec_elem, map_vec
+#include "load_elem.cuh"  // defines: load_elem, store_elem, vec_elem, map_vec
 
 #define LN_THREADS 256  // 8 warps: one row each
 
@@ -53,15 +53,39 @@ __global__ void __launch_bounds__(LN_THREADS)
   }
 }
 
+// x's 16-byte vector k plus res's elements at the same place, each sum in fp32
+// (no fused multiply-add) rounded to DT: torch's add with res promoted to x's
+// dtype. res: RT == DT, a 16-byte vector of its own; else 16-bit values for fp32
+// x, 8 bytes.
+template <int DT, int RT>
+__device__ __forceinline__ uint4 add_res_vec(const uint4& xv, const void* res, int64_t k) {
+  uint4 rv;
+  if constexpr (RT == DT) {
+    rv = __ldcs((const uint4*)res + k);
+  } else {
+    static_assert(DT == FP8OPS_F32 && RT != FP8OPS_F32, "16-bit values added to fp32 only");
+    const uint2 h = __ldcs((const uint2*)res + k);
+    rv = make_uint4(h.x, h.y, 0u, 0u);
+  }
+  return map_vec<DT>(xv, [&](int e, float v) { return __fadd_rn(v, vec_elem<RT>(rv, e)); });
+}
+
+#define LN_NO_RES (-1)  // RT of the statistics kernel without a residual
+
 // The same statistics for rows of whole 16-byte vectors (at most 2048
 // columns, 16-byte aligned): each lane loads its NV vectors of the row once,
 // with all loads in flight together, and both sums come from registers, where
 // the kernel above reads the row twice with 4-byte loads (on an H200 it
-// reached ~1.9 TB/s on the 1B model's 16384 x 2048 fp32 rows).
-template <int DT, int NV>
+// reached ~1.9 TB/s on the 1B model's 16384 x 2048 fp32 rows). RT != LN_NO_RES:
+// the row is x + res (add_res_vec), written to sum as it is loaded, and the
+// statistics are sum's: the separate add's tensor and this kernel run on it,
+// bit for bit, with one read of the row instead of two (add_layernorm_stats).
+template <int DT, int NV, int RT>
 __global__ void __launch_bounds__(LN_THREADS)
-    layernorm_stats_vec_kernel(const void* __restrict__ x, int64_t rows, int cols, float eps,
-                               bool rms, float* __restrict__ mean, float* __restrict__ rstd) {
+    layernorm_stats_vec_kernel(const void* __restrict__ x, const void* __restrict__ res,
+                               int64_t rows, int cols, float eps, bool rms,
+                               void* __restrict__ sum_out, float* __restrict__ mean,
+                               float* __restrict__ rstd) {
   constexpr int EPV = DT == FP8OPS_F32 ? 4 : 8;  // elements per 16-byte vector
   const int lane = threadIdx.x & 31;
   const int64_t r = (int64_t)blockIdx.x * (LN_THREADS / 32) + (threadIdx.x >> 5);
@@ -73,6 +97,16 @@ __global__ void __launch_bounds__(LN_THREADS)
   for (int j = 0; j < NV; ++j) {
     const int k = j * 32 + lane;
     v[j] = k < nvec ? xr[k] : make_uint4(0, 0, 0, 0);
+  }
+  if constexpr (RT != LN_NO_RES) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int k = j * 32 + lane;
+      if (k < nvec) {
+        v[j] = add_res_vec<DT, RT>(v[j], res, r * nvec + k);
+        ((uint4*)sum_out)[r * nvec + k] = v[j];
+      }
+    }
   }
   float sum = 0.0f;
   if (!rms) {
@@ -102,29 +136,37 @@ __global__ void __launch_bounds__(LN_THREADS)
 }
 
 // NV rounded up to a power of two: fewer instances, the extra vectors masked.
-template <int DT>
-static int launch_layernorm_stats_vec(const void* x, int64_t rows, int64_t cols, float eps,
-                                      bool rms, float* mean, float* rstd, unsigned blocks,
-                                      cudaStream_t s) {
+template <int DT, int RT = LN_NO_RES>
+static int launch_layernorm_stats_vec(const void* x, const void* res, int64_t rows, int64_t cols,
+                                      float eps, bool rms, void* sum, float* mean, float* rstd,
+                                      unsigned blocks, cudaStream_t s) {
   constexpr int EPV = DT == FP8OPS_F32 ? 4 : 8;
   const int64_t nv = FP8OPS_CEIL_DIV(cols / EPV, (int64_t)32);
+#define LNS_LAUNCH(n)                                                                           \
+  layernorm_stats_vec_kernel<DT, n, RT><<<blocks, LN_THREADS, 0, s>>>(x, res, rows, (int)cols, \
+                                                                      eps, rms, sum, mean, rstd)
   if (nv <= 1)
-    layernorm_stats_vec_kernel<DT, 1><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, rms, mean, rstd);
+    LNS_LAUNCH(1);
   else if (nv <= 2)
-    layernorm_stats_vec_kernel<DT, 2><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, rms, mean, rstd);
+    LNS_LAUNCH(2);
   else if (nv <= 4)
-    layernorm_stats_vec_kernel<DT, 4><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, rms, mean, rstd);
+    LNS_LAUNCH(4);
   else if (nv <= 8)
-    layernorm_stats_vec_kernel<DT, 8><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, rms, mean, rstd);
+    LNS_LAUNCH(8);
   else if constexpr (EPV == 4)  // (2048 bf16 / fp16 columns are 8 vectors per lane)
-    if (nv <= 16)
-      layernorm_stats_vec_kernel<DT, 16><<<blocks, LN_THREADS, 0, s>>>(x, rows, (int)cols, eps, rms,
-                                                                      mean, rstd);
+    if (nv <= 16) LNS_LAUNCH(16);
+#undef LNS_LAUNCH
   if (nv > (EPV == 4 ? 16 : 8))
     return fp8ops_set_error(FP8OPS_ERR_INVALID, "layernorm_stats: %lld columns is too wide for the "
                             "vector kernel", (long long)cols);
   FP8OPS_CHECK_CUDA(cudaGetLastError());
   return FP8OPS_OK;
+}
+
+// whether the vector kernel takes rows of cols elements of dtype at these addresses
+static bool layernorm_stats_vec_ok(fp8ops_hp_dtype dtype, int64_t cols, uintptr_t addresses) {
+  const int64_t epv = dtype == FP8OPS_F32 ? 4 : 8;
+  return cols <= 2048 && cols % epv == 0 && (addresses & 15u) == 0;
 }
 
 extern "C" int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype, int64_t rows,
@@ -139,18 +181,17 @@ extern "C" int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype,
   const int64_t blocks = FP8OPS_CEIL_DIV(rows, (int64_t)(LN_THREADS / 32));
   FP8OPS_REQUIRE(blocks <= INT32_MAX, "layernorm_stats: too many rows (%lld)", (long long)rows);
   cudaStream_t s = (cudaStream_t)stream;
-  const int64_t epv = dtype == FP8OPS_F32 ? 4 : 8;
-  if (cols <= 2048 && cols % epv == 0 && ((uintptr_t)x & 15u) == 0) {
+  if (layernorm_stats_vec_ok(dtype, cols, (uintptr_t)x)) {
     switch (dtype) {
       case FP8OPS_F32:
-        return launch_layernorm_stats_vec<FP8OPS_F32>(x, rows, cols, eps, rms != 0, mean, rstd,
-                                                       (unsigned)blocks, s);
+        return launch_layernorm_stats_vec<FP8OPS_F32>(x, NULL, rows, cols, eps, rms != 0, NULL,
+                                                       mean, rstd, (unsigned)blocks, s);
       case FP8OPS_BF16:
-        return launch_layernorm_stats_vec<FP8OPS_BF16>(x, rows, cols, eps, rms != 0, mean, rstd,
-                                                       (unsigned)blocks, s);
+        return launch_layernorm_stats_vec<FP8OPS_BF16>(x, NULL, rows, cols, eps, rms != 0, NULL,
+                                                        mean, rstd, (unsigned)blocks, s);
       default:
-        return launch_layernorm_stats_vec<FP8OPS_F16>(x, rows, cols, eps, rms != 0, mean, rstd,
-                                                       (unsigned)blocks, s);
+        return launch_layernorm_stats_vec<FP8OPS_F16>(x, NULL, rows, cols, eps, rms != 0, NULL,
+                                                       mean, rstd, (unsigned)blocks, s);
     }
   }
   switch (dtype) {
@@ -168,6 +209,57 @@ extern "C" int fp8ops_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype,
   }
   FP8OPS_CHECK_CUDA(cudaGetLastError());
   return FP8OPS_OK;
+}
+
+// sum[i] = x[i] + res[i] rounded to DT, one element per thread per step: the
+// add of add_layernorm_stats where the vector kernel cannot take the rows
+template <int DT, int RT>
+__global__ void __launch_bounds__(LN_THREADS)
+    add_res_kernel(const void* __restrict__ x, const void* __restrict__ res, int64_t n,
+                   void* __restrict__ sum) {
+  for (int64_t i = (int64_t)blockIdx.x * LN_THREADS + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * LN_THREADS)
+    store_elem<DT>(sum, i, __fadd_rn(load_elem<DT>(x, i), load_elem<RT>(res, i)));
+}
+
+template <int DT, int RT>
+static int add_layernorm_stats_as(const void* x, const void* res, int64_t rows, int64_t cols,
+                                  float eps, bool rms, void* sum, float* mean, float* rstd,
+                                  cudaStream_t s) {
+  const int64_t blocks = FP8OPS_CEIL_DIV(rows, (int64_t)(LN_THREADS / 32));
+  FP8OPS_REQUIRE(blocks <= INT32_MAX, "layernorm_stats: too many rows (%lld)", (long long)rows);
+  if (layernorm_stats_vec_ok((fp8ops_hp_dtype)DT, cols, (uintptr_t)x | (uintptr_t)sum) &&
+      ((uintptr_t)res & (RT == DT ? 15u : 7u)) == 0)
+    return launch_layernorm_stats_vec<DT, RT>(x, res, rows, cols, eps, rms, sum, mean, rstd,
+                                              (unsigned)blocks, s);
+  const int64_t n = rows * cols;
+  const unsigned grid = (unsigned)(FP8OPS_CEIL_DIV(n, (int64_t)LN_THREADS) < 65536
+                                       ? FP8OPS_CEIL_DIV(n, (int64_t)LN_THREADS)
+                                       : 65536);
+  add_res_kernel<DT, RT><<<grid, LN_THREADS, 0, s>>>(x, res, n, sum);
+  FP8OPS_CHECK_CUDA(cudaGetLastError());
+  return fp8ops_layernorm_stats_cuda(sum, (fp8ops_hp_dtype)DT, rows, cols, eps, rms, mean, rstd,
+                                     s);
+}
+
+extern "C" int fp8ops_add_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dtype,
+                                               const void* res, fp8ops_hp_dtype res_dtype,
+                                               int64_t rows, int64_t cols, float eps, int rms,
+                                               void* sum, float* mean, float* rstd, void* stream) {
+  FP8OPS_REQUIRE(rows >= 0 && cols > 0 && (rows == 0 || (x && res && sum && mean && rstd)),
+                 "add_layernorm_stats: bad arguments (rows %lld, cols %lld)", (long long)rows,
+                 (long long)cols);
+  FP8OPS_REQUIRE(fp8ops_add_res_dtypes_ok(dtype, res_dtype),
+                 "add_layernorm_stats: res of dtype code %d cannot be added to x of dtype code %d",
+                 (int)res_dtype, (int)dtype);
+  if (rows == 0) return FP8OPS_OK;
+  cudaStream_t s = (cudaStream_t)stream;
+  const bool r = rms != 0;
+  if (dtype == FP8OPS_BF16) return add_layernorm_stats_as<FP8OPS_BF16, FP8OPS_BF16>(x, res, rows, cols, eps, r, sum, mean, rstd, s);
+  if (dtype == FP8OPS_F16) return add_layernorm_stats_as<FP8OPS_F16, FP8OPS_F16>(x, res, rows, cols, eps, r, sum, mean, rstd, s);
+  if (res_dtype == FP8OPS_BF16) return add_layernorm_stats_as<FP8OPS_F32, FP8OPS_BF16>(x, res, rows, cols, eps, r, sum, mean, rstd, s);
+  if (res_dtype == FP8OPS_F16) return add_layernorm_stats_as<FP8OPS_F32, FP8OPS_F16>(x, res, rows, cols, eps, r, sum, mean, rstd, s);
+  return add_layernorm_stats_as<FP8OPS_F32, FP8OPS_F32>(x, res, rows, cols, eps, r, sum, mean, rstd, s);
 }
 
 // ----------------------------------------------------------------------------
@@ -209,12 +301,18 @@ __device__ __forceinline__ void load_gamma(const float4* gs4, int k, float (&g)[
 // of CTA b takes rows (b * rows_per_warp + i) * groups + p, warp h of the group
 // the columns [h, h + 1) * cols / WPR. Dynamic shared memory: gamma [cols],
 // then the CTA's sums [2 cols].
-template <int DT, int NV, int WPR>
+// ACC: dx = round(LayerNorm's dx) + dres, the sum in fp32 without a fused multiply-add
+// (__fadd_rn), rounded again: a separate add's result bit for bit (layernorm_bwd_acc).
+// CP (with ACC, fp32 rows only): also dcopy = that dx rounded to CP (bf16 or fp16; F32: no
+// copy), the conversion a separate add's kernel would write beside the sum.
+template <int DT, int NV, int WPR, bool ACC, int CP>
 __global__ void __launch_bounds__(LNB_WARPS * 32)
     layernorm_bwd_kernel(const void* __restrict__ dy, const void* __restrict__ x,
                          const float* __restrict__ mean, const float* __restrict__ rstd,
                          const float* __restrict__ gamma, bool rms, int64_t rows, int cols,
-                         int rows_per_warp, void* __restrict__ dx, float* __restrict__ partial) {
+                         int rows_per_warp, const void* __restrict__ dres, void* __restrict__ dx,
+                         void* __restrict__ dcopy, float* __restrict__ partial) {
+  static_assert(CP == FP8OPS_F32 || (ACC && DT == FP8OPS_F32), "a copy of an fp32 sum only");
   constexpr int EPV = DT == FP8OPS_F32 ? 4 : 8;  // elements per 16-byte vector
   constexpr int GROUPS = LNB_WARPS / WPR;        // rows in flight per CTA
   extern __shared__ float4 lnb_smem[];           // 16-byte aligned; cols % 4 == 0
@@ -285,14 +383,27 @@ __global__ void __launch_bounds__(LNB_WARPS * 32)
       const int k = j * 32 + lane;
       if (k < nvec) {
         const uint4 xj = xv[j];
+        uint4 rj = make_uint4(0, 0, 0, 0);
+        if constexpr (ACC) rj = __ldcs((const uint4*)dres + r * row_vecs + v0 + k);
         float gam[EPV];
         load_gamma<EPV>(lnb_smem, v0 + k, gam);
-        dxr[k] = map_vec<DT>(dv[j], [&](int e, float d) {
+        const uint4 o = map_vec<DT>(dv[j], [&](int e, float d) {
           const float xh = (vec_elem<DT>(xj, e) - m) * rs;
           dg[j * EPV + e] += d * xh;
           db[j * EPV + e] += d;
-          return rs * (d * gam[e] - c1 - xh * c2);
+          const float v = rs * (d * gam[e] - c1 - xh * c2);
+          if constexpr (ACC) return __fadd_rn(round_to<DT>(v), vec_elem<DT>(rj, e));
+          return v;
         });
+        dxr[k] = o;
+        if constexpr (CP != FP8OPS_F32) {  // 4 fp32 -> 4 16-bit: 8 bytes
+          uint32_t h[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            h[e] = CP == FP8OPS_BF16 ? fp8ops_f32_to_bf16(vec_elem<DT>(o, e))
+                                     : fp8ops_f32_to_f16(vec_elem<DT>(o, e));
+          __stcs((uint2*)dcopy + r * row_vecs + v0 + k, make_uint2(h[0] | h[1] << 16, h[2] | h[3] << 16));
+        }
       }
     }
   }
@@ -338,19 +449,37 @@ __global__ void __launch_bounds__(32 * LNB_REDUCE_GROUPS)
   }
 }
 
+template <int DT, int NV, int WPR, bool ACC, int CP>
+static int launch_layernorm_bwd_as(const void* dy, const void* x, const float* mean,
+                                   const float* rstd, const float* gamma, bool rms, int64_t rows,
+                                   int cols, int rows_per_warp, int64_t tiles, const void* dres,
+                                   void* dx, void* dcopy, float* partial, cudaStream_t s) {
+  const size_t smem = 3 * (size_t)cols * sizeof(float);
+  if (smem > 40 * 1024)  // 4096 columns: 48 KB, over the default limit with the static red[]
+    FP8OPS_CHECK_CUDA(cudaFuncSetAttribute(layernorm_bwd_kernel<DT, NV, WPR, ACC, CP>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  layernorm_bwd_kernel<DT, NV, WPR, ACC, CP><<<(unsigned)tiles, LNB_WARPS * 32, smem, s>>>(
+      dy, x, mean, rstd, gamma, rms, rows, cols, rows_per_warp, dres, dx, dcopy, partial);
+  FP8OPS_CHECK_CUDA(cudaGetLastError());
+  return FP8OPS_OK;
+}
+
+// (dres NULL: the kernel without the add, as it was before layernorm_bwd_acc; copy_dtype
+// F32: no copy; a copy only of fp32 rows, checked by the caller)
 template <int DT, int NV, int WPR>
 static int launch_layernorm_bwd(const void* dy, const void* x, const float* mean,
                                 const float* rstd, const float* gamma, bool rms, int64_t rows,
-                                int cols, int rows_per_warp, int64_t tiles, void* dx,
-                                float* partial, cudaStream_t s) {
-  const size_t smem = 3 * (size_t)cols * sizeof(float);
-  if (smem > 40 * 1024)  // 4096 columns: 48 KB, over the default limit with the static red[]
-    FP8OPS_CHECK_CUDA(cudaFuncSetAttribute(layernorm_bwd_kernel<DT, NV, WPR>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  layernorm_bwd_kernel<DT, NV, WPR><<<(unsigned)tiles, LNB_WARPS * 32, smem, s>>>(
-      dy, x, mean, rstd, gamma, rms, rows, cols, rows_per_warp, dx, partial);
-  FP8OPS_CHECK_CUDA(cudaGetLastError());
-  return FP8OPS_OK;
+                                int cols, int rows_per_warp, int64_t tiles, const void* dres,
+                                fp8ops_hp_dtype copy_dtype, void* dx, void* dcopy, float* partial,
+                                cudaStream_t s) {
+#define LNB_ARGS dy, x, mean, rstd, gamma, rms, rows, cols, rows_per_warp, tiles, dres, dx, dcopy, partial, s
+  if (!dres) return launch_layernorm_bwd_as<DT, NV, WPR, false, FP8OPS_F32>(LNB_ARGS);
+  if constexpr (DT == FP8OPS_F32) {
+    if (copy_dtype == FP8OPS_BF16) return launch_layernorm_bwd_as<DT, NV, WPR, true, FP8OPS_BF16>(LNB_ARGS);
+    if (copy_dtype == FP8OPS_F16) return launch_layernorm_bwd_as<DT, NV, WPR, true, FP8OPS_F16>(LNB_ARGS);
+  }
+  return launch_layernorm_bwd_as<DT, NV, WPR, true, FP8OPS_F32>(LNB_ARGS);
+#undef LNB_ARGS
 }
 
 // NV = the 16-byte vectors per lane that cover a warp's slice of at most 1024
@@ -361,22 +490,20 @@ template <int DT>
 static int layernorm_bwd_dispatch(int nv, int wpr, const void* dy, const void* x,
                                   const float* mean, const float* rstd, const float* gamma,
                                   bool rms, int64_t rows, int cols, int rows_per_warp,
-                                  int64_t tiles, void* dx, float* partial, cudaStream_t s) {
+                                  int64_t tiles, const void* dres, fp8ops_hp_dtype copy_dtype, void* dx,
+                                  void* dcopy, float* partial, cudaStream_t s) {
   constexpr int MAX_NV = 1024 / 32 / (DT == FP8OPS_F32 ? 4 : 8);
   static_assert(MAX_NV == 8 || MAX_NV == 4, "the cases below cover 8 vectors per lane");
+#define LNB_LAUNCH(n, w)                                                                       \
+  return launch_layernorm_bwd<DT, n, w>(dy, x, mean, rstd, gamma, rms, rows, cols, rows_per_warp, \
+                                        tiles, dres, copy_dtype, dx, dcopy, partial, s)
 #define LNB_CASE(n)                                                                            \
   case n:                                                                                      \
     if constexpr (n <= MAX_NV) {                                                               \
-      if (wpr == 1)                                                                            \
-        return launch_layernorm_bwd<DT, n, 1>(dy, x, mean, rstd, gamma, rms, rows, cols,       \
-                                              rows_per_warp, tiles, dx, partial, s);           \
+      if (wpr == 1) LNB_LAUNCH(n, 1);                                                          \
       if constexpr (2 * n > MAX_NV) {                                                          \
-        if (wpr == 2)                                                                          \
-          return launch_layernorm_bwd<DT, n, 2>(dy, x, mean, rstd, gamma, rms, rows, cols,     \
-                                                rows_per_warp, tiles, dx, partial, s);         \
-        if (wpr == 4)                                                                          \
-          return launch_layernorm_bwd<DT, n, 4>(dy, x, mean, rstd, gamma, rms, rows, cols,     \
-                                                rows_per_warp, tiles, dx, partial, s);         \
+        if (wpr == 2) LNB_LAUNCH(n, 2);                                                        \
+        if (wpr == 4) LNB_LAUNCH(n, 4);                                                        \
       }                                                                                        \
     }                                                                                          \
     break;
@@ -386,6 +513,7 @@ static int layernorm_bwd_dispatch(int nv, int wpr, const void* dy, const void* x
     default: break;
   }
 #undef LNB_CASE
+#undef LNB_LAUNCH
   return fp8ops_set_error(FP8OPS_ERR_INVALID, "layernorm_bwd: no kernel for %d warps per row of "
                           "%d vectors per lane", wpr, nv);
 }
@@ -393,7 +521,8 @@ static int layernorm_bwd_dispatch(int nv, int wpr, const void* dy, const void* x
 extern "C" int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_hp_dtype dtype,
                                          int64_t rows, int64_t cols, const float* mean,
                                          const float* rstd, const float* gamma, int rms,
-                                         void* dx, float* dgb, float* partial,
+                                         const void* dres, fp8ops_hp_dtype copy_dtype, void* dx,
+                                         void* dcopy, float* dgb, float* partial,
                                          int64_t partial_floats, void* stream) {
   FP8OPS_REQUIRE(dtype == FP8OPS_F32 || dtype == FP8OPS_BF16 || dtype == FP8OPS_F16,
                  "layernorm_bwd: unknown dtype code %d", (int)dtype);
@@ -401,9 +530,14 @@ extern "C" int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_h
                      (rows == 0 || (dy && x && mean && rstd && dx && partial)),
                  "layernorm_bwd: bad arguments (rows %lld, cols %lld)", (long long)rows,
                  (long long)cols);
-  FP8OPS_REQUIRE(fp8ops_layernorm_bwd_fusable(dy, x, dx, dtype, cols),
+  FP8OPS_REQUIRE(fp8ops_layernorm_bwd_fusable(dy, x, dx, dtype, cols) && ((uintptr_t)dres & 15u) == 0,
                  "layernorm_bwd: on CUDA the rows must be 16-byte aligned vectors (per warp), at "
                  "most %d columns (found %lld)", FP8OPS_LN_BWD_MAX_COLS, (long long)cols);
+  FP8OPS_REQUIRE(copy_dtype == FP8OPS_F32 ||
+                     (dtype == FP8OPS_F32 && (copy_dtype == FP8OPS_BF16 || copy_dtype == FP8OPS_F16) &&
+                      (rows == 0 || (dres && dcopy)) && ((uintptr_t)dcopy & 7u) == 0),
+                 "layernorm_bwd: a copy (dtype code %d) only of dx + dres over fp32 rows, into an "
+                 "8-byte aligned buffer", (int)copy_dtype);
   cudaStream_t s = (cudaStream_t)stream;
   if (rows == 0) {
     FP8OPS_CHECK_CUDA(cudaMemsetAsync(dgb, 0, 2 * (size_t)cols * sizeof(float), s));
@@ -421,15 +555,15 @@ extern "C" int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_h
   switch (dtype) {
     case FP8OPS_F32:
       rc = layernorm_bwd_dispatch<FP8OPS_F32>(nv, wpr, dy, x, mean, rstd, gamma, rms != 0, rows,
-                                              (int)cols, rpw, tiles, dx, partial, s);
+                                              (int)cols, rpw, tiles, dres, copy_dtype, dx, dcopy, partial, s);
       break;
     case FP8OPS_BF16:
       rc = layernorm_bwd_dispatch<FP8OPS_BF16>(nv, wpr, dy, x, mean, rstd, gamma, rms != 0, rows,
-                                               (int)cols, rpw, tiles, dx, partial, s);
+                                               (int)cols, rpw, tiles, dres, copy_dtype, dx, dcopy, partial, s);
       break;
     default:
       rc = layernorm_bwd_dispatch<FP8OPS_F16>(nv, wpr, dy, x, mean, rstd, gamma, rms != 0, rows,
-                                              (int)cols, rpw, tiles, dx, partial, s);
+                                              (int)cols, rpw, tiles, dres, copy_dtype, dx, dcopy, partial, s);
   }
   FP8OPS_TRY(rc);
   const dim3 block(32, LNB_REDUCE_GROUPS);

@@ -13,7 +13,7 @@
  *               Tensor fp8_max, float margin, int algo, Tensor(d!) overflow_count) -> ()
  *   gemm(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, Tensor bias,
  *        ScalarType out_dtype, bool use_fast_accum) -> Tensor
- *   cast_accumulate, linear_fwd, ln_linear_fwd, linear_bwd, layernorm_bwd:
+ *   cast_accumulate, linear_fwd, ln_linear_fwd(_res), linear_bwd, layernorm_bwd(_acc):
  *        Fp8Linear's fused calls (and its fused LayerNorm's backward), schemas
  *        at their wrappers below (cast + amax folded into a history slot + GEMMs).
  *   swiglu, swiglu_backward: the SwiGLU activation and its gradient.
@@ -713,12 +713,14 @@ static void boxed_gemm(StableIValue* stack, uint64_t nargs, uint64_t nret) {
 // host's per-op cost, not by the GPU.
 
 /* ln_linear_fwd's LayerNorm: its weight and bias (fp32 [K], or empty: none),
- * eps and rms (an RMSNorm) in; mean and rstd ([M] fp32) out. */
+ * eps and rms (an RMSNorm) in; mean and rstd ([M] fp32) out. ln_linear_fwd_res:
+ * res in (NULL: none), and out as sum the norm's input x + res. */
 typedef struct {
   AtenTensorHandle weight, bias;
   double eps;
   bool rms;
-  AtenTensorHandle mean, rstd;
+  AtenTensorHandle res;
+  AtenTensorHandle mean, rstd, sum;
 } ln_args;
 
 #define LFWD_NIN 9
@@ -726,9 +728,11 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
                           int32_t out_dtype, bool fast_accum, bool save_xt, bool save_wt,
                           bool gelu, bool swiglu, ln_args* ln, AtenTensorHandle outs[4],
                           AtenTensorHandle* x8, AtenTensorHandle* act, gemm_scratch* scratch) {
-  const char* op = ln ? "fp8ops::ln_linear_fwd" : "fp8ops::linear_fwd";
-  tinfo x, w, xs, xa, xsi, ws, wa, wsi, bias, lw, lb;
-  fp8ops_hp_dtype xd = FP8OPS_F32, od = FP8OPS_BF16, wd = FP8OPS_F32;
+  const char* op = !ln ? "fp8ops::linear_fwd" : ln->res ? "fp8ops::ln_linear_fwd_res"
+                                                         : "fp8ops::ln_linear_fwd";
+  tinfo x, w, xs, xa, xsi, ws, wa, wsi, bias, lw, lb, res;
+  fp8ops_hp_dtype xd = FP8OPS_F32, od = FP8OPS_BF16, wd = FP8OPS_F32, rd = FP8OPS_F32;
+  const void* xln = NULL; /* what the norm reads: x, or x + res */
   fp8ops_fp8_format xf = FP8OPS_E4M3, wf = FP8OPS_E4M3;
   char sh1[96], sh2[96];
   FP8OPS_TRY(describe(op, "x", in[0], &x));
@@ -811,6 +815,20 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
                    "with %lld elements; pass an empty ln_bias with rms=True", op, (long long)lb.numel);
     FP8OPS_REQUIRE(K > 0, "%s: x %s has no features to normalize (K = 0); a LayerNorm needs K > 0",
                    op, SHAPE(&x, sh1));
+    xln = x.data;
+    if (ln->res) {
+      FP8OPS_TRY(describe(op, "res", ln->res, &res));
+      FP8OPS_REQUIRE(res.ndim == 2 && res.sizes[0] == M && res.sizes[1] == x.sizes[1],
+                     "%s: res %s must have x's shape %s", op, SHAPE(&res, sh1), SHAPE(&x, sh2));
+      FP8OPS_TRY(hp_code(op, "res", res.dtype, &rd));
+      FP8OPS_REQUIRE(fp8ops_add_res_dtypes_ok(xd, rd), "%s: res must have x's dtype %s (or, with "
+                     "x float32, be bfloat16 or float16), found %s; convert it with .to(x.dtype)",
+                     op, dtype_name(x.dtype), dtype_name(res.dtype));
+      FP8OPS_TRY(require_contiguous(op, "res", &res));
+      FP8OPS_TRY(require_same_device(op, "res", &res, "x", &x));
+      FP8OPS_TRY(new_tensor(op, 2, x.sizes, x.dtype, &x, &ln->sum));
+      xln = data_of(ln->sum);
+    }
     const int64_t msz[1] = {M};
     FP8OPS_TRY(new_tensor(op, 1, msz, aoti_torch_dtype_float32(), &x, &ln->mean));
     FP8OPS_TRY(new_tensor(op, 1, msz, aoti_torch_dtype_float32(), &x, &ln->rstd));
@@ -849,15 +867,23 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
                                                      wa.data);
     /* (M == 0: no rows to normalize, and the empty mean and rstd have no data pointer; the
      * plain cast below casts the nothing there is) */
-    if (rc == FP8OPS_OK && ln && M > 0)
+    if (rc == FP8OPS_OK && ln && ln->res && M > 0)
+      rc = is_cuda(&x) ? fp8ops_add_layernorm_stats_cuda(x.data, xd, res.data, rd, M, K,
+                                                         (float)ln->eps, ln->rms, (void*)xln,
+                                                         (float*)lnp.mean, (float*)lnp.rstd,
+                                                         stream)
+                       : fp8ops_add_layernorm_stats_cpu(x.data, xd, res.data, rd, M, K,
+                                                        (float)ln->eps, ln->rms, (void*)xln,
+                                                        (float*)lnp.mean, (float*)lnp.rstd);
+    else if (rc == FP8OPS_OK && ln && M > 0)
       rc = is_cuda(&x) ? fp8ops_layernorm_stats_cuda(x.data, xd, M, K, (float)ln->eps, ln->rms,
                                                      (float*)lnp.mean, (float*)lnp.rstd, stream)
                        : fp8ops_layernorm_stats_cpu(x.data, xd, M, K, (float)ln->eps, ln->rms,
                                                     (float*)lnp.mean, (float*)lnp.rstd);
     if (rc == FP8OPS_OK && ln && M > 0)
-      rc = is_cuda(&x) ? fp8ops_ln_cast_accumulate_cuda(x.data, xd, M, K, &lnp, xs.data, xf, p8,
+      rc = is_cuda(&x) ? fp8ops_ln_cast_accumulate_cuda(xln, xd, M, K, &lnp, xs.data, xf, p8,
                                                          p8t, xa.data, stream)
-                       : fp8ops_ln_cast_accumulate_cpu(x.data, xd, M, K, &lnp, xs.data, xf, p8,
+                       : fp8ops_ln_cast_accumulate_cpu(xln, xd, M, K, &lnp, xs.data, xf, p8,
                                                         p8t, xa.data);
     else if (rc == FP8OPS_OK && gelu)
       rc = is_cuda(&x) ? fp8ops_gelu_cast_accumulate_cuda(x.data, xd, M, K, xs.data, xf, p8, p8t,
@@ -914,25 +940,47 @@ static void boxed_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret)
 // empty for none), so the LayerNorm's output is never written. x8t is always
 // returned. rms: RMSNorm(x) instead (mean comes back as zeros; fp8ops.h).
 
-static void boxed_ln_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret) {
-  (void)nargs; (void)nret;
-  static const int k_idx[LFWD_NIN] = {0, 4, 5, 6, 7, 8, 9, 10, 11}; /* linear_fwd's inputs */
+//
+// ln_linear_fwd_res(Tensor x, Tensor res, <ln_linear_fwd's other arguments>)
+//     -> (<ln_linear_fwd's results>, Tensor sum)
+//
+// ln_linear_fwd of sum = x + res (res: x's shape, x's dtype or, with x float32,
+// bfloat16 or float16), sum written (x's dtype) and returned as the add would
+// have: a pre-norm block's residual add fused into the next norm's statistics
+// pass (fp8ops.h add_layernorm_stats). Compiled code's residual_pass.py
+// calls it.
+
+/* stack: ln_linear_fwd's arguments, or ln_linear_fwd_res's (res second) */
+static void ln_linear_fwd_boxed(StableIValue* stack, bool with_res) {
+  const int o = with_res ? 1 : 0; /* the arguments after x move by one */
+  const int k_idx[LFWD_NIN] = {0, 4 + o, 5 + o, 6 + o, 7 + o, 8 + o, 9 + o, 10 + o, 11 + o};
   AtenTensorHandle in[LFWD_NIN];
   for (int i = 0; i < LFWD_NIN; ++i) in[i] = sv_tensor(stack[k_idx[i]]);
-  ln_args ln = {sv_tensor(stack[1]), sv_tensor(stack[2]), sv_f64(stack[3]), sv_bool(stack[17]),
-                NULL, NULL};
+  ln_args ln = {sv_tensor(stack[1 + o]), sv_tensor(stack[2 + o]), sv_f64(stack[3 + o]),
+                sv_bool(stack[17 + o]), with_res ? sv_tensor(stack[1]) : NULL, NULL, NULL, NULL};
   AtenTensorHandle outs[4] = {NULL, NULL, NULL, NULL}, x8 = NULL;
   gemm_scratch scratch = {0};
-  int rc = run_linear_fwd(in, sv_i32(stack[12]), sv_i32(stack[13]), sv_i32(stack[14]),
-                          sv_bool(stack[15]), true, sv_bool(stack[16]), false, false, &ln, outs,
-                          &x8, NULL, &scratch);
+  int rc = run_linear_fwd(in, sv_i32(stack[12 + o]), sv_i32(stack[13 + o]),
+                          sv_i32(stack[14 + o]), sv_bool(stack[15 + o]), true,
+                          sv_bool(stack[16 + o]), false, false, &ln, outs, &x8, NULL, &scratch);
   release(in, LFWD_NIN);
   release(&ln.weight, 1);
   release(&ln.bias, 1);
+  release(&ln.res, 1);
   release(&x8, 1); /* stream-ordered, after the GEMM that reads it */
   scratch_release(&scratch);
-  AtenTensorHandle all[6] = {outs[0], outs[1], outs[2], outs[3], ln.mean, ln.rstd};
-  finish_boxed(__func__, rc, all, 6, stack);
+  AtenTensorHandle all[7] = {outs[0], outs[1], outs[2], outs[3], ln.mean, ln.rstd, ln.sum};
+  finish_boxed(__func__, rc, all, with_res ? 7 : 6, stack);
+}
+
+static void boxed_ln_linear_fwd(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  ln_linear_fwd_boxed(stack, false);
+}
+
+static void boxed_ln_linear_fwd_res(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  ln_linear_fwd_boxed(stack, true);
 }
 
 // ----------------------------------------------------------------------------
@@ -1227,14 +1275,29 @@ static void boxed_linear_bwd_cat(StableIValue* stack, uint64_t nargs, uint64_t n
 // LayerNorm's gamma as float32 [K], or empty when it has none. rms: an
 // RMSNorm's backward (ln_linear_fwd(rms=True)'s statistics). One pass over x
 // and dy where torch's native_layer_norm_backward makes two (fp8ops.h).
+//
+// layernorm_bwd_acc(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor weight,
+//                   bool rms, Tensor dres, ScalarType copy_dtype)
+//     -> (Tensor dx, Tensor dweight_bias, Tensor dx_copy)
+//
+// The same, with dx + dres written as dx (dres: x's shape and dtype): the
+// gradient that reaches x from elsewhere, a residual stream's, added as dx is
+// written instead of by an add kernel of its own, with that add's result
+// (fp8ops.h). copy_dtype bfloat16 or float16 (x float32): dx_copy is that sum
+// converted to it as well (the next branch's low-precision gradient, which the
+// add's kernel would have written); x's dtype: none, dx_copy empty.
+// Compiled code's residual_pass.py calls it.
 
-#define LNB_SCRATCH 3 /* the CTAs' partial sums; aligned copies of dy and x where needed */
+#define LNB_SCRATCH 4 /* the CTAs' partial sums; aligned copies of dy, x and dres where needed */
 
-static int run_layernorm_bwd(AtenTensorHandle in[5], bool rms, AtenTensorHandle outs[2],
+/* dres_h NULL: layernorm_bwd (outs[2] untouched); else layernorm_bwd_acc, copy_dtype its
+ * argument */
+static int run_layernorm_bwd(AtenTensorHandle in[5], bool rms, AtenTensorHandle dres_h,
+                             int32_t copy_dtype, AtenTensorHandle outs[3],
                              AtenTensorHandle scratch[LNB_SCRATCH]) {
-  const char* op = "fp8ops::layernorm_bwd";
-  tinfo dy, x, mean, rstd, w;
-  fp8ops_hp_dtype xd = FP8OPS_F32;
+  const char* op = dres_h ? "fp8ops::layernorm_bwd_acc" : "fp8ops::layernorm_bwd";
+  tinfo dy, x, mean, rstd, w, dres;
+  fp8ops_hp_dtype xd = FP8OPS_F32, cd = FP8OPS_F32;
   char sh1[96], sh2[96];
   FP8OPS_TRY(describe(op, "dy", in[0], &dy));
   FP8OPS_TRY(describe(op, "x", in[1], &x));
@@ -1251,6 +1314,23 @@ static int run_layernorm_bwd(AtenTensorHandle in[5], bool rms, AtenTensorHandle 
   FP8OPS_TRY(require_contiguous(op, "dy", &dy));
   FP8OPS_TRY(require_contiguous(op, "x", &x));
   FP8OPS_TRY(require_same_device(op, "dy", &dy, "x", &x));
+  if (dres_h) {
+    FP8OPS_TRY(describe(op, "dres", dres_h, &dres));
+    FP8OPS_REQUIRE(dres.ndim == 2 && dres.sizes[0] == x.sizes[0] && dres.sizes[1] == x.sizes[1],
+                   "%s: dres %s must have x's shape %s", op, SHAPE(&dres, sh1), SHAPE(&x, sh2));
+    FP8OPS_REQUIRE(dres.dtype == x.dtype, "%s: dres must have x's dtype %s, found %s; convert it "
+                   "with .to(x.dtype)", op, dtype_name(x.dtype), dtype_name(dres.dtype));
+    FP8OPS_TRY(require_contiguous(op, "dres", &dres));
+    FP8OPS_TRY(require_same_device(op, "dres", &dres, "x", &x));
+    if (copy_dtype != x.dtype) {
+      FP8OPS_REQUIRE(x.dtype == aoti_torch_dtype_float32() &&
+                         (copy_dtype == aoti_torch_dtype_bfloat16() ||
+                          copy_dtype == aoti_torch_dtype_float16()),
+                     "%s: copy_dtype must be x's dtype %s (no copy), or bfloat16 or float16 with "
+                     "x float32; found %s", op, dtype_name(x.dtype), dtype_name(copy_dtype));
+      FP8OPS_TRY(hp_code(op, "copy_dtype", copy_dtype, &cd));
+    }
+  }
   const int64_t M = x.sizes[0], K = x.sizes[1];
   FP8OPS_REQUIRE(K > 0, "%s: x has no columns", op);
   const tinfo* vv[3] = {&mean, &rstd, &w};
@@ -1272,10 +1352,18 @@ static int run_layernorm_bwd(AtenTensorHandle in[5], bool rms, AtenTensorHandle 
   FP8OPS_TRY(new_tensor(op, 2, gsz, aoti_torch_dtype_float32(), &x, &outs[1]));
   void* dx = data_of(outs[0]);
   float* dgb = (float*)data_of(outs[1]);
+  void* dcopy = NULL;
+  if (dres_h) {
+    const int64_t none[1] = {0};
+    FP8OPS_TRY(cd != FP8OPS_F32 ? new_tensor(op, 2, x.sizes, copy_dtype, &x, &outs[2])
+                                : new_tensor(op, 1, none, x.dtype, &x, &outs[2]));
+    if (cd != FP8OPS_F32) dcopy = data_of(outs[2]);
+  }
   const float* gamma = w.numel ? (const float*)w.data : NULL;
   if (!is_cuda(&x))
     return fp8ops_layernorm_bwd_cpu(dy.data, x.data, xd, M, K, (const float*)mean.data,
-                                    (const float*)rstd.data, gamma, rms, dx, dgb);
+                                    (const float*)rstd.data, gamma, rms,
+                                    dres_h ? dres.data : NULL, cd, dx, dcopy, dgb);
   FP8OPS_REQUIRE(fp8ops_layernorm_bwd_cols_ok(xd, K),
                  "%s: on CUDA, K must be a multiple of %d (of twice that above 1024, four times "
                  "that above 2048) and at most "
@@ -1288,15 +1376,17 @@ static int run_layernorm_bwd(AtenTensorHandle in[5], bool rms, AtenTensorHandle 
   FP8OPS_TRY(cuda_enter(op, &x, &c, 0));
   /* the kernel reads 16-byte vectors: a view at an odd offset (rare; x and dy are
    * usually whole allocations) is read from an aligned copy, on the op's stream */
-  const void *dyp = dy.data, *xp = x.data;
+  const void *dyp = dy.data, *xp = x.data, *rp = dres_h ? dres.data : NULL;
   int rc = FP8OPS_OK;
   if (M > 0 && ((uintptr_t)dyp & 15u) != 0) rc = clone_to(op, dy.h, &scratch[1], &dyp);
   if (rc == FP8OPS_OK && M > 0 && ((uintptr_t)xp & 15u) != 0)
     rc = clone_to(op, x.h, &scratch[2], &xp);
+  if (rc == FP8OPS_OK && M > 0 && rp && ((uintptr_t)rp & 15u) != 0)
+    rc = clone_to(op, dres.h, &scratch[3], &rp);
   if (rc == FP8OPS_OK)
     rc = fp8ops_layernorm_bwd_cuda(dyp, xp, xd, M, K, (const float*)mean.data,
-                                   (const float*)rstd.data, gamma, rms, dx, dgb,
-                                   (float*)data_of(scratch[0]), psz[0], c.stream);
+                                   (const float*)rstd.data, gamma, rms, rp, cd, dx, dcopy,
+                                   dgb, (float*)data_of(scratch[0]), psz[0], c.stream);
   cuda_exit(&c);
   return rc;
 }
@@ -1305,11 +1395,24 @@ static void boxed_layernorm_bwd(StableIValue* stack, uint64_t nargs, uint64_t nr
   (void)nargs; (void)nret;
   AtenTensorHandle in[5];
   for (int i = 0; i < 5; ++i) in[i] = sv_tensor(stack[i]);
-  AtenTensorHandle outs[2] = {NULL, NULL}, scratch[LNB_SCRATCH] = {NULL, NULL, NULL};
-  int rc = run_layernorm_bwd(in, sv_bool(stack[5]), outs, scratch);
+  AtenTensorHandle outs[3] = {NULL, NULL, NULL}, scratch[LNB_SCRATCH] = {NULL, NULL, NULL, NULL};
+  int rc = run_layernorm_bwd(in, sv_bool(stack[5]), NULL, 0, outs, scratch);
   release(in, 5);
   release(scratch, LNB_SCRATCH); /* stream-ordered, after the kernels that use it */
   finish_boxed(__func__, rc, outs, 2, stack);
+}
+
+static void boxed_layernorm_bwd_acc(StableIValue* stack, uint64_t nargs, uint64_t nret) {
+  (void)nargs; (void)nret;
+  AtenTensorHandle in[5];
+  for (int i = 0; i < 5; ++i) in[i] = sv_tensor(stack[i]);
+  AtenTensorHandle dres = sv_tensor(stack[6]);
+  AtenTensorHandle outs[3] = {NULL, NULL, NULL}, scratch[LNB_SCRATCH] = {NULL, NULL, NULL, NULL};
+  int rc = run_layernorm_bwd(in, sv_bool(stack[5]), dres, sv_i32(stack[7]), outs, scratch);
+  release(in, 5);
+  release(&dres, 1);
+  release(scratch, LNB_SCRATCH); /* stream-ordered, after the kernels that use it */
+  finish_boxed(__func__, rc, outs, 3, stack);
 }
 
 // ----------------------------------------------------------------------------
@@ -1430,9 +1533,21 @@ static const op_row k_ops[] = {
                       "bool use_fast_accum, bool save_wt, bool rms=False) -> (Tensor y, "
                       "Tensor x8t, Tensor w8, "
                       "Tensor w8t, Tensor mean, Tensor rstd)", boxed_ln_linear_fwd},
+    {"ln_linear_fwd_res", "ln_linear_fwd_res(Tensor x, Tensor res, Tensor ln_weight, "
+                          "Tensor ln_bias, float eps, Tensor w, Tensor x_scale, Tensor(a!) x_amax, "
+                          "Tensor x_scale_inv, Tensor w_scale, Tensor(b!) w_amax, "
+                          "Tensor w_scale_inv, Tensor bias, ScalarType x_fp8_dtype, "
+                          "ScalarType w_fp8_dtype, ScalarType out_dtype, bool use_fast_accum, "
+                          "bool save_wt, bool rms=False) -> (Tensor y, Tensor x8t, Tensor w8, "
+                          "Tensor w8t, Tensor mean, Tensor rstd, Tensor sum)",
+     boxed_ln_linear_fwd_res},
     {"layernorm_bwd", "layernorm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, "
                       "Tensor weight, bool rms=False) -> (Tensor dx, Tensor dweight_bias)",
      boxed_layernorm_bwd},
+    {"layernorm_bwd_acc", "layernorm_bwd_acc(Tensor dy, Tensor x, Tensor mean, Tensor rstd, "
+                          "Tensor weight, bool rms, Tensor dres, ScalarType copy_dtype) -> "
+                          "(Tensor dx, Tensor dweight_bias, Tensor dx_copy)",
+     boxed_layernorm_bwd_acc},
     {"linear_bwd", "linear_bwd(Tensor gy, Tensor w8t, Tensor x8t, Tensor g_scale, "
                    "Tensor(a!) g_amax, Tensor g_scale_inv, Tensor w_scale_inv, "
                    "Tensor x_scale_inv, Tensor gelu_input, ScalarType g_fp8_dtype, "
@@ -1493,6 +1608,7 @@ int fp8ops_register(int with_cuda) {
 }
 
 const char* fp8ops_op_names(void) {
-  return "cast amax amax_update gemm cast_accumulate linear_fwd ln_linear_fwd linear_bwd "
-         "linear_bwd_sink linear_bwd_cat layernorm_bwd swiglu swiglu_backward";
+  return "cast amax amax_update gemm cast_accumulate linear_fwd ln_linear_fwd ln_linear_fwd_res "
+         "linear_bwd "
+         "linear_bwd_sink linear_bwd_cat layernorm_bwd layernorm_bwd_acc swiglu swiglu_backward";
 }

@@ -23,7 +23,8 @@ not overlap (a manual attention's k gradient, transposed, at batch 1; the
 gradient of an expand).
 
 Run by gelu_grad_pass's inductor pass, after the GELU rewrite (see install()
-there: one post_grad_custom_post_pass slot, both rewrites).
+there: one post_grad_custom_post_pass slot for its, this and residual_pass.py's
+rewrites).
 """
 from __future__ import annotations
 

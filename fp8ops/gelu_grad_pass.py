@@ -28,11 +28,13 @@ step, run the GELU unfused and never reach this.)
 Installed as inductor's post_grad_custom_post_pass while dynamo traces an
 Fp8Linear, and left there for the process; the same pass then runs
 cat_grad_pass.py's rewrite (the q, k, v gradients' concatenation read in
-place by the cast). It changes only graphs that hold gelu_tanh_backward or
-fp8ops.linear_bwd_sink, but other graphs' cache keys change with it (one
-cache miss each). Where the user has a pass of their own there, theirs is
-kept, gelu_tanh_backward stays an opaque op (torch's kernel, as in eager
-code), the concatenation stays inductor's, and a warning says so once.
+place by the cast) and residual_pass.py's (the residual adds beside fp8ops'
+fused norms run inside them). It changes only graphs that hold
+gelu_tanh_backward, fp8ops.linear_bwd_sink or fp8ops' norm ops, but other
+graphs' cache keys change with it (one cache miss each). Where the user has a
+pass of their own there, theirs is kept, gelu_tanh_backward stays an opaque op
+(torch's kernel, as in eager code), the concatenation stays inductor's, the
+residual adds run as kernels of their own, and a warning says so once.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ import logging
 
 import torch
 
-from . import cat_grad_pass
+from . import cat_grad_pass, residual_pass
 
 log = logging.getLogger("fp8ops")
 
@@ -202,10 +204,12 @@ def _pass_class():
         def __call__(self, graph: torch.fx.Graph) -> None:
             fuse_gelu_grads(graph)
             cat_grad_pass.fuse_cat_grads(graph)
+            residual_pass.fuse_residuals(graph)
 
         def uuid(self):
-            # (inductor's cache key: the two passes' text)
-            return get_hash_for_files((__file__, cat_grad_pass.__file__))
+            # (inductor's cache key: the passes' text, and whether the residual pass is on)
+            return get_hash_for_files((__file__, cat_grad_pass.__file__, residual_pass.__file__),
+                                      extra=f"residual {residual_pass.ENABLED}")
 
     return FuseGeluGrads
 
@@ -231,7 +235,8 @@ def install() -> bool:
         log.warning("fp8ops: torch._inductor.config.post_grad_custom_post_pass holds another pass (%r), so "
                     "fp8ops leaves it there: under torch.compile the fused GELU's gradient then runs as an op "
                     "of its own instead of inside the producer's gradient cast, and a split projection's "
-                    "gradients (q, k, v) are concatenated before its cast instead of read in place", current)
+                    "gradients (q, k, v) are concatenated before its cast instead of read in place, and the residual "
+                    "adds beside fused norms run as kernels of their own instead of inside the norms", current)
     return False
 
 

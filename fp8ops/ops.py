@@ -11,6 +11,7 @@ import functools
 import math
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _loader
 
@@ -462,28 +463,46 @@ def _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scal
 @_oom_as_such
 def ln_linear_fwd(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
                   x_fp8_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, use_fast_accum=False, w_scale=None,
-                  w_amax=None, w_fp8_dtype=torch.float8_e4m3fn, save_wt=False, rms=False):
+                  w_amax=None, w_fp8_dtype=torch.float8_e4m3fn, save_wt=False, rms=False, res=None):
     """linear_fwd of LayerNorm(x) (normalized over x's last dim, ln_weight and
     ln_bias float32 [K], or None for none) without writing the LayerNorm's
     output: the cast normalizes x as it loads it. rms: RMSNorm(x) instead
     (ln_bias must then be None). Returns (y, x8t, w8, w8t, mean [M], rstd [M]);
-    mean (zeros for an RMSNorm) and rstd are what layernorm_bwd takes."""
+    mean (zeros for an RMSNorm) and rstd are what layernorm_bwd takes. res (x's
+    shape; x's dtype, or bfloat16 or float16 for float32 x): the norm's input is
+    x + res instead, what torch's add writes, returned as a seventh result
+    (ln_linear_fwd_res: a residual stream's add fused into the norm's pass)."""
     _require()
-    _chk(not (rms and ln_bias is not None), "ln_linear_fwd: an RMSNorm has no bias; pass ln_bias=None with rms=True")
-    _dtypes("ln_linear_fwd", x_fp8_dtype=x_fp8_dtype, w_fp8_dtype=w_fp8_dtype, out_dtype=out_dtype)
-    bias, w_scale, w_amax = _fwd_defaults("ln_linear_fwd", x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv)
+    op = "ln_linear_fwd" if res is None else "ln_linear_fwd_res"
+    _chk(not (rms and ln_bias is not None), f"{op}: an RMSNorm has no bias; pass ln_bias=None with rms=True")
+    _dtypes(op, x_fp8_dtype=x_fp8_dtype, w_fp8_dtype=w_fp8_dtype, out_dtype=out_dtype)
+    bias, w_scale, w_amax = _fwd_defaults(op, x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv)
     none = _empty_for(x, torch.float32)
-    out = torch.ops.fp8ops.ln_linear_fwd.default(
-        x, none if ln_weight is None else ln_weight, none if ln_bias is None else ln_bias, float(eps), w, x_scale,
-        x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv, bias, x_fp8_dtype, w_fp8_dtype, out_dtype,
-        use_fast_accum, save_wt, rms)
+    args = (none if ln_weight is None else ln_weight, none if ln_bias is None else ln_bias, float(eps), w, x_scale,
+            x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv, bias, x_fp8_dtype, w_fp8_dtype, out_dtype,
+            use_fast_accum, save_wt, rms)
+    if res is None:
+        out = torch.ops.fp8ops.ln_linear_fwd.default(x, *args)
+    else:
+        out = torch.ops.fp8ops.ln_linear_fwd_res.default(x, res, *args)
     _written(x_amax, w_amax if w.dtype in HP_DTYPES else None)
     return out
 
 
+def _ln_linear_fwd_res_fake(x, res, *args):
+    op = "fp8ops::ln_linear_fwd_res"
+    _chk(res.shape == x.shape, f"{op}: res {list(res.shape)} must have x's shape {list(x.shape)}")
+    _chk(res.dtype == x.dtype or (x.dtype == torch.float32 and res.dtype in (torch.bfloat16, torch.float16)),
+         f"{op}: res must have x's dtype {_dname(x.dtype)} (or, with x float32, be bfloat16 or float16), found "
+         f"{_dname(res.dtype)}; convert it with .to(x.dtype)")
+    _chk_contig(op, "res", res)
+    _chk_device(op, "res", res, "x", x)
+    return *_ln_linear_fwd_fake(x, *args, op=op), torch.empty_like(x)
+
+
 def _ln_linear_fwd_fake(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv,
-                        bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_wt, rms=False):
-    op = "fp8ops::ln_linear_fwd"
+                        bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_wt, rms=False,
+                        op="fp8ops::ln_linear_fwd"):
     y, x8t, w8, w8t = _linear_fwd_fake(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv, bias,
                                        x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, True, save_wt, op=op)
     K = x.shape[1]
@@ -533,21 +552,47 @@ def layernorm_bwd_fusable(dy: torch.Tensor, x: torch.Tensor) -> bool:
 
 @_oom_as_such
 def layernorm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                  weight: torch.Tensor | None, rms: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  weight: torch.Tensor | None, rms: bool = False, dres: torch.Tensor | None = None,
+                  copy_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
     """The backward of LayerNorm over x's last dim from ln_linear_fwd's mean and
     rstd ([M] fp32), weight the LayerNorm's gamma as float32 [K] (None: ones).
     Returns (dx in x's dtype, dweight_bias fp32 [2, K] = (dgamma, dbeta)):
     torch's native_layer_norm_backward with one read of x and dy instead of
     two. rms: an RMSNorm's backward, from ln_linear_fwd(rms=True)'s statistics
-    (dweight_bias[1] is then of no use). On CUDA the shapes must pass
-    layernorm_bwd_fusable."""
+    (dweight_bias[1] is then of no use). dres (x's shape and dtype, contiguous):
+    returned dx is dx + dres, what a separate add gives, bit for bit
+    (layernorm_bwd_acc: the gradient reaching x from a residual stream); with
+    copy_dtype too (torch.bfloat16 or torch.float16, x float32) a third result,
+    that sum converted to copy_dtype, bit for bit .to(copy_dtype) of it. On CUDA
+    the shapes must pass layernorm_bwd_fusable."""
     _require()
     w = _empty_for(x, torch.float32) if weight is None else weight
+    if copy_dtype == x.dtype:
+        copy_dtype = None  # (a copy in x's own dtype would be dx itself: none, as the op reads it)
+    if dres is not None:
+        dx, dgb, dx_copy = torch.ops.fp8ops.layernorm_bwd_acc.default(dy, x, mean, rstd, w, rms, dres,
+                                                                      copy_dtype or x.dtype)
+        return (dx, dgb) if copy_dtype is None else (dx, dgb, dx_copy)
+    _chk(copy_dtype is None, "fp8ops::layernorm_bwd: copy_dtype is a copy of dx + dres; pass dres too")
     return torch.ops.fp8ops.layernorm_bwd.default(dy, x, mean, rstd, w, rms)
 
 
-def _layernorm_bwd_fake(dy, x, mean, rstd, weight, rms=False):
-    op = "fp8ops::layernorm_bwd"
+def _layernorm_bwd_acc_fake(dy, x, mean, rstd, weight, rms, dres, copy_dtype):
+    op = "fp8ops::layernorm_bwd_acc"
+    _chk(dres.shape == x.shape, f"{op}: dres {list(dres.shape)} must have x's shape {list(x.shape)}")
+    _chk(dres.dtype == x.dtype, f"{op}: dres must have x's dtype {_dname(x.dtype)}, found {_dname(dres.dtype)}; "
+                                f"convert it with .to(x.dtype)")
+    _chk_contig(op, "dres", dres)
+    _chk_device(op, "dres", dres, "x", x)
+    copy = copy_dtype != x.dtype
+    _chk(not copy or (x.dtype == torch.float32 and copy_dtype in (torch.bfloat16, torch.float16)),
+         f"{op}: copy_dtype must be x's dtype {_dname(x.dtype)} (no copy), or bfloat16 or float16 with x "
+         f"float32; found {_dname(copy_dtype)}")
+    dx, dgb = _layernorm_bwd_fake(dy, x, mean, rstd, weight, rms, op=op)
+    return dx, dgb, torch.empty_like(x, dtype=copy_dtype) if copy else x.new_empty((0,))
+
+
+def _layernorm_bwd_fake(dy, x, mean, rstd, weight, rms=False, op="fp8ops::layernorm_bwd"):
     _chk(x.dtype in HP_DTYPES, f"{op}: x must be float32, bfloat16 or float16, found {_dname(x.dtype)}")
     _chk(x.dim() == 2, f"{op}: x must be 2-D [M, K], found {x.dim()} dims; reshape it to (-1, normalized_shape)")
     _chk(dy.shape == x.shape, f"{op}: dy {list(dy.shape)} must have x's shape {list(x.shape)}")
@@ -761,8 +806,9 @@ def _amax_raw(x):
 
 def _empty_for(x, dtype):
     """The "none" argument of an op's optional tensor (an empty tensor of that
-    dtype on x's device), one per device and dtype in eager mode."""
-    if torch.compiler.is_compiling():
+    dtype on x's device), one per device and dtype in eager mode (not while
+    tracing: a fake tensor kept would reach later eager calls)."""
+    if torch.compiler.is_compiling() or isinstance(x, FakeTensor):
         return x.new_empty((0,), dtype=dtype)
     key = (x.device, dtype)
     t = _empty.get(key)
@@ -818,7 +864,9 @@ def _register() -> None:
     torch.library.register_fake("fp8ops::linear_bwd_sink")(_linear_bwd_sink_fake)
     torch.library.register_fake("fp8ops::linear_bwd_cat")(_linear_bwd_cat_fake)
     torch.library.register_fake("fp8ops::ln_linear_fwd")(_ln_linear_fwd_fake)
+    torch.library.register_fake("fp8ops::ln_linear_fwd_res")(_ln_linear_fwd_res_fake)
     torch.library.register_fake("fp8ops::layernorm_bwd")(_layernorm_bwd_fake)
+    torch.library.register_fake("fp8ops::layernorm_bwd_acc")(_layernorm_bwd_acc_fake)
     torch.library.register_fake("fp8ops::swiglu")(_swiglu_fake)
     torch.library.register_fake("fp8ops::swiglu_backward")(_swiglu_backward_fake)
     torch.library.register_autograd("fp8ops::swiglu", _swiglu_grad, setup_context=_swiglu_setup)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from fp8ops import ops
 
@@ -408,6 +408,15 @@ def test_fused_opcheck_and_compile(device):
                                        rms=rms)[4:]
         torch.library.opcheck(torch.ops.fp8ops.layernorm_bwd.default, (torch.randn_like(x), x, mean, rstd, lw, rms),
                               test_utils=utils)
+        # (the residual adds' forms, residual_pass.py: x + res into the norm, dx + dres with its copy)
+        torch.library.opcheck(torch.ops.fp8ops.ln_linear_fwd_res.default,
+                              (x, torch.randn_like(x).bfloat16(), lw, lb.new_empty(0) if rms else lb, 1e-5, w8, sx,
+                               slot, sx_inv, sx, slot.clone(), sw_inv, bias, E4, E4, torch.bfloat16, False, True, rms),
+                              test_utils=utils)
+        for xx, copy_dtype in ((x, x.dtype), (x.float(), torch.bfloat16)):  # no copy / a copy of fp32 rows
+            torch.library.opcheck(torch.ops.fp8ops.layernorm_bwd_acc.default,
+                                  (torch.randn_like(xx), xx, mean, rstd, lw, rms, torch.randn_like(xx), copy_dtype),
+                                  test_utils=utils)
     xs = torch.randn(32, 64, device=device, requires_grad=True)
     torch.library.opcheck(torch.ops.fp8ops.swiglu.default, (xs,))
     torch.library.opcheck(torch.ops.fp8ops.swiglu_backward.default, (torch.randn(32, 32, device=device), xs.detach()))
@@ -466,3 +475,21 @@ def test_linear_ops_take_codes_as_they_take_dtypes(device):
         runs.append((y, x8t, h, dx, dw, gh))
     for a, b in zip(*runs):
         assert_bitwise(a, b, "with codes")
+
+
+def test_a_fake_trace_leaves_no_fake_none_behind():
+    """The ops' cached "none" tensors (no bias, no LayerNorm weight) are made fresh while tracing
+    with fake tensors (make_fx): a fake one kept would reach the next eager call, which would
+    then fail. Eager calls after such a trace still run, and the cache holds only real tensors."""
+    from torch.fx.experimental.proxy_tensor import make_fx  # noqa: PLC0415
+    ops._empty.clear()
+    x, w8, sx, sx_inv, sw_inv = _fwd_inputs(32, 48, 16, "cpu")
+    lw = torch.randn(48)
+
+    def f(x, w8, sx, slot, sx_inv, sw_inv, lw):
+        return ops.ln_linear_fwd(x, lw, None, 1e-5, w8, sx, slot, sx_inv, sw_inv)[0]
+
+    make_fx(f, tracing_mode="fake")(x, w8, sx, torch.zeros(1), sx_inv, sw_inv, lw)
+    assert not any(isinstance(t, FakeTensor) for t in ops._empty.values())
+    y = f(x, w8, sx, torch.zeros(1), sx_inv, sw_inv, lw)
+    assert y.shape == (32, 16) and not isinstance(y, FakeTensor)

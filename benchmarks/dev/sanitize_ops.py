@@ -124,6 +124,27 @@ if torch.cuda.get_device_capability() >= (8, 9):
     _, mu, rs = torch.native_layer_norm(xm.float(), [96], None, None, 1e-5)
     ops.layernorm_bwd(torch.randn(64 * 96 + 3, device=dev).to(torch.bfloat16)[3:].view(64, 96), xm, mu.view(-1),
                       rs.view(-1), torch.randn(96, device=dev))[0].float().sum().item()
+    # the residual adds fused into the norm (residual_pass.py): the statistics' one pass (fp32 x,
+    # bf16 res; the widest rows), the add kernel first (a misaligned res), dx + dres with its copy
+    print("--- residual adds", flush=True)
+    xr = torch.randn(400, 256, device=dev)
+    ops.ln_linear_fwd(xr, lw, lb, 1e-5, w8, one, slot, one, one, res=torch.randn_like(xr).bfloat16())[6].sum().item()
+    ops.ln_linear_fwd(torch.randn(32, 2048, device=dev), lw2, lb2, 1e-5, torch.zeros(16, 2048, device=dev).to(
+        torch.float8_e4m3fn), one, slot, one, one, res=torch.randn(32, 2048, device=dev))[6].sum().item()
+    rmis = torch.randn(400 * 256 + 1, device=dev).bfloat16()[1:].view(400, 256)
+    ops.ln_linear_fwd(xr, lw, lb, 1e-5, w8, one, slot, one, one, res=rmis)[6].sum().item()
+    xb = torch.randn(400, 256, device=dev).bfloat16()  # bf16 + bf16: 16-byte residual vectors
+    ops.ln_linear_fwd(xb, lw, lb, 1e-5, w8, one, slot, one, one, res=torch.randn_like(xb))[6].float().sum().item()
+    for M, K, copy_dtype in ((400, 256, torch.bfloat16), (45, 2048, torch.float16), (13, 4096, torch.bfloat16)):
+        xl = torch.randn(M, K, device=dev)
+        _, mu, rs = torch.native_layer_norm(xl, [K], None, None, 1e-5)
+        ops.layernorm_bwd(torch.randn_like(xl), xl, mu.view(-1), rs.view(-1), torch.randn(K, device=dev),
+                          dres=torch.randn_like(xl), copy_dtype=copy_dtype)[2].float().sum().item()
+    # a bf16 dres at a misaligned offset (read from the op's aligned copy), no copy
+    xl = torch.randn(64, 96, device=dev).bfloat16()
+    _, mu, rs = torch.native_layer_norm(xl.float(), [96], None, None, 1e-5)
+    ops.layernorm_bwd(torch.randn_like(xl), xl, mu.view(-1), rs.view(-1), None,
+                      dres=torch.randn(64 * 96 + 1, device=dev).bfloat16()[1:].view(64, 96))[0].float().sum().item()
     # the RMSNorm variant, without weight / bias (the kernels' ones and zeros): vector and scalar
     # statistics, the backward with and without gamma
     print("--- fused RMSNorm", flush=True)
