@@ -48,6 +48,25 @@ def convert_as_on_fp8_gpu(model, monkeypatch, device="cpu", **cfg):
     return model
 
 
+def train_steps(model, fn, device, steps):
+    """Per step (output, input gradient, parameter gradients) of `steps` training steps of fn
+    (the converted model, or its torch.compile) on [3, 16, 32] inputs from seed 1, under bf16
+    autocast on CUDA, fp8ops.step after each. Inductor's caches off: a cached graph would not
+    run fp8ops' inductor passes again."""
+    torch.manual_seed(1)
+    outs = []
+    with torch.compiler.config.patch(force_disable_caches=True):
+        for _ in range(steps):
+            x = torch.randn(3, 16, 32, device=device, requires_grad=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+                y = fn(x)
+            y.float().square().mean().backward()
+            outs.append((y.detach(), x.grad, [p.grad.clone() for p in model.parameters()]))
+            fp8ops.step(model)
+            model.zero_grad()
+    return outs
+
+
 def assert_compiled_matches_eager(base, monkeypatch, input_shape, steps=3):
     """torch.compile(fullgraph=True) of the converted `base` (CPU reference kernels) against
     eager over `steps` steps: outputs and parameter gradients equal to FP8 rounding."""

@@ -21,7 +21,7 @@ from fp8ops._reference import sqnr
 from fp8ops.gelu_fusion import fuse_gelu
 from fp8ops.linear import Fp8Linear
 
-from conftest import FP8_DEVICES, assert_compiled_matches_eager, convert_as_on_fp8_gpu, requires_fp8
+from conftest import FP8_DEVICES, assert_compiled_matches_eager, convert_as_on_fp8_gpu, requires_fp8, train_steps
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -423,18 +423,7 @@ def _train_compiled_and_eager(base, monkeypatch, device, steps=4, module_filter_
         fn = torch.compile(model, fullgraph=True) if compiled else model
         torch._dynamo.reset()
         before = gelu_grad_pass.FUSED[0], gelu_grad_pass.DECOMPOSED[0]
-        torch.manual_seed(1)
-        outs = []
-        with torch.compiler.config.patch(force_disable_caches=True):
-            for _ in range(steps):
-                x = torch.randn(3, 16, 32, device=device, requires_grad=True)
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
-                    y = fn(x)
-                y.float().square().mean().backward()
-                outs.append((y.detach(), x.grad, [p.grad.clone() for p in model.parameters()]))
-                fp8ops.step(model)
-                model.zero_grad()
-        runs.append(outs)
+        runs.append(train_steps(model, fn, device, steps))
         fused, decomposed = gelu_grad_pass.FUSED[0] - before[0], gelu_grad_pass.DECOMPOSED[0] - before[1]
     return runs, fused, decomposed
 

@@ -8,12 +8,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import fp8ops
-from fp8ops import Fp8Config, ops, residual_pass
+from fp8ops import ops, residual_pass
 from fp8ops._reference import sqnr
-from fp8ops.linear import Fp8Linear
 
-from conftest import FP8_DEVICES
+from conftest import FP8_DEVICES, convert_as_on_fp8_gpu, train_steps
 from test_gelu_fusion import Block
 from test_layernorm_fusion import E4, _ln_bwd_inputs
 
@@ -113,27 +111,13 @@ def test_layernorm_bwd_acc_refuses_a_dres_it_cannot_add(device):
         ops.layernorm_bwd(dy, x, mean, rstd, gamma, copy_dtype=torch.bfloat16)
 
 
-def _train(base, device, compiled: bool, steps: int = 4) -> list:
+def _train(base, device, monkeypatch, compiled: bool, steps: int = 4) -> list:
     """Per step (output, input gradient, parameter gradients) of base converted (policy
-    always), eager or torch.compile(fullgraph=True)d, inductor's caches off."""
-    model = fp8ops.convert(copy.deepcopy(base).to(device), config=Fp8Config(policy="always"))
-    for m in model.modules():
-        if isinstance(m, Fp8Linear):
-            m.fp8_on_cpu = device == "cpu"
+    always), eager or torch.compile(fullgraph=True)d (conftest.train_steps)."""
+    model = convert_as_on_fp8_gpu(copy.deepcopy(base).to(device), monkeypatch, device)
     fn = torch.compile(model, fullgraph=True) if compiled else model
     torch._dynamo.reset()
-    torch.manual_seed(1)
-    outs = []
-    with torch.compiler.config.patch(force_disable_caches=True):
-        for _ in range(steps):
-            x = torch.randn(3, 16, 32, device=device, requires_grad=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
-                y = fn(x)
-            y.float().square().mean().backward()
-            outs.append((y.detach(), x.grad, [p.grad.clone() for p in model.parameters()]))
-            fp8ops.step(model)
-            model.zero_grad()
-    return outs
+    return train_steps(model, fn, device, steps)
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
@@ -144,17 +128,16 @@ def test_the_pass_fuses_each_residual_add_into_a_norm(device, monkeypatch):
     first block's branch as BF16, a copy the kernel writes). Training gives compiled code's
     results without the pass bit for bit (off: ENABLED False, nothing rewritten), and eager's:
     bit for bit on the CPU from step 2 (delayed scaling), to FP8's noise on CUDA."""
-    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
     torch.manual_seed(0)
     base = nn.Sequential(Block(), Block())
-    eager = _train(base, device, compiled=False)
+    eager = _train(base, device, monkeypatch, compiled=False)
     counts = (residual_pass.FUSED_ADDS, residual_pass.FUSED, residual_pass.COPIES)
     before = [c[0] for c in counts]
     monkeypatch.setattr(residual_pass, "ENABLED", False)
-    off = _train(base, device, compiled=True)
+    off = _train(base, device, monkeypatch, compiled=True)
     assert [c[0] for c in counts] == before
     monkeypatch.setattr(residual_pass, "ENABLED", True)
-    compiled = _train(base, device, compiled=True)
+    compiled = _train(base, device, monkeypatch, compiled=True)
     assert [c[0] - b for c, b in zip(counts, before)] == [1, 2, 1 if device == "cuda" else 0]
     for step in range(4):
         (y1, dx1, g1), (y2, dx2, g2) = off[step], compiled[step]
