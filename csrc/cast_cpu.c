@@ -193,7 +193,8 @@ int fp8ops_layernorm_bwd_cpu(const void* dy, const void* x, fp8ops_hp_dtype dtyp
       col[c] += (double)d * xh;
       col[cols + c] += d;
       const float v = rs * (d * (gamma ? gamma[c] : 1.0f) - c1 - xh * c2);
-      const float o = dres ? round_hp(round_hp(v, dtype) + load_hp(dres, dtype, r * cols + c), dtype) : v;
+      const float o =
+          dres ? round_hp(round_hp(v, dtype) + load_hp(dres, dtype, r * cols + c), dtype) : v;
       store_hp(dx, dtype, r * cols + c, o);
       if (copy) store_hp(dcopy, copy_dtype, r * cols + c, o);
     }

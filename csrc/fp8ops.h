@@ -208,7 +208,8 @@ int fp8ops_ln_cast_accumulate_cuda(const void* x, fp8ops_hp_dtype x_dtype, int64
  * NULL: dx rounded first, then the sum in fp32 rounded again, which is a separate
  * add's result bit for bit; then, with copy_dtype FP8OPS_BF16 or FP8OPS_F16 and
  * fp32 rows, also dcopy = that sum rounded to copy_dtype, the conversion the
- * add's kernel would write; FP8OPS_F32: no copy), and over the rows dgb[c] = sum_r dy * xhat (dgamma),
+ * add's kernel would write; FP8OPS_F32: no copy), and over the rows
+ * dgb[c] = sum_r dy * xhat (dgamma),
  * dgb[cols + c] = sum_r dy (dbeta), fp32: what torch's
  * native_layer_norm_backward computes, with one read of x and dy instead of
  * two. With rms (RMSNorm's statistics, mean 0) the sum_c(g) / cols term is

@@ -254,12 +254,13 @@ extern "C" int fp8ops_add_layernorm_stats_cuda(const void* x, fp8ops_hp_dtype dt
                  (int)res_dtype, (int)dtype);
   if (rows == 0) return FP8OPS_OK;
   cudaStream_t s = (cudaStream_t)stream;
-  const bool r = rms != 0;
-  if (dtype == FP8OPS_BF16) return add_layernorm_stats_as<FP8OPS_BF16, FP8OPS_BF16>(x, res, rows, cols, eps, r, sum, mean, rstd, s);
-  if (dtype == FP8OPS_F16) return add_layernorm_stats_as<FP8OPS_F16, FP8OPS_F16>(x, res, rows, cols, eps, r, sum, mean, rstd, s);
-  if (res_dtype == FP8OPS_BF16) return add_layernorm_stats_as<FP8OPS_F32, FP8OPS_BF16>(x, res, rows, cols, eps, r, sum, mean, rstd, s);
-  if (res_dtype == FP8OPS_F16) return add_layernorm_stats_as<FP8OPS_F32, FP8OPS_F16>(x, res, rows, cols, eps, r, sum, mean, rstd, s);
-  return add_layernorm_stats_as<FP8OPS_F32, FP8OPS_F32>(x, res, rows, cols, eps, r, sum, mean, rstd, s);
+#define ALS_ARGS x, res, rows, cols, eps, rms != 0, sum, mean, rstd, s
+  if (dtype == FP8OPS_BF16) return add_layernorm_stats_as<FP8OPS_BF16, FP8OPS_BF16>(ALS_ARGS);
+  if (dtype == FP8OPS_F16) return add_layernorm_stats_as<FP8OPS_F16, FP8OPS_F16>(ALS_ARGS);
+  if (res_dtype == FP8OPS_BF16) return add_layernorm_stats_as<FP8OPS_F32, FP8OPS_BF16>(ALS_ARGS);
+  if (res_dtype == FP8OPS_F16) return add_layernorm_stats_as<FP8OPS_F32, FP8OPS_F16>(ALS_ARGS);
+  return add_layernorm_stats_as<FP8OPS_F32, FP8OPS_F32>(ALS_ARGS);
+#undef ALS_ARGS
 }
 
 // ----------------------------------------------------------------------------
@@ -402,7 +403,8 @@ __global__ void __launch_bounds__(LNB_WARPS * 32)
           for (int e = 0; e < 4; ++e)
             h[e] = CP == FP8OPS_BF16 ? fp8ops_f32_to_bf16(vec_elem<DT>(o, e))
                                      : fp8ops_f32_to_f16(vec_elem<DT>(o, e));
-          __stcs((uint2*)dcopy + r * row_vecs + v0 + k, make_uint2(h[0] | h[1] << 16, h[2] | h[3] << 16));
+          __stcs((uint2*)dcopy + r * row_vecs + v0 + k,
+                 make_uint2(h[0] | h[1] << 16, h[2] | h[3] << 16));
         }
       }
     }
@@ -472,11 +474,14 @@ static int launch_layernorm_bwd(const void* dy, const void* x, const float* mean
                                 int cols, int rows_per_warp, int64_t tiles, const void* dres,
                                 fp8ops_hp_dtype copy_dtype, void* dx, void* dcopy, float* partial,
                                 cudaStream_t s) {
-#define LNB_ARGS dy, x, mean, rstd, gamma, rms, rows, cols, rows_per_warp, tiles, dres, dx, dcopy, partial, s
+#define LNB_ARGS \
+  dy, x, mean, rstd, gamma, rms, rows, cols, rows_per_warp, tiles, dres, dx, dcopy, partial, s
   if (!dres) return launch_layernorm_bwd_as<DT, NV, WPR, false, FP8OPS_F32>(LNB_ARGS);
   if constexpr (DT == FP8OPS_F32) {
-    if (copy_dtype == FP8OPS_BF16) return launch_layernorm_bwd_as<DT, NV, WPR, true, FP8OPS_BF16>(LNB_ARGS);
-    if (copy_dtype == FP8OPS_F16) return launch_layernorm_bwd_as<DT, NV, WPR, true, FP8OPS_F16>(LNB_ARGS);
+    if (copy_dtype == FP8OPS_BF16)
+      return launch_layernorm_bwd_as<DT, NV, WPR, true, FP8OPS_BF16>(LNB_ARGS);
+    if (copy_dtype == FP8OPS_F16)
+      return launch_layernorm_bwd_as<DT, NV, WPR, true, FP8OPS_F16>(LNB_ARGS);
   }
   return launch_layernorm_bwd_as<DT, NV, WPR, true, FP8OPS_F32>(LNB_ARGS);
 #undef LNB_ARGS
@@ -490,8 +495,8 @@ template <int DT>
 static int layernorm_bwd_dispatch(int nv, int wpr, const void* dy, const void* x,
                                   const float* mean, const float* rstd, const float* gamma,
                                   bool rms, int64_t rows, int cols, int rows_per_warp,
-                                  int64_t tiles, const void* dres, fp8ops_hp_dtype copy_dtype, void* dx,
-                                  void* dcopy, float* partial, cudaStream_t s) {
+                                  int64_t tiles, const void* dres, fp8ops_hp_dtype copy_dtype,
+                                  void* dx, void* dcopy, float* partial, cudaStream_t s) {
   constexpr int MAX_NV = 1024 / 32 / (DT == FP8OPS_F32 ? 4 : 8);
   static_assert(MAX_NV == 8 || MAX_NV == 4, "the cases below cover 8 vectors per lane");
 #define LNB_LAUNCH(n, w)                                                                       \
@@ -530,11 +535,13 @@ extern "C" int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_h
                      (rows == 0 || (dy && x && mean && rstd && dx && partial)),
                  "layernorm_bwd: bad arguments (rows %lld, cols %lld)", (long long)rows,
                  (long long)cols);
-  FP8OPS_REQUIRE(fp8ops_layernorm_bwd_fusable(dy, x, dx, dtype, cols) && ((uintptr_t)dres & 15u) == 0,
+  FP8OPS_REQUIRE(fp8ops_layernorm_bwd_fusable(dy, x, dx, dtype, cols) &&
+                     ((uintptr_t)dres & 15u) == 0,
                  "layernorm_bwd: on CUDA the rows must be 16-byte aligned vectors (per warp), at "
                  "most %d columns (found %lld)", FP8OPS_LN_BWD_MAX_COLS, (long long)cols);
   FP8OPS_REQUIRE(copy_dtype == FP8OPS_F32 ||
-                     (dtype == FP8OPS_F32 && (copy_dtype == FP8OPS_BF16 || copy_dtype == FP8OPS_F16) &&
+                     (dtype == FP8OPS_F32 &&
+                      (copy_dtype == FP8OPS_BF16 || copy_dtype == FP8OPS_F16) &&
                       (rows == 0 || (dres && dcopy)) && ((uintptr_t)dcopy & 7u) == 0),
                  "layernorm_bwd: a copy (dtype code %d) only of dx + dres over fp32 rows, into an "
                  "8-byte aligned buffer", (int)copy_dtype);
@@ -555,15 +562,18 @@ extern "C" int fp8ops_layernorm_bwd_cuda(const void* dy, const void* x, fp8ops_h
   switch (dtype) {
     case FP8OPS_F32:
       rc = layernorm_bwd_dispatch<FP8OPS_F32>(nv, wpr, dy, x, mean, rstd, gamma, rms != 0, rows,
-                                              (int)cols, rpw, tiles, dres, copy_dtype, dx, dcopy, partial, s);
+                                              (int)cols, rpw, tiles, dres, copy_dtype, dx, dcopy,
+                                              partial, s);
       break;
     case FP8OPS_BF16:
       rc = layernorm_bwd_dispatch<FP8OPS_BF16>(nv, wpr, dy, x, mean, rstd, gamma, rms != 0, rows,
-                                               (int)cols, rpw, tiles, dres, copy_dtype, dx, dcopy, partial, s);
+                                               (int)cols, rpw, tiles, dres, copy_dtype, dx, dcopy,
+                                               partial, s);
       break;
     default:
       rc = layernorm_bwd_dispatch<FP8OPS_F16>(nv, wpr, dy, x, mean, rstd, gamma, rms != 0, rows,
-                                              (int)cols, rpw, tiles, dres, copy_dtype, dx, dcopy, partial, s);
+                                              (int)cols, rpw, tiles, dres, copy_dtype, dx, dcopy,
+                                              partial, s);
   }
   FP8OPS_TRY(rc);
   const dim3 block(32, LNB_REDUCE_GROUPS);
