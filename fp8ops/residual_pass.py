@@ -38,6 +38,8 @@ import operator
 
 import torch
 
+from .cat_grad_pass import _VIEWS, _fake_reshape, _val  # (the passes' shared graph helpers)
+
 log = logging.getLogger("fp8ops")
 
 ENABLED = True
@@ -48,13 +50,8 @@ FUSED = [0]
 # How many of those also wrote the sum's 16-bit copy
 COPIES = [0]
 
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 _CONVERSIONS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
 _LOW = (torch.bfloat16, torch.float16)
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
 def fuse_residuals(graph: torch.fx.Graph) -> int:
@@ -290,9 +287,3 @@ def _fake_like(v: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     with mode if mode is not None else contextlib.nullcontext():
         return torch.empty(shape, dtype=dtype, device=v.device)
 
-
-def _fake_reshape(v: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """v.reshape(shape) as a fake tensor, in the fake mode v belongs to."""
-    mode = getattr(v, "fake_mode", None)
-    with mode if mode is not None else contextlib.nullcontext():
-        return v.reshape(shape)
