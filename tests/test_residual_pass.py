@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from fp8ops import ops, residual_pass
+from fp8ops._reference import sqnr
 
 from conftest import FP8_DEVICES, assert_steps_match_eager, convert_as_on_fp8_gpu, train_steps
 from test_gelu_fusion import Block
@@ -125,8 +126,13 @@ def test_the_pass_fuses_each_residual_add_into_a_norm(device, monkeypatch):
     residual add runs in the second norm's forward (one rewrite), both norms' backwards take the
     residual stream's gradient (two; under CUDA's autocast the first block's sum also goes to the
     first block's branch as BF16, a copy the kernel writes). Training gives compiled code's
-    results without the pass bit for bit (off: ENABLED False, nothing rewritten), and eager's:
-    bit for bit on the CPU from step 2 (delayed scaling), to FP8's noise on CUDA."""
+    results without the pass (off: ENABLED False, nothing rewritten) bit for bit on the CPU,
+    and eager's: bit for bit on the CPU from step 2 (delayed scaling), to FP8's noise on CUDA.
+    On CUDA, on against off is held to 100 dB (FP8's noise is 30-40 dB): there inductor's code
+    is not bit-reproducible at the first steps, with the pass off both times too (an H200, torch
+    2.11, thirty-ninth session: a few gradients of steps 0 and 1 differed between two identical
+    runs by up to ~1e-6 relative, also under inductor's deterministic mode; two eager runs, and
+    two of the same graphs under the aot_eager backend, were equal bit for bit)."""
     torch.manual_seed(0)
     base = nn.Sequential(Block(), Block())
     eager = _train(base, device, monkeypatch, compiled=False)
@@ -141,7 +147,7 @@ def test_the_pass_fuses_each_residual_add_into_a_norm(device, monkeypatch):
     for step in range(4):
         (y1, dx1, g1), (y2, dx2, g2) = off[step], compiled[step]
         for a, b in zip([y1, dx1, *g1], [y2, dx2, *g2]):
-            assert torch.equal(a, b), step
+            assert torch.equal(a, b) or (device == "cuda" and sqnr(a.float(), b.float()) >= 100), step
     assert_steps_match_eager(eager, compiled, device)
 
 
