@@ -132,7 +132,9 @@ def test_the_pass_fuses_each_residual_add_into_a_norm(device, monkeypatch):
     is not bit-reproducible at the first steps, with the pass off both times too (an H200, torch
     2.11, thirty-ninth session: a few gradients of steps 0 and 1 differed between two identical
     runs by up to ~1e-6 relative, also under inductor's deterministic mode; two eager runs, and
-    two of the same graphs under the aot_eager backend, were equal bit for bit)."""
+    two of the same graphs under the aot_eager backend, were equal bit for bit). Steps 0 and 1
+    are those whose graph holds inductor's own LayerNorm (var_mean and its backward's sums):
+    until delayed scaling has its scales the norm is not fused into fp8ops' ops."""
     torch.manual_seed(0)
     base = nn.Sequential(Block(), Block())
     eager = _train(base, device, monkeypatch, compiled=False)
