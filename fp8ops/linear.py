@@ -108,6 +108,31 @@ def _is_padded(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0
 
 
+@torch.compiler.assume_constant_result
+def _saved_tensors_hooks_under_compile() -> bool:
+    """Are saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu) active
+    while torch.compile traces an Fp8Linear? Run at trace time, its answer a constant of the
+    graph (dynamo does not guard on such hooks: a graph keeps what it was traced with).
+    A compiled graph saves the layer's scaling buffers for its backward as tensors, which such
+    hooks pack and unpack as copies: the backward then failed inductor's stride check on the
+    padded scale_inv, and its write of dy's amax into fp8_grad_amax would land in a copy, so
+    dy's scale would never update. Eager code keeps those buffers on its context, out of the
+    hooks' reach. So under hooks the traced layers run the plain computation, saying so."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    # (activation checkpointing's own hooks, torch.utils.checkpoint around a compiled call, keep
+    # the saved tensors themselves, as detach()ed views: the writes reach the buffers)
+    if hooks is None or getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
+        return False
+    warnings.warn(
+        "fp8ops: torch.compile traced Fp8Linear layers while saved-tensor hooks were active "
+        "(torch.autograd.graph.saved_tensors_hooks or save_on_cpu): those layers run BF16 in this graph "
+        "(nn.Linear's computation), since the hooks would hand the compiled backward copies of the "
+        "layers' FP8 scaling buffers, which it must write. To train them in FP8, run the model eagerly "
+        "under the hooks (eager Fp8Linear keeps those buffers out of them), or compile it without the "
+        "hooks (activation checkpointing instead of offloading)", stacklevel=2)
+    return True
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
     # without importing torch.distributed.tensor (0.4 s): no DTensor exists before it is imported
     mod = sys.modules.get("torch.distributed.tensor")
@@ -1063,6 +1088,8 @@ class Fp8Linear(nn.Linear):
             # (policy.measure's throwaway layer, which tune_policy's forward may create, must run
             # FP8: timed on the plain path, FP8 would measure as fast as BF16 and lose every verdict)
             return self._plain_forward(x)
+        if compiling and _saved_tensors_hooks_under_compile():
+            return self._plain_forward(x)  # (it warned: see there)
         # an fp32 input (LayerNorm under autocast) is cast to fp8 directly: no
         # extra pass through bf16; its gradient comes back in fp32 as well
         x2 = x2.contiguous()

@@ -1163,3 +1163,91 @@ def test_scale_update_of_buffers_sharing_memory_takes_the_checked_op():
     assert scaling._fast_job(layer) is None
     with pytest.raises(RuntimeError, match=r"scale, scale_inv and amax_history must be three tensors of their own"):
         fp8ops.step(model)
+
+
+def _copying_saved_tensor_hooks():
+    """What torch.autograd.graph.save_on_cpu does on a GPU: each saved tensor packed as a copy
+    (on the CPU box save_on_cpu keeps a CPU tensor as it is)."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+
+
+def _ln_gelu_mlp():
+    torch.manual_seed(0)  # (LayerNorm and GELU fused by convert)
+    return nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 32))
+
+
+def _train_under(model, fn, hooks: bool, steps=3):
+    """(outputs, the model) of `steps` SGD steps of fn (the model, or its compile), each
+    forward under copying saved-tensor hooks or not."""
+    opt, g, outs = torch.optim.SGD(model.parameters(), lr=0.01), torch.Generator().manual_seed(1), []
+    for _ in range(steps):
+        x = torch.randn(16, 32, generator=g)
+        if hooks:
+            with _copying_saved_tensor_hooks():
+                y = fn(x)
+        else:
+            y = fn(x)
+        y.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        outs.append(y.detach())
+    return outs, model
+
+
+def test_eager_layers_under_saved_tensor_hooks_train_as_without(monkeypatch):
+    """Eager Fp8Linear keeps its scaling buffers on the autograd context, not among the saved
+    tensors: under hooks that copy what is saved (save_on_cpu) training is bit for bit the same,
+    outputs, weights, amax histories and scales."""
+    runs = [_train_under(m, m, hooks) for hooks in (False, True)
+            for m in [convert_as_on_fp8_gpu(_ln_gelu_mlp(), monkeypatch)]]
+    (outs_a, a), (outs_b, b) = runs
+    assert all(torch.equal(p, q) for p, q in zip(outs_a, outs_b))
+    for (k, p), q in zip(a.state_dict(keep_vars=True).items(), b.state_dict(keep_vars=True).values()):
+        assert torch.equal(p, q), k
+    assert a[1].fp8_amax_history.abs().sum() > 0  # (FP8 ran)
+
+
+def test_compiled_layers_under_saved_tensor_hooks_run_bf16_and_say_so(monkeypatch):
+    """A compiled graph saves the layers' scaling buffers as tensors, which the hooks hand back
+    as copies: the backward failed inductor's stride check (the padded scale_inv came back
+    contiguous), and its write of dy's amax would have gone to a copy. Traced under such hooks
+    the layers run nn.Linear's computation (the model's own numbers), with a warning naming the
+    hooks and the remedies; traced without, FP8 as before."""
+    model = convert_as_on_fp8_gpu(_ln_gelu_mlp(), monkeypatch)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match=r"saved-tensor hooks .*run BF16.*run the model eagerly"):
+        outs, model = _train_under(model, torch.compile(model, fullgraph=True), hooks=True)
+    assert all(m.fp8_amax_history.abs().sum() == 0 and m.fp8_grad_amax.abs().sum() == 0
+               for m in model if isinstance(m, Fp8Linear))  # (no FP8 cast ran)
+    plain = _ln_gelu_mlp()
+    torch._dynamo.reset()
+    want, _ = _train_under(plain, torch.compile(plain, fullgraph=True), hooks=True)
+    for got, ref in zip(outs, want):
+        torch.testing.assert_close(got, ref)
+    fp8 = convert_as_on_fp8_gpu(_ln_gelu_mlp(), monkeypatch)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*saved-tensor hooks")
+        _train_under(fp8, torch.compile(fp8, fullgraph=True), hooks=False)
+    assert fp8[1].fp8_amax_history.abs().sum() > 0
+
+
+def test_checkpointing_around_a_compiled_model_keeps_it_fp8(monkeypatch):
+    """torch.utils.checkpoint's own saved-tensor hooks (checkpoint around a compiled call) keep
+    the saved tensors themselves, so the compiled layers run FP8 there, without a warning, and
+    train bit for bit as the compiled model without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+    runs = []
+    for ckpt in (False, True):
+        model = convert_as_on_fp8_gpu(_ln_gelu_mlp(), monkeypatch)
+        torch._dynamo.reset()
+        fn = torch.compile(model, fullgraph=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*saved-tensor hooks")
+            runs.append(_train_under(model, (lambda x, fn=fn: checkpoint(fn, x, use_reentrant=False)) if ckpt
+                                     else fn, hooks=False))
+    (outs_a, a), (outs_b, b) = runs
+    assert all(torch.equal(p, q) for p, q in zip(outs_a, outs_b))
+    for (k, p), q in zip(a.state_dict(keep_vars=True).items(), b.state_dict(keep_vars=True).values()):
+        assert torch.equal(p, q), k
+    assert b[1].fp8_amax_history[:, 2].abs().sum() > 0  # (dy's amaxes reached the history)
