@@ -108,29 +108,35 @@ def _is_padded(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0
 
 
-@torch.compiler.assume_constant_result
 def _saved_tensors_hooks_under_compile() -> bool:
     """Are saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu) active
-    while torch.compile traces an Fp8Linear? Run at trace time, its answer a constant of the
-    graph (dynamo does not guard on such hooks: a graph keeps what it was traced with).
-    A compiled graph saves the layer's scaling buffers for its backward as tensors, which such
-    hooks pack and unpack as copies: the backward then failed inductor's stride check on the
-    padded scale_inv, and its write of dy's amax into fp8_grad_amax would land in a copy, so
-    dy's scale would never update. Eager code keeps those buffers on its context, out of the
-    hooks' reach. So under hooks the traced layers run the plain computation, saying so."""
+    while torch.compile traces an Fp8Linear on delayed scaling? Run at trace time, its answer a
+    constant of the graph (dynamo does not guard on such Python hooks: a graph keeps what it was
+    traced with). Such a graph saves the layer's padded fp8_scale_inv (stride 4: cuBLASLt's
+    aligned scale pointers) for its backward; hooks that copy what is saved hand the backward a
+    contiguous copy, which failed inductor's stride check, and with that check off dy's amaxes
+    came out NaN. Eager code keeps the scales on its context, out of the hooks' reach, and the
+    current recipe saves clones of them. So under hooks the traced layers run nn.Linear's
+    computation, saying so. torch.utils.checkpoint's own hooks keep what is saved (a holder, then
+    detach()ed views of the recomputation): not these."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    # (activation checkpointing's own hooks, torch.utils.checkpoint around a compiled call, keep
-    # the saved tensors themselves, as detach()ed views: the writes reach the buffers)
-    if hooks is None or getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
+    if hooks is None or getattr(hooks[0], "__qualname__", "").startswith(_CHECKPOINT_HOOKS):
         return False
     warnings.warn(
         "fp8ops: torch.compile traced Fp8Linear layers while saved-tensor hooks were active "
-        "(torch.autograd.graph.saved_tensors_hooks or save_on_cpu): those layers run BF16 in this graph "
-        "(nn.Linear's computation), since the hooks would hand the compiled backward copies of the "
-        "layers' FP8 scaling buffers, which it must write. To train them in FP8, run the model eagerly "
-        "under the hooks (eager Fp8Linear keeps those buffers out of them), or compile it without the "
-        "hooks (activation checkpointing instead of offloading)", stacklevel=2)
+        "(torch.autograd.graph.saved_tensors_hooks or save_on_cpu): those layers run nn.Linear's "
+        "computation in this graph, no FP8, since hooks that copy what is saved would hand the compiled "
+        "backward contiguous copies of the layers' padded scale buffers. To train them in FP8, run the "
+        "model eagerly under the hooks (eager Fp8Linear keeps its scales out of them), compile it "
+        "without the hooks (activation checkpointing instead of offloading), or use "
+        "Fp8Config(recipe=\"current\")", stacklevel=1)
     return True
+
+
+# (torch.utils.checkpoint's pack hooks: nested functions of these classes' __init__)
+_CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
+# torch.compiler.assume_constant_result without importing dynamo at import time (see _cast_traced)
+_saved_tensors_hooks_under_compile._dynamo_marked_constant = True
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -1088,14 +1094,14 @@ class Fp8Linear(nn.Linear):
             # (policy.measure's throwaway layer, which tune_policy's forward may create, must run
             # FP8: timed on the plain path, FP8 would measure as fast as BF16 and lose every verdict)
             return self._plain_forward(x)
-        if compiling and _saved_tensors_hooks_under_compile():
-            return self._plain_forward(x)  # (it warned: see there)
         # an fp32 input (LayerNorm under autocast) is cast to fp8 directly: no
         # extra pass through bf16; its gradient comes back in fp32 as well
         x2 = x2.contiguous()
         # delayed scaling's first step casts with current scales (under torch.compile the
         # flag's flip at the first update costs one recompile)
         delayed = cfg.recipe == "delayed"
+        if compiling and delayed and _saved_tensors_hooks_under_compile():
+            return self._plain_forward(x)  # (it warned: see there)
         current = not delayed or not d["_fp8_delayed_ready"]
         # dy from its own amax: with x and w, or while no gradient has set dy's scale (scaling._unprimed)
         current_g = current or "_fp8_grad_unset" in d

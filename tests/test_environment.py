@@ -676,3 +676,13 @@ def test_real_other_torch(python, tmp_path):
         assert res["is_available"] is True and res["ops_registered"] == [True] * 4, res["why"]
         assert res["op_call"] is None
         assert res["doctor_exit"] == 0
+
+
+def test_import_leaves_dynamo_unimported(tmp_path):
+    """`import fp8ops` does not import torch._dynamo (about a second of start-up for a script
+    that never compiles): the functions dynamo must treat as constants are marked as
+    torch.compiler.assume_constant_result marks them, without the decorator's import."""
+    code = "import sys, fp8ops; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -1208,22 +1208,21 @@ def test_eager_layers_under_saved_tensor_hooks_train_as_without(monkeypatch):
 
 
 def test_compiled_layers_under_saved_tensor_hooks_run_bf16_and_say_so(monkeypatch):
-    """A compiled graph saves the layers' scaling buffers as tensors, which the hooks hand back
-    as copies: the backward failed inductor's stride check (the padded scale_inv came back
-    contiguous), and its write of dy's amax would have gone to a copy. Traced under such hooks
-    the layers run nn.Linear's computation (the model's own numbers), with a warning naming the
-    hooks and the remedies; traced without, FP8 as before."""
+    """Under delayed scaling a compiled graph saves the layers' padded fp8_scale_inv (stride 4)
+    for its backward; hooks that copy what is saved handed back a contiguous copy, and the
+    backward failed inductor's stride check. Traced under such hooks the layers run nn.Linear's
+    computation (the unconverted model's bits), with a warning naming the hooks and the
+    remedies; traced without, FP8 as before."""
     model = convert_as_on_fp8_gpu(_ln_gelu_mlp(), monkeypatch)
     torch._dynamo.reset()
-    with pytest.warns(UserWarning, match=r"saved-tensor hooks .*run BF16.*run the model eagerly"):
+    with pytest.warns(UserWarning, match=r"saved-tensor hooks .*no FP8.*run the\s+model eagerly"):
         outs, model = _train_under(model, torch.compile(model, fullgraph=True), hooks=True)
     assert all(m.fp8_amax_history.abs().sum() == 0 and m.fp8_grad_amax.abs().sum() == 0
                for m in model if isinstance(m, Fp8Linear))  # (no FP8 cast ran)
     plain = _ln_gelu_mlp()
     torch._dynamo.reset()
     want, _ = _train_under(plain, torch.compile(plain, fullgraph=True), hooks=True)
-    for got, ref in zip(outs, want):
-        torch.testing.assert_close(got, ref)
+    assert all(torch.equal(got, ref) for got, ref in zip(outs, want))
     fp8 = convert_as_on_fp8_gpu(_ln_gelu_mlp(), monkeypatch)
     torch._dynamo.reset()
     with warnings.catch_warnings():
@@ -1232,22 +1231,48 @@ def test_compiled_layers_under_saved_tensor_hooks_run_bf16_and_say_so(monkeypatc
     assert fp8[1].fp8_amax_history.abs().sum() > 0
 
 
-def test_checkpointing_around_a_compiled_model_keeps_it_fp8(monkeypatch):
-    """torch.utils.checkpoint's own saved-tensor hooks (checkpoint around a compiled call) keep
-    the saved tensors themselves, so the compiled layers run FP8 there, without a warning, and
-    train bit for bit as the compiled model without checkpointing."""
-    from torch.utils.checkpoint import checkpoint
+def _compiled_runs(monkeypatch, wrap, **cfg):
+    """(outputs, model) of the compiled converted model, called plainly and through wrap(fn, x),
+    with a warning about saved-tensor hooks an error."""
     runs = []
-    for ckpt in (False, True):
-        model = convert_as_on_fp8_gpu(_ln_gelu_mlp(), monkeypatch)
+    for wrapped in (False, True):
+        model = convert_as_on_fp8_gpu(_ln_gelu_mlp(), monkeypatch, **cfg)
         torch._dynamo.reset()
         fn = torch.compile(model, fullgraph=True)
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*saved-tensor hooks")
-            runs.append(_train_under(model, (lambda x, fn=fn: checkpoint(fn, x, use_reentrant=False)) if ckpt
-                                     else fn, hooks=False))
+            runs.append(_train_under(model, (lambda x, fn=fn: wrap(fn, x)) if wrapped else fn, hooks=False))
+    return runs
+
+
+def _assert_same_training(runs):
     (outs_a, a), (outs_b, b) = runs
     assert all(torch.equal(p, q) for p, q in zip(outs_a, outs_b))
     for (k, p), q in zip(a.state_dict(keep_vars=True).items(), b.state_dict(keep_vars=True).values()):
         assert torch.equal(p, q), k
-    assert b[1].fp8_amax_history[:, 2].abs().sum() > 0  # (dy's amaxes reached the history)
+    assert b[1].fp8_amax_history[:, 2].abs().sum() > 0  # (FP8 ran; dy's amaxes reached the history)
+
+
+def test_the_current_recipe_keeps_fp8_under_saved_tensor_hooks_compiled(monkeypatch):
+    """The current recipe's compiled graph saves clones of the scales, which copying hooks
+    cannot harm: FP8 there, bit for bit as without the hooks, no warning."""
+    def under_hooks(fn, x):
+        with _copying_saved_tensor_hooks():
+            return fn(x)
+    _assert_same_training(_compiled_runs(monkeypatch, under_hooks, recipe="current"))
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["checkpoint", "checkpoint_under_copying_hooks"])
+def test_checkpointing_around_a_compiled_model_keeps_it_fp8(monkeypatch, offload):
+    """torch.utils.checkpoint's own saved-tensor hooks (checkpoint around a compiled call, also
+    inside copying hooks, whose copies then never see the checkpointed call's saved tensors)
+    keep what is saved: the compiled layers run FP8, without a warning, and train bit for bit
+    as the compiled model without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    def checkpointed(fn, x):
+        if not offload:
+            return checkpoint(fn, x, use_reentrant=False)
+        with _copying_saved_tensor_hooks():
+            return checkpoint(fn, x, use_reentrant=False)
+    _assert_same_training(_compiled_runs(monkeypatch, checkpointed))
