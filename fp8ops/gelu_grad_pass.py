@@ -211,10 +211,24 @@ def _pass_class():
             return get_hash_for_files((__file__, cat_grad_pass.__file__, residual_pass.__file__),
                                       extra=f"residual {residual_pass.ENABLED}")
 
+        def __reduce__(self):
+            # every torch.compile wrapper made after install() keeps inductor's config, this pass
+            # in it, and torch.save(wrapper) pickles it: by the module-level maker, as a class
+            # local to a function cannot be pickled ("Can't pickle local object")
+            return (_new_pass, ())
+
     return FuseGeluGrads
 
 
 _STATE = {"cls": None, "warned": False}
+
+
+def _new_pass():
+    """An instance of the pass's class, made on first use (importing inductor then, not when
+    fp8ops is imported)."""
+    if _STATE["cls"] is None:
+        _STATE["cls"] = _pass_class()
+    return _STATE["cls"]()
 
 
 def install() -> bool:
@@ -222,13 +236,11 @@ def install() -> bool:
     there; True if it is installed. Run by dynamo while it traces (see Fp8Linear.forward),
     not by compiled code."""
     from torch._inductor import config  # noqa: PLC0415
-    if _STATE["cls"] is None:
-        _STATE["cls"] = _pass_class()
     current = config.post_grad_custom_post_pass
-    if isinstance(current, _STATE["cls"]):
+    if _STATE["cls"] is not None and isinstance(current, _STATE["cls"]):
         return True
     if current is None:
-        config.post_grad_custom_post_pass = _STATE["cls"]()
+        config.post_grad_custom_post_pass = _new_pass()
         return True
     if not _STATE["warned"]:
         _STATE["warned"] = True

@@ -517,6 +517,28 @@ def test_compiled_gelu_gradient_leaves_a_users_own_inductor_pass(monkeypatch, ca
             assert sqnr(a, b) >= 100, step
 
 
+def test_compiled_wrappers_made_after_the_pass_is_installed_pickle(monkeypatch):
+    """The first trace of an Fp8Linear installs fp8ops' inductor pass in inductor's config, and
+    every torch.compile wrapper made afterwards keeps that config: torch.save of such a wrapper,
+    of a converted model or of any other, failed ("Can't pickle local object ...FuseGeluGrads").
+    It pickles now, and the loaded wrapper runs, with fp8ops' pass in its config."""
+    import io  # noqa: PLC0415
+    from fp8ops import gelu_grad_pass  # noqa: PLC0415
+    torch.manual_seed(0)
+    model = convert_as_on_fp8_gpu(nn.Sequential(Block(), Block()), monkeypatch)
+    torch._dynamo.reset()
+    torch.compile(model)(torch.randn(2, 16, 32)).sum().backward()
+    assert isinstance(torch._inductor.config.post_grad_custom_post_pass, gelu_grad_pass._STATE["cls"])
+    for wrapper in (torch.compile(model), torch.compile(nn.Sequential(nn.Linear(32, 32)))):
+        buf = io.BytesIO()
+        torch.save(wrapper, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        loaded(torch.randn(2, 16, 32)).sum().backward()
+    assert copy.deepcopy(torch._inductor.config.post_grad_custom_post_pass).uuid() == \
+        torch._inductor.config.post_grad_custom_post_pass.uuid()
+
+
 def test_current_recipe_runs_the_gelu_first(monkeypatch):
     """Current scaling needs gelu(h)'s amax before the cast: the GELU runs unfused,
     so the result is bit for bit the unfused model's."""
