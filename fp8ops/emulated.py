@@ -14,11 +14,10 @@ policy "auto" does not move it to BF16 (report() says so).
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import ops
 from .linear import (V_H, V_S, V_SI, W, X, _check_scales_unchanged, _current_scale, _keep_context,
-                     _keep_scales, _scaled_grad_output)
+                     _keep_scales, _once_differentiable, _scaled_grad_output)
 
 
 def mm_dequant(a8: torch.Tensor, b8: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -63,7 +62,7 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
         return y.to(out_dtype).view(y.shape)
 
     @staticmethod
-    @once_differentiable  # as linear._Fp8LinearFn's
+    @_once_differentiable  # as linear._Fp8LinearFn's
     def backward(ctx, gy):
         _check_scales_unchanged(ctx)
         x8, w8, sx_inv = ctx.saved_tensors

@@ -146,23 +146,40 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 def _once_differentiable(fn):
-    """torch's once_differentiable without its cost on the usual path: a backward
-    run with grad mode off (every one without create_graph=True) calls fn as it
-    is, which is all once_differentiable does then; with create_graph=True it
-    goes through once_differentiable, whose outputs raise on a second backward
-    (a second derivative through FP8 casts is not computed: raise, never 0)."""
+    """The autograd functions' backward, which refuses what it cannot compute: a backward
+    asked for a graph of its gradients (create_graph=True: grad mode is on in there), since a
+    second derivative through FP8 casts is not computed, and a backward vmapped by the legacy
+    batching of torch.autograd.functional's vectorize=True. torch's once_differentiable raised
+    only at a .backward() through its outputs: torch.autograd.grad of them (allow_unused=True),
+    jvp and hvp got None or zeros for these layers' share, silently."""
     once = once_differentiable(fn)
 
     @functools.wraps(fn)
     def backward(ctx, *grads):
+        if torch.compiler.is_compiling():
+            # (traced: torch.compile refuses a double backward itself, and the checks below call
+            # what dynamo does not trace)
+            return once(ctx, *grads) if torch.is_grad_enabled() else fn(ctx, *grads)
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "Fp8Linear backward: asked for a differentiable gradient (create_graph=True: a gradient "
+                "penalty, second-order meta-learning, torch.autograd.functional.jvp / hvp / hessian), but a "
+                "second derivative through FP8 casts is not computed, and these layers' share of it would be "
+                "missing. Keep such layers out of FP8 (fp8ops.convert(model, module_filter_fn=...)) or take "
+                "the gradient without create_graph=True")
+        if _is_legacy_batched(grads[0]):
+            raise RuntimeError(
+                "Fp8Linear backward: vmapped by torch.autograd.functional's vectorize=True (jacobian / "
+                "hessian), which FP8 casts do not support; pass vectorize=False")
         try:
-            if torch.is_grad_enabled():
-                return once(ctx, *grads)
             return fn(ctx, *grads)
         except RuntimeError as e:
             ops._raise_if_oom(e)  # (a C op's failed allocation as torch.OutOfMemoryError)
             raise
     return backward
+
+
+_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
 
 
 _BASE_APPLY: dict = {}
@@ -348,7 +365,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @_once_differentiable  # a second derivative through FP8 casts is not computed: raise, never 0
+    @_once_differentiable  # (a second derivative through FP8 casts is not computed: it raises)
     def backward(ctx, gy):
         _check_scales_unchanged(ctx)  # (before the saved tensors: their check would raise less clearly)
         x8t, w8t, sx_inv, h, y = ctx.saved_tensors
@@ -447,7 +464,7 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @_once_differentiable  # a second derivative through FP8 casts is not computed: raise, never 0
+    @_once_differentiable  # (a second derivative through FP8 casts is not computed: it raises)
     def backward(ctx, gy):
         _check_scales_unchanged(ctx)  # (before the saved tensors: their check would raise less clearly)
         x8t, w8t, sx_inv, x2, mean, rstd, ln_w, ln_b, lw, y = ctx.saved_tensors

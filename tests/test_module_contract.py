@@ -148,11 +148,27 @@ def test_float64_model_runs_as_nn_linear(monkeypatch):
 
 
 def test_double_backward_raises_instead_of_a_zero_gradient(monkeypatch):
+    """A second derivative through FP8 casts is not computed: a backward asked for one
+    (create_graph=True) raises, saying so. torch's once_differentiable raised only at a
+    .backward() through the gradient: torch.autograd.grad of it with allow_unused=True gave None,
+    and jvp / hvp gave zeros for these layers, silently. The legacy-batched backward of
+    vectorize=True raises clearly too (it raised torch's 'Batching rule not implemented for
+    aten::detach'); vectorize=False runs, as does a plain backward."""
+    import torch.autograd.functional as AF
     model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
     x = torch.randn(16, 32, requires_grad=True)
-    (g,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        g.square().sum().backward()
+    with pytest.raises(RuntimeError, match="create_graph=True.*second derivative through FP8 casts is not computed"):
+        torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="not computed"):
+        AF.jvp(model, x.detach(), torch.ones(16, 32))
+    with pytest.raises(RuntimeError, match="not computed"):
+        AF.hvp(lambda t: model(t).square().sum(), x.detach(), torch.ones(16, 32))
+    with pytest.raises(RuntimeError, match="vectorize=False"):
+        AF.jacobian(model, x.detach()[:1], vectorize=True)
+    jac = AF.jacobian(model, x.detach()[:1], vectorize=False)
+    assert jac.shape == (1, 32, 1, 32) and jac.abs().sum() > 0
+    (g,) = torch.autograd.grad(model(x).sum(), x)
+    assert g.abs().sum() > 0 and g.grad_fn is None
 
 
 def test_frozen_weight_updated_through_data_is_cast_afresh(monkeypatch):
