@@ -145,37 +145,62 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
+class _SecondDerivativeRefused(torch.autograd.Function):
+    """The first-order gradients as they are, in a graph whose backward raises. dy is an input,
+    so whatever differentiates through these gradients reaches it (jvp's and hvp's dummy
+    cotangent is dy; a gradient penalty's path runs through dy to what produced it), while a
+    second derivative that never passes through this layer (a BF16 head's Hessian) does not."""
+
+    @staticmethod
+    def forward(ctx, gy, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            "Fp8Linear: a second derivative through FP8 casts is not computed: a gradient taken with "
+            "create_graph=True (a gradient penalty, second-order meta-learning, torch.autograd.functional's "
+            "jvp / hvp / hessian) is being differentiated through an FP8 layer, whose share of it would be "
+            "missing. Keep such layers out of FP8 (fp8ops.convert(model, module_filter_fn=...))")
+
+
 def _once_differentiable(fn):
-    """The autograd functions' backward, which refuses what it cannot compute: a backward
-    asked for a graph of its gradients (create_graph=True: grad mode is on in there), since a
-    second derivative through FP8 casts is not computed, and a backward vmapped by the legacy
-    batching of torch.autograd.functional's vectorize=True. torch's once_differentiable raised
-    only at a .backward() through its outputs: torch.autograd.grad of them (allow_unused=True),
-    jvp and hvp got None or zeros for these layers' share, silently."""
+    """The autograd functions' backward, which refuses what it cannot compute. With
+    create_graph=True (grad mode on in there) its gradients come through
+    _SecondDerivativeRefused, which raises when they are differentiated: torch's
+    once_differentiable hung its error on detached copies, so torch.autograd.grad of them
+    (allow_unused=True) gave None, and jvp / hvp zeros, for these layers' share, silently. A
+    backward batched by torch's legacy vmap (torch.autograd.functional's vectorize=True,
+    torch.autograd.grad's is_grads_batched=True) raises, saying so."""
     once = once_differentiable(fn)
 
     @functools.wraps(fn)
     def backward(ctx, *grads):
         if torch.compiler.is_compiling():
-            # (traced: torch.compile refuses a double backward itself, and the checks below call
-            # what dynamo does not trace)
+            # (traced: torch.compile's backends take no second derivative through it either way, and
+            # the checks below call what dynamo does not trace)
             return once(ctx, *grads) if torch.is_grad_enabled() else fn(ctx, *grads)
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "Fp8Linear backward: asked for a differentiable gradient (create_graph=True: a gradient "
-                "penalty, second-order meta-learning, torch.autograd.functional.jvp / hvp / hessian), but a "
-                "second derivative through FP8 casts is not computed, and these layers' share of it would be "
-                "missing. Keep such layers out of FP8 (fp8ops.convert(model, module_filter_fn=...)) or take "
-                "the gradient without create_graph=True")
         if _is_legacy_batched(grads[0]):
             raise RuntimeError(
-                "Fp8Linear backward: vmapped by torch.autograd.functional's vectorize=True (jacobian / "
-                "hessian), which FP8 casts do not support; pass vectorize=False")
+                "Fp8Linear backward: batched by torch's legacy vmap (torch.autograd.functional.jacobian / "
+                "hessian with vectorize=True, torch.autograd.grad with is_grads_batched=True), which FP8 casts "
+                "do not support: pass vectorize=False, or take the gradients one at a time")
         try:
-            return fn(ctx, *grads)
+            if not torch.is_grad_enabled():
+                return fn(ctx, *grads)
+            with torch.no_grad():
+                out = fn(ctx, *grads)
         except RuntimeError as e:
             ops._raise_if_oom(e)  # (a C op's failed allocation as torch.OutOfMemoryError)
             raise
+        at = [i for i, g in enumerate(out) if isinstance(g, torch.Tensor)]
+        if not at or not grads[0].requires_grad:
+            return out  # (nothing upstream to differentiate through: as torch's once_differentiable)
+        refused = _SecondDerivativeRefused.apply(grads[0], *(out[i] for i in at))
+        out = list(out)
+        for i, g in zip(at, refused):
+            out[i] = g
+        return tuple(out)
     return backward
 
 

@@ -148,27 +148,56 @@ def test_float64_model_runs_as_nn_linear(monkeypatch):
 
 
 def test_double_backward_raises_instead_of_a_zero_gradient(monkeypatch):
-    """A second derivative through FP8 casts is not computed: a backward asked for one
-    (create_graph=True) raises, saying so. torch's once_differentiable raised only at a
-    .backward() through the gradient: torch.autograd.grad of it with allow_unused=True gave None,
-    and jvp / hvp gave zeros for these layers, silently. The legacy-batched backward of
+    """A second derivative through FP8 casts is not computed: differentiating a gradient taken
+    with create_graph=True through an FP8 layer raises, saying so. torch's once_differentiable
+    raised only at a .backward(): torch.autograd.grad (allow_unused=True) gave None, and jvp /
+    hvp zeros, for the FP8 layers' share, silently. The legacy-batched backward of
     vectorize=True raises clearly too (it raised torch's 'Batching rule not implemented for
-    aten::detach'); vectorize=False runs, as does a plain backward."""
+    aten::detach'); vectorize=False runs."""
     import torch.autograd.functional as AF
     model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
     x = torch.randn(16, 32, requires_grad=True)
-    with pytest.raises(RuntimeError, match="create_graph=True.*second derivative through FP8 casts is not computed"):
-        torch.autograd.grad(model(x).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="not computed"):
+    refused = "second derivative through FP8 casts is not computed"
+    (g,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=refused):
+        torch.autograd.grad(g.square().sum(), x, allow_unused=True)
+    with pytest.raises(RuntimeError, match=refused):
+        g.square().sum().backward()
+    with pytest.raises(RuntimeError, match=refused):
         AF.jvp(model, x.detach(), torch.ones(16, 32))
-    with pytest.raises(RuntimeError, match="not computed"):
+    with pytest.raises(RuntimeError, match=refused):
         AF.hvp(lambda t: model(t).square().sum(), x.detach(), torch.ones(16, 32))
     with pytest.raises(RuntimeError, match="vectorize=False"):
         AF.jacobian(model, x.detach()[:1], vectorize=True)
     jac = AF.jacobian(model, x.detach()[:1], vectorize=False)
     assert jac.shape == (1, 32, 1, 32) and jac.abs().sum() > 0
-    (g,) = torch.autograd.grad(model(x).sum(), x)
-    assert g.abs().sum() > 0 and g.grad_fn is None
+
+
+def test_second_order_that_does_not_pass_an_fp8_layer_runs(monkeypatch):
+    """create_graph=True where the second derivative is taken only through a BF16 head (a
+    Hutchinson Hessian of the head's weight, as AdaHessian or Sophia take it): the FP8 layers'
+    first-order gradients are those of a plain backward, and the head's Hessian-vector product
+    that of the same model without the FP8 layers' graph."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 8))
+    model = convert_as_on_fp8_gpu(build(), monkeypatch)
+    head = model[4]
+    model[4] = nn.Linear(32, 8)
+    model[4].load_state_dict(head.state_dict())  # (the head in BF16's place: nn.Linear)
+    x, v = torch.randn(16, 32), torch.randn(8, 32)
+    model(x).square().mean().backward(create_graph=True)
+    (hv,) = torch.autograd.grad(model[4].weight.grad, model[4].weight, v)
+    fp8_grads = [p.grad.detach().clone() for p in model[:3].parameters()]
+    model.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(fp8_grads, model[:3].parameters()))
+    h = model[:4](x).detach()  # (the head's input, as the FP8 layers computed it)
+    w = model[4].weight.detach().requires_grad_()
+    loss = torch.nn.functional.linear(h, w, model[4].bias.detach()).square().mean()
+    (gw,) = torch.autograd.grad(loss, w, create_graph=True)
+    (want,) = torch.autograd.grad(gw, w, v)
+    torch.testing.assert_close(hv, want)
 
 
 def test_frozen_weight_updated_through_data_is_cast_afresh(monkeypatch):
