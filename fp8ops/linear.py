@@ -177,8 +177,9 @@ def _once_differentiable(fn):
     @functools.wraps(fn)
     def backward(ctx, *grads):
         if torch.compiler.is_compiling():
-            # (traced: torch.compile's backends take no second derivative through it either way, and
-            # the checks below call what dynamo does not trace)
+            # (traced, as before: inductor and aot_eager refuse create_graph=True themselves, while
+            # the "eager" backend still drops these layers' share; the checks below call what dynamo
+            # does not trace)
             return once(ctx, *grads) if torch.is_grad_enabled() else fn(ctx, *grads)
         if _is_legacy_batched(grads[0]):
             raise RuntimeError(
