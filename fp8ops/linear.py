@@ -196,7 +196,9 @@ def _once_differentiable(fn):
             raise
         at = [i for i, g in enumerate(out) if isinstance(g, torch.Tensor)]
         if not at or not grads[0].requires_grad:
-            return out  # (nothing upstream to differentiate through: as torch's once_differentiable)
+            # (dy needs no gradient: plain outputs, as torch's once_differentiable gives; a second
+            # derivative through this layer's weight alone then goes unseen, as it did there)
+            return out
         refused = _SecondDerivativeRefused.apply(grads[0], *(out[i] for i in at))
         out = list(out)
         for i, g in zip(at, refused):
