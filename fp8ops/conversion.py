@@ -110,7 +110,8 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
 
     Args:
         config: Fp8Config (recipe, format, margin, interval, history, policy).
-        module_filter_fn: (module, fqn) -> bool; False keeps that layer as is.
+        module_filter_fn: (module, fqn) -> bool; False keeps that layer as is (a module
+            shared under several names is asked under each: False for any keeps it).
     """
     if config is None:
         config = Fp8Config()
@@ -138,6 +139,9 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
         return model
 
     decided: dict[int, tuple[str, str]] = {}  # id(module) -> its decision, for its other names
+    names_of: dict[int, list[str]] = {}  # id(module) -> every name it has (a shared module: several)
+    for name, m in linears:
+        names_of.setdefault(id(m), []).append(name)
     earlier = decisions_of(model)  # (a layer converted again keeps the notes of its fusions)
 
     done: list = []  # (module, its class, attribute and buffer names) before conversion: to undo
@@ -166,8 +170,16 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
                 return "fp8ops", f"already converted (keeps its config {mod.fp8_config.short_str()}){notes}"
             return "fp8ops", f"already converted{notes}"
         reason = _layer_reason(mod)
-        if reason is None and module_filter_fn is not None and not module_filter_fn(mod, name):
-            reason = "excluded by module_filter_fn"
+        if reason is None and module_filter_fn is not None:
+            # a module shared by several parents is one layer under each name: converted only if
+            # the filter accepts it under every one (a refusal by any name is the user's word)
+            names = names_of[id(mod)]
+            refused = [n for n in names if not module_filter_fn(mod, n)]
+            if refused:
+                reason = "excluded by module_filter_fn"
+                if len(names) > 1:
+                    others = ", ".join(repr(n) for n in names if n != refused[0])
+                    reason += f" (as {refused[0]!r}; the same module is also {others})"
         return ("bf16", reason) if reason is not None else ("fp8ops", "converted")
 
     try:

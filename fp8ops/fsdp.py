@@ -93,7 +93,7 @@ class _Fp8MasterWeight(torch.Tensor):
         src = shard if shard.dtype in ops.HP_DTYPES else shard.float()
         src = src.contiguous()
         d = module.__dict__
-        cfg = d["fp8_config"]
+        cfg = d["_fp8_config"]
         views = module._fp8_views(False)
         delayed = cfg.recipe == "delayed"
         current = not delayed or not d["_fp8_delayed_ready"]

@@ -91,7 +91,7 @@ _cast_traced._dynamo_marked_constant = True
 
 def _settled_bf16(d: dict) -> bool:
     """Has policy "auto" settled BF16 for every shape this layer (its __dict__) met?"""
-    return (d["fp8_config"].policy == "auto" and not d["_fp8_pending"] and bool(d["fp8_policy"])
+    return (d["_fp8_config"].policy == "auto" and not d["_fp8_pending"] and bool(d["fp8_policy"])
             and not any(wins for wins, _ in d["fp8_policy"].values()))
 
 
@@ -595,6 +595,16 @@ def _hook_registration_that_warns(name: str, kind: str, sees_input: bool, sees_g
     return register
 
 
+# Fp8Config fields the conversion built the layer's state from (its dtypes, fp8_max, GEMM
+# function, fusions): an assignment of fp8_config must keep them (Fp8Linear.fp8_config)
+_FIXED_AT_CONVERSION = ("fp8_format", "fuse_gelu", "fuse_layernorm", "fuse_swiglu")
+
+
+def _history_rows(config: Fp8Config) -> int:
+    """The amax history's rows a layer converted with config has."""
+    return config.amax_history_len if config.recipe == "delayed" else 1
+
+
 class Fp8Linear(nn.Linear):
     """nn.Linear with FP8 forward and backward. Same parameters, same
     state_dict keys, shapes and dtypes as the nn.Linear it replaces."""
@@ -605,11 +615,11 @@ class Fp8Linear(nn.Linear):
         self._init_fp8_state(config or Fp8Config())
 
     def _init_fp8_state(self, config: Fp8Config) -> None:
-        self.fp8_config = config
+        self.__dict__["_fp8_config"] = config  # (not the property's setter: nothing to compare with yet)
         self._fp8_serial, self._fp8_copy = next(_SERIAL), 0
         dev = self.weight.device
         x_dt, w_dt, g_dt = self.fp8_dtypes = config.dtypes()
-        H = config.amax_history_len if config.recipe == "delayed" else 1
+        H = _history_rows(config)
         # fp32 whatever torch.set_default_dtype says: the C ops take fp32 scaling state only
         f32 = torch.float32
         self.register_buffer("fp8_amax_history", torch.zeros(H, 3, device=dev, dtype=f32), persistent=False)
@@ -665,6 +675,38 @@ class Fp8Linear(nn.Linear):
             self._fp8_fn = _Fp8LinearFn
         from .scaling import track  # noqa: PLC0415 -- scaling imports this module
         track(self)                     # scales update after each optimizer step
+
+    @property
+    def fp8_config(self) -> Fp8Config:
+        """The layer's Fp8Config. Its policy, margin, interval, amax_compute_algo and fast_accum
+        are read at each call and may be changed by assigning a new config, as may recipe and
+        amax_history_len where the history keeps its rows; the rest shaped the layer's state
+        at conversion (see the setter)."""
+        return self._fp8_config  # (not self.__dict__[...]: dynamo reads that as this property again)
+
+    @fp8_config.setter
+    def fp8_config(self, config: Fp8Config) -> None:
+        # The FP8 dtypes and their maxima, the history's rows and the fused activation and norm
+        # were set up from the config at conversion; a new config that changes them would run
+        # the old ones while repr and the report show the new (a review's finding): refused.
+        if not isinstance(config, Fp8Config):
+            raise TypeError(f"Fp8Linear.fp8_config must be an fp8ops.Fp8Config, found {type(config).__name__}")
+        old = self.__dict__.get("_fp8_config")
+        if old is not None:
+            fixed = [f for f in _FIXED_AT_CONVERSION if getattr(old, f) != getattr(config, f)]
+            if _history_rows(old) != _history_rows(config):
+                # (current scaling keeps one row of history, delayed amax_history_len)
+                fixed.append("recipe" if old.recipe != config.recipe else "amax_history_len")
+            if fixed:
+                raise ValueError(
+                    "Fp8Linear.fp8_config: " + ", ".join(f"{f} {getattr(old, f)!r} -> {getattr(config, f)!r}"
+                                                          for f in fixed)
+                    + " cannot change after conversion (the layer's FP8 dtypes, amax history and fusions "
+                    "were set up from it); policy, margin, interval, amax_compute_algo and fast_accum can "
+                    "(recipe and amax_history_len where the history keeps its rows). For the others, "
+                    "convert a fresh copy of the unconverted model with fp8ops.convert(model, "
+                    "config=Fp8Config(...))")
+        self.__dict__["_fp8_config"] = config
 
     @classmethod
     def from_linear(cls, mod: nn.Linear, config: Fp8Config) -> "Fp8Linear":
@@ -992,6 +1034,8 @@ class Fp8Linear(nn.Linear):
     def __setstate__(self, state):
         # a whole Fp8Linear pickled by an fp8ops from before the fused SwiGLU
         state.setdefault("fp8_swiglu_input", False)
+        if "fp8_config" in state:  # (pickled before the fp8_config property: its key then)
+            state["_fp8_config"] = state.pop("fp8_config")
         state.setdefault("_fp8_unagreed", set())  # (and from before the exchange at the step)
         state.setdefault("_fp8_pristine", False)  # (and from before the pristine skip: update it)
         state.setdefault("_fp8_rest_due", False)
@@ -1112,7 +1156,7 @@ class Fp8Linear(nn.Linear):
                 # fallback: an odd row count, policy auto's BF16 verdict, a machine without FP8)
                 return self._plain_forward(x)
         x2 = x if x.dim() == 2 and not compiling else x.reshape(-1, width)  # (eager: no view to make)
-        cfg = d["fp8_config"]
+        cfg = d["_fp8_config"]
         if x2.shape[0] % 16 != 0 and x.is_cuda:
             # cuBLASLt FP8 needs M % 16 == 0; this call (e.g. an odd eval batch)
             # runs exactly as the nn.Linear would (under the caller's autocast)

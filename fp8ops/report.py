@@ -153,6 +153,10 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                                        "or under torch.func)")
         elif isinstance(m, nn.Linear) or is_hf_conv1d(m):
             backend, reason = decisions.get(name, ("bf16", "not converted (convert() was not called on it)"))
+            if backend == "fp8ops":
+                # converted, then replaced by a plain layer under the same name (e.g. HF's
+                # resize_token_embeddings builds a new lm_head): the decision is the old layer's
+                reason = "replaced after conversion by a plain layer; call fp8ops.convert(model) again"
             shape = f"{m.nx}->{m.nf}" if is_hf_conv1d(m) else f"{m.in_features}->{m.out_features}"
             rows.append(_row_without_state(name, "bf16", RUNS_BF16, reason, None, shape, 0))
     if print_table:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numbers
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -29,12 +30,24 @@ from .linear import G, Fp8Linear, _settled_bf16
 # hook matches layers by the identity of their *current* weight Parameter, so
 # wrappers that swap Parameters after conversion (FSDP2's DTensor shards) work.
 _LAYERS: "weakref.WeakSet[Fp8Linear]" = weakref.WeakSet()
+# A WeakSet guards its iteration against the garbage collector's removals, not against another
+# thread's additions: a layer made (convert, deepcopy: an EMA or checkpoint thread) while an
+# optimizer step lists the layers made the step raise "Set changed size during iteration",
+# after the weights had moved. Additions, removals and listings take this lock.
+_LAYERS_LOCK = threading.RLock()
 _hook_handles = None
 
 
 def track(layer: Fp8Linear) -> None:
-    _LAYERS.add(layer)
+    with _LAYERS_LOCK:
+        _LAYERS.add(layer)
     _install_hook()
+
+
+def live_layers() -> list[Fp8Linear]:
+    """Every live Fp8Linear, a list made under the lock."""
+    with _LAYERS_LOCK:
+        return list(_LAYERS)
 
 
 # the weights enable_fsdp_fp8_all_gather replaced by new Parameters: id -> (a weak reference to
@@ -72,7 +85,8 @@ def _check_not_replaced(optimizer) -> None:
 
 def untrack(layer) -> None:
     """Forget a layer (a conversion undone)."""
-    _LAYERS.discard(layer)
+    with _LAYERS_LOCK:
+        _LAYERS.discard(layer)
 
 
 def _install_hook() -> None:
@@ -91,7 +105,7 @@ def _layers_of(optimizer) -> list[Fp8Linear]:
     # trainable bias (BitFit, a LoRA model's bias="all") is still a layer the step goes with.
     pos = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     found = []
-    for layer in list(_LAYERS):
+    for layer in live_layers():
         at = [pos[id(p)] for p in (layer.weight, layer.bias) if p is not None and id(p) in pos]
         if at:
             found.append((min(at), layer.__dict__.get("_fp8_serial", 0), layer.__dict__.get("_fp8_copy", 0), layer))
@@ -225,7 +239,7 @@ def _fast_job(layer: Fp8Linear, counts: bool = True):
         if any(spans[i][1] > spans[i + 1][0] for i in range(3)):
             return None
         d["_fp8_apart_layout"] = layout
-    cfg = layer.__dict__["fp8_config"]
+    cfg = layer.__dict__["_fp8_config"]
     return dev.index, (hp, sp, sip, m.data_ptr(), op if counts else 0, n,
                        h.shape[0], si.stride(0), float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo])
 
@@ -359,7 +373,7 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
     # input still needs its gradient), whose dy amax and NaN/inf counts eager code records too
     # (the list of every live layer built only once a compiled FP8 forward exists: eager steps skip it)
     if _linear._TRACES[0]:
-        fold_grad_amax(list(_LAYERS), every_live=True)
+        fold_grad_amax(live_layers(), every_live=True)
     for g, members in by_scaling_group(layers, group):
         _update_group(members, g, serial)
 
@@ -453,7 +467,7 @@ def fold_grad_amax(layers: list[Fp8Linear], every_live: bool = False) -> None:
             elif written is not None and gp not in written and d.get("_fp8_fn") is _linear._Fp8LinearFn:
                 continue  # no compiled backward wrote its dy amax since the last fold: still 0
             read.append(gp)
-            if d["fp8_config"].recipe == "delayed":
+            if d["_fp8_config"].recipe == "delayed":
                 if not d["_fp8_delayed_ready"]:
                     waiting = unready.get(c.device)
                     if waiting is None:
@@ -471,7 +485,7 @@ def fold_grad_amax(layers: list[Fp8Linear], every_live: bool = False) -> None:
             if job is None:
                 # (CPU, or buffers of another layout: the checked op, one layer at a time, the
                 # layer done before the next, which may refuse its buffers: nothing counted twice)
-                cfg = d["fp8_config"]
+                cfg = d["_fp8_config"]
                 ops._amax_update(ga.clone().reshape(1, 1), bufs["fp8_scale"].data[G:G + 1],
                                  bufs["fp8_scale_inv"].data[G:G + 1], bufs["fp8_max"].data[G:G + 1],
                                  float(cfg.margin), "most_recent",
@@ -648,7 +662,7 @@ def _update_group(layers: list[Fp8Linear], group, serial: int) -> None:
         if job is not None:
             fast.setdefault(job[0], []).append(job[1])
             continue
-        cfg = d["fp8_config"]
+        cfg = d["_fp8_config"]
         bufs = layer._buffers
         h = bufs["fp8_amax_history"]
         update(h, bufs["fp8_scale"], bufs["fp8_scale_inv"], bufs["fp8_max"], float(cfg.margin),

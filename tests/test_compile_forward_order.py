@@ -333,7 +333,7 @@ def test_a_fold_refused_by_one_layer_counts_nothing_twice(monkeypatch):
     model = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)),
                                   monkeypatch, recipe="current")
     first, bad, delayed = model
-    delayed.fp8_config = fp8ops.Fp8Config(policy="always", recipe="delayed")
+    delayed.fp8_config = fp8ops.Fp8Config(policy="always", recipe="delayed", amax_history_len=1)
     first.fp8_grad_amax.fill_(float("nan"))
     delayed.fp8_grad_amax.fill_(float("inf"))
     bad._buffers["fp8_grad_amax"] = torch.zeros(1, dtype=torch.float64)
@@ -487,7 +487,7 @@ def test_a_fold_that_raises_forgets_no_recorded_slot(tmp_path):
     _in_a_process_of_its_own("""
         model = convert(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)), "current")
         first, bad, delayed = model
-        delayed.fp8_config = fp8ops.Fp8Config(policy="always", recipe="delayed")
+        delayed.fp8_config = fp8ops.Fp8Config(policy="always", recipe="delayed", amax_history_len=1)
         fp8ops.linear._TRACES[0] += 1  # (as after a compiled FP8 forward)
         scaling.fold_grad_amax([first, delayed])  # (an earlier step: the fold's views made)
         e4, f32, st = torch.float8_e4m3fn, torch.float32, fp8ops.ops.ST

@@ -530,6 +530,18 @@ def test_report_says_a_layer_whose_weight_moved_runs_nn_linear(monkeypatch, caps
     assert "its weight is on the CPU, where its calls fell back, and FP8 runs on a CUDA GPU" in rows[0]["reason"]
 
 
+def test_report_of_a_layer_replaced_after_conversion_says_so(monkeypatch):
+    """A converted layer replaced by a plain nn.Linear under the same name (HF's
+    resize_token_embeddings makes a new lm_head) used to be listed as BF16 with the old
+    decision's reason, "converted"."""
+    model = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)), monkeypatch)
+    model[1] = nn.Linear(32, 16)
+    rows = {r["name"]: r for r in fp8ops.report(model, print_table=False)}
+    assert rows["0"]["reason"] == "converted" and rows["0"]["backend"] == "fp8ops"
+    assert rows["1"]["backend"] == "bf16" and rows["1"]["runs"] == "BF16"
+    assert rows["1"]["reason"] == "replaced after conversion by a plain layer; call fp8ops.convert(model) again"
+
+
 def test_report_reads_the_running_amax_until_the_first_update_under_an_interval(monkeypatch):
     """Under interval > 1 the first steps roll nothing: the report shows row 0's running
     maxima (the casts' amaxes so far), not the zeros of a history row no update has written."""
@@ -703,6 +715,87 @@ def test_layers_sharing_a_weight_keep_their_creation_order(monkeypatch):
     b2.weight = a2.weight
     monkeypatch.setattr(scaling, "_LAYERS", Ordered([b2, a2]))
     assert scaling._layers_of(torch.optim.SGD([a2.weight], lr=0.1)) == [a2, b2]
+
+
+def test_a_layer_made_in_another_thread_while_the_step_lists_the_layers(monkeypatch):
+    """A thread that makes an Fp8Linear (convert, or an EMA / checkpoint thread's deepcopy) while
+    the optimizer step lists the live layers: the step used to raise "Set changed size during
+    iteration" after the weights had moved, its scale update lost. The other thread's layer is
+    made here exactly in the middle of the listing; it waits for the listing, then is tracked."""
+    import threading
+    import weakref
+
+    import fp8ops.scaling as scaling
+
+    made = []
+
+    class Interleaved(weakref.WeakSet):  # a WeakSet whose listing lets another thread in halfway
+        def __iter__(self):
+            items = super().__iter__()
+            yield next(items)
+            t = threading.Thread(target=lambda: made.append(Fp8Linear(16, 16, config=Fp8Config())))
+            t.start()
+            t.join(0.5)   # (with the lock it waits for the listing to end: the join times out)
+            made.append(t)
+            yield from items
+
+    a = Fp8Linear(16, 16, bias=False, config=Fp8Config())
+    b = Fp8Linear(16, 16, bias=False, config=Fp8Config())
+    live = Interleaved([a, b])
+    monkeypatch.setattr(scaling, "_LAYERS", live)
+    opt = torch.optim.SGD([a.weight, b.weight], lr=0.1)
+    (a.weight.sum() + b.weight.sum()).backward()
+    opt.step()                                   # the step's hook lists the layers
+    made[0].join()
+    assert a.fp8_step == b.fp8_step == 1         # both layers' scale update ran
+    assert any(isinstance(m, Fp8Linear) and m in live for m in made)  # the new layer is tracked
+
+
+def test_fp8_config_assigned_after_conversion_keeps_what_conversion_built(monkeypatch):
+    """A config assigned to a converted layer may change what each call reads (policy, margin,
+    ...), not what the conversion built from it (FP8 dtypes, history rows, fusions): those ran
+    as before while repr and the report showed the new config. Refused, naming the fields."""
+    layer = convert_as_on_fp8_gpu(nn.Linear(32, 32), monkeypatch, amax_history_len=16)
+    cfg = layer.fp8_config
+    for change, field in ((dict(fp8_format="e5m2"), "fp8_format"), (dict(amax_history_len=4), "amax_history_len"),
+                          (dict(recipe="current"), "recipe"), (dict(fuse_gelu=False), "fuse_gelu")):
+        with pytest.raises(ValueError, match=rf"fp8_config: {field} .* cannot change after conversion.*"
+                                             r"fp8ops\.convert"):
+            layer.fp8_config = dataclasses.replace(cfg, **change)
+        assert layer.fp8_config is cfg
+    with pytest.raises(TypeError, match="must be an fp8ops.Fp8Config, found dict"):
+        layer.fp8_config = {"policy": "always"}
+    layer.fp8_config = new = dataclasses.replace(cfg, policy="auto", margin=1, interval=2, fast_accum=False)
+    assert layer.fp8_config is new and "m1/i2" in repr(layer)
+    assert layer.fp8_dtypes == (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e5m2)
+    # a layer on current scaling keeps one history row: delayed with one row is the same state
+    cur = convert_as_on_fp8_gpu(nn.Linear(32, 32), monkeypatch, recipe="current")
+    cur.fp8_config = dataclasses.replace(cur.fp8_config, recipe="delayed", amax_history_len=1)
+    assert cur.fp8_amax_history.shape == (1, 3)
+
+
+def test_a_shared_module_refused_by_the_filter_under_any_name_stays_linear(monkeypatch):
+    """One nn.Linear under two parents is one layer: module_filter_fn is asked under each name,
+    and a refusal under any of them keeps it nn.Linear (it used to be asked under the first
+    name only, and converted), the reason naming both."""
+    shared = nn.Linear(32, 32)
+    net = nn.ModuleDict({"enc": nn.Sequential(shared), "dec": nn.Sequential(shared)})
+    asked = []
+
+    def keep_dec_plain(mod, fqn):
+        asked.append(fqn)
+        return fqn != "dec.0"
+    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
+    fp8ops.convert(net, config=Fp8Config(policy="always"), module_filter_fn=keep_dec_plain)
+    assert asked == ["enc.0", "dec.0"]
+    assert type(net["enc"][0]) is nn.Linear and net["enc"][0] is net["dec"][0]
+    reasons = fp8ops.conversion.decisions_of(net)
+    assert reasons["enc.0"] == reasons["dec.0"] == (
+        "bf16", "excluded by module_filter_fn (as 'dec.0'; the same module is also 'enc.0')")
+    # accepted under both names: converted once, the same module under both
+    net2 = nn.ModuleDict({"enc": nn.Sequential(shared), "dec": nn.Sequential(shared)})
+    fp8ops.convert(net2, config=Fp8Config(policy="always"), module_filter_fn=lambda mod, fqn: True)
+    assert isinstance(net2["dec"][0], Fp8Linear) and net2["enc"][0] is net2["dec"][0]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (torch.distributed.optim's torch.jit use)
