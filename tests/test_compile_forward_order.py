@@ -207,17 +207,22 @@ def test_a_scaling_state_saved_between_backward_and_step_holds_dy_amax(monkeypat
 
 
 def test_a_layer_pickled_before_the_compiled_amax_slot_trains_compiled(monkeypatch):
-    """A whole model pickled by an fp8ops from before fp8_grad_amax (simulated: the buffer
-    removed before pickling) gets the buffer back when unpickled, and trains compiled."""
+    """A whole model pickled by an fp8ops from before fp8_grad_amax and the fp8_config property
+    (simulated: the buffer removed, the config under its old key, before pickling) gets the
+    buffer back and its config under the property when unpickled, and trains compiled."""
     import pickle  # noqa: PLC0415
 
     model = _model(monkeypatch, "delayed")
+    configs = []
     for m in model.modules():
         if isinstance(m, Fp8Linear):
             del m._buffers["fp8_grad_amax"]
             m._non_persistent_buffers_set.discard("fp8_grad_amax")
+            configs.append(m.fp8_config)
+            m.__dict__["fp8_config"] = m.__dict__.pop("_fp8_config")
     twin = pickle.loads(pickle.dumps(model))
     layers = [m for m in twin.modules() if isinstance(m, Fp8Linear)]
+    assert [m.fp8_config for m in layers] == configs and all("fp8_config" not in m.__dict__ for m in layers)
     assert all(m.fp8_grad_amax.shape == (1,) and m.fp8_grad_amax.item() == 0 for m in layers)
     assert "fp8_grad_amax" not in twin.state_dict()
     fn = torch.compile(twin)
