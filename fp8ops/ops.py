@@ -851,7 +851,39 @@ def _swiglu_backward_raw(*args):
 # ----------------------------------------------------------------------------
 # registration (only when the C core loaded: otherwise the ops do not exist)
 
+_math_bits_lib = None  # (the Library must live as long as its registrations)
+
+
+def _refuse_math_bit_views(name: str):
+    """A kernel for the Negative and Conjugate dispatch keys: a tensor argument with the
+    negative or conjugate bit set (torch._neg_view, .conj() of a complex tensor, the .imag of
+    one). torch's fallback would run the op on resolved copies and then read the op's result
+    where a () op returns none: for amax_update, freed tensors and a heap corrupted (a probe's
+    finding); for the others, writes into copies that are thrown away. Refused, naming the
+    argument."""
+    schema = getattr(torch.ops.fp8ops, name).default._schema
+
+    def flagged(v):
+        return isinstance(v, torch.Tensor) and (v.is_neg() or v.is_conj())
+
+    def kernel(*args, **kwargs):
+        bad = [a.name for a, v in zip(schema.arguments, args) if flagged(v)]
+        bad += [k for k, v in kwargs.items() if flagged(v)]
+        raise ValueError(f"fp8ops::{name}: {', '.join(bad) or 'an argument'} "
+                         f"{'are' if len(bad) > 1 else 'is'} a negative- or conjugate-bit view "
+                         "(torch._neg_view, .conj() of a complex tensor or its .imag), which fp8ops' ops do "
+                         "not take; pass t.resolve_neg() / t.resolve_conj() (a copy: an argument the op "
+                         "writes must then be copied back)")
+    return kernel
+
+
 def _register() -> None:
+    global _math_bits_lib
+    lib = torch.library.Library("fp8ops", "IMPL")  # noqa: TOR901 -- no other way to reach a math-bit key
+    for name in _loader._C.build_info()["ops"].split():  # (every op the C core registered)
+        for key in ("Negative", "Conjugate"):
+            lib.impl(name, _refuse_math_bit_views(name), key)
+    _math_bits_lib = lib
     torch.library.register_fake("fp8ops::cast")(_cast_fake)
     torch.library.register_autograd("fp8ops::cast", _cast_backward, setup_context=_cast_setup)
     torch.library.register_fake("fp8ops::amax")(_amax_fake)

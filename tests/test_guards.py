@@ -497,3 +497,25 @@ def test_current_scaling_keeps_scales_finite_cuda(inject):
     model = fp8_mlp(Fp8Config(recipe="current"), device="cuda")
     records = train(model, "adamw", inject, "skip", device="cuda")
     assert all(math.isfinite(r["loss"]) or (i == AT and inject in NAN_LOSS) for i, r in enumerate(records))
+
+
+def test_a_negative_or_conjugate_bit_view_is_refused_naming_the_argument():
+    """A tensor with torch's negative bit (torch._neg_view, the .imag of a conjugated complex
+    tensor) as an argument the op writes made torch's fallback free tensors still in use after
+    amax_update (a () op), and the process abort (a probe's finding). Refused before any op
+    runs, the argument named; the buffers are left as they were."""
+    hist, scale = torch.tensor([[4.0], [0.0]]), torch.ones(1)
+    for scale_inv in (torch._neg_view(torch.ones(1)), torch.tensor([2j]).conj().imag):
+        with pytest.raises(ValueError, match=r"fp8ops::amax_update: scale_inv is a negative- or conjugate-bit "
+                                             r"view .*resolve_neg\(\)"):
+            ops.amax_update(hist, scale, scale_inv, torch.tensor([448.0]))
+        assert torch.equal(hist, torch.tensor([[4.0], [0.0]])) and torch.equal(scale, torch.ones(1))
+    x = torch.randn(16, 16)
+    with pytest.raises(ValueError, match=r"fp8ops::cast_accumulate: x, amax are a negative- or conjugate-bit"):
+        torch.ops.fp8ops.cast_accumulate(torch._neg_view(x), torch.ones(1), torch._neg_view(torch.zeros(1)),
+                                         torch.float8_e4m3fn, False)
+    with pytest.raises(ValueError, match=r"fp8ops::cast: scale is a negative"):
+        torch.ops.fp8ops.cast(x, torch._neg_view(torch.ones(1)), torch.float8_e4m3fn, False)
+    # (resolved, the same values run)
+    ops.amax_update(hist, scale, torch._neg_view(torch.ones(1)).resolve_neg(), torch.tensor([448.0]))
+    assert scale.item() == 448.0 / 4.0
