@@ -192,6 +192,35 @@ static int require_slots_apart(const char* op, int n_w, int n, const tinfo* cons
   return FP8OPS_OK;
 }
 
+/* Bytes per element of the dtypes the ops take (an upper bound, 8, for any other: such an
+ * argument is refused by its dtype check anyway). */
+static int64_t dtype_bytes(int32_t d) {
+  if (d == aoti_torch_dtype_float32()) return 4;
+  if (d == aoti_torch_dtype_bfloat16() || d == aoti_torch_dtype_float16()) return 2;
+  if (d == aoti_torch_dtype_float8_e4m3fn() || d == aoti_torch_dtype_float8_e5m2()) return 1;
+  return 8;
+}
+
+/* An amax slot the op writes must lie outside the `nbytes` from `lo` of an argument it reads:
+ * a slot inside x (or the weight, the bias, a LayerNorm parameter, dy, an FP8 operand) would
+ * change what a later pass of the op reads, silently (a probe's finding: the bias gradient sums
+ * dy after the cast wrote the slot). torch's out= ops refuse such overlaps too. */
+static int require_slot_outside(const char* op, const tinfo* slot, const char* slot_name,
+                                const void* lo, int64_t nbytes, const char* arg) {
+  if (!slot || slot->numel == 0 || !lo || nbytes <= 0) return FP8OPS_OK;
+  const uintptr_t a = (uintptr_t)slot->data, b = (uintptr_t)lo;
+  FP8OPS_REQUIRE(a + 4 <= b || b + (uintptr_t)nbytes <= a, "%s: %s lies inside %s's memory; the op "
+                 "writes %s while it reads %s: pass an amax slot of its own (e.g. a view of the "
+                 "layer's amax history)", op, slot_name, arg, slot_name, arg);
+  return FP8OPS_OK;
+}
+
+/* require_slot_outside for a contiguous argument (every one passed here was checked to be). */
+static int require_slot_outside_of(const char* op, const tinfo* slot, const char* slot_name,
+                                   const tinfo* t, const char* arg) {
+  return require_slot_outside(op, slot, slot_name, t->data, t->numel * dtype_bytes(t->dtype), arg);
+}
+
 static int hp_code(const char* op, const char* arg, int32_t d, fp8ops_hp_dtype* out) {
   if (d == aoti_torch_dtype_float32()) *out = FP8OPS_F32;
   else if (d == aoti_torch_dtype_bfloat16()) *out = FP8OPS_BF16;
@@ -351,6 +380,7 @@ static int run_cast(AtenTensorHandle hx, AtenTensorHandle hs, AtenTensorHandle h
     const tinfo* slots[2] = {&a, &s};
     const char* names[2] = {"amax", "scale"};
     FP8OPS_TRY(require_slots_apart(op, 1, 2, slots, names));
+    FP8OPS_TRY(require_slot_outside_of(op, &a, "amax", &x, "x"));
   }
   const int64_t cols = x.sizes[x.ndim - 1];
   int64_t rows = 0; /* product of the leading dims (also when cols == 0) */
@@ -838,6 +868,20 @@ static int run_linear_fwd(AtenTensorHandle in[LFWD_NIN], int32_t x_fp8, int32_t 
     lnp.beta = lb.numel ? (const float*)lb.data : NULL;
     save_xt = true; /* the LayerNorm cast writes the transpose */
   }
+  {
+    const tinfo* written[2] = {&xa, cast_w ? &wa : NULL};
+    const char* wnames[2] = {"x_amax", "w_amax"};
+    for (int i = 0; i < 2; ++i) {
+      FP8OPS_TRY(require_slot_outside_of(op, written[i], wnames[i], &x, "x"));
+      FP8OPS_TRY(require_slot_outside_of(op, written[i], wnames[i], &w, "w"));
+      FP8OPS_TRY(require_slot_outside_of(op, written[i], wnames[i], &bias, "bias"));
+      if (ln) {
+        FP8OPS_TRY(require_slot_outside_of(op, written[i], wnames[i], &lw, "ln_weight"));
+        FP8OPS_TRY(require_slot_outside_of(op, written[i], wnames[i], &lb, "ln_bias"));
+        if (ln->res) FP8OPS_TRY(require_slot_outside_of(op, written[i], wnames[i], &res, "res"));
+      }
+    }
+  }
   const int64_t xsz[2] = {M, K}, xtsz[2] = {K, M}, wtsz[2] = {K, N}, zero[1] = {0};
   const int32_t w8_dtype = cast_w ? w_fp8 : w.dtype;
   FP8OPS_TRY(new_tensor(op, 2, xsz, x_fp8, &x, x8));
@@ -1072,6 +1116,9 @@ static int run_linear_bwd(const char* op, const char* gy, AtenTensorHandle in[LB
     const tinfo* slots[5] = {&ga, &gs, &gsi, need_dx ? &wsi : NULL, need_dw ? &xsi : NULL};
     const char* names[5] = {"g_amax", "g_scale", "g_scale_inv", "w_scale_inv", "x_scale_inv"};
     FP8OPS_TRY(require_slots_apart(op, 1, 5, slots, names));
+    if (!blocks) FP8OPS_TRY(require_slot_outside_of(op, &ga, "g_amax", &g, gy)); /* (blocks: the caller's) */
+    if (need_dx) FP8OPS_TRY(require_slot_outside_of(op, &ga, "g_amax", &wt, "w8t"));
+    if (need_dw) FP8OPS_TRY(require_slot_outside_of(op, &ga, "g_amax", &xt, "x8t"));
   }
   if (is_cuda(&g) && (need_dx || need_dw)) FP8OPS_TRY(require_gemm_dims(op, M, N, K));
   const int64_t zero[1] = {0}, tsz[2] = {N, M};
@@ -1105,6 +1152,7 @@ static int run_linear_bwd(const char* op, const char* gy, AtenTensorHandle in[LB
                    dtype_name(g.dtype), dtype_name(gi.dtype));
     FP8OPS_TRY(require_contiguous(op, "gelu_input", &gi));
     FP8OPS_TRY(require_same_device(op, "gelu_input", &gi, gy, &g));
+    FP8OPS_TRY(require_slot_outside_of(op, &ga, "g_amax", &gi, "gelu_input"));
     gelu_fused = is_cuda(&g) && fp8ops_dgelu_cast_fusable(g.data, gi.data, M, N, p8, p8t);
     if (!gelu_fused) {
       FP8OPS_TRY(new_tensor(op, 2, g.sizes, g.dtype, &g, &tmp[3]));
@@ -1225,6 +1273,15 @@ static int run_linear_bwd_cat(AtenTensorHandle in[LBWD_CAT_NIN], int32_t g_fp8, 
     blocks.cols[i] = n;
     blocks.ld[i] = ld;
     N += n;
+  }
+  {
+    tinfo ga;
+    FP8OPS_TRY(describe(op, "g_amax", in[6], &ga));
+    for (int i = 0; i < FP8OPS_MAX_BLOCKS; ++i) {
+      const int64_t rows = p[i].sizes[0], n = p[i].sizes[1];
+      const int64_t span = rows > 0 && n > 0 ? ((rows - 1) * blocks.ld[i] + n) * dtype_bytes(p[i].dtype) : 0;
+      FP8OPS_TRY(require_slot_outside(op, &ga, "g_amax", p[i].data, span, names[i]));
+    }
   }
   const int64_t M = p[0].sizes[0];
   /* the concatenation as the plain op sees it: [M, N], contiguous */

@@ -344,6 +344,60 @@ def test_amax_slots_apart_from_the_scales_read_beside_them(device):
     assert dx.shape == (32, 48)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_amax_slots_apart_from_the_operands_read_after_them(device):
+    """An amax slot inside an operand the op reads after writing the slot (x after the weight's
+    cast, the FP8 weight or the bias before the GEMM, dy before its bias-gradient sum, a
+    LayerNorm weight, gelu_input, a q/k/v block) gave wrong outputs and changed the read-only
+    operand, silently (a probe's finding). Refused before anything is written, naming both."""
+    x, w8, sx, sx_inv, sw_inv = _fwd_inputs(32, 48, 16, device)
+    w = torch.randn(16, 48, device=device)
+    one = torch.ones(1, device=device)
+    x32 = x.float()
+    xs = x32.clone()
+    with pytest.raises(RuntimeError, match=r"cast_accumulate: amax lies inside x's memory; the op writes amax "
+                                           r"while it reads x: pass an amax slot of its own"):
+        ops.cast_accumulate(xs, one, xs.view(-1)[5:6])
+    with pytest.raises(RuntimeError, match=r"linear_fwd: w_amax lies inside x's memory"):
+        _fwd_call(device, x=xs, w=w, w_scale=one, w_amax=xs.view(-1)[0:1])()
+    w8s = w8.clone()
+    with pytest.raises(RuntimeError, match=r"linear_fwd: x_amax lies inside w's memory"):
+        _fwd_call(device, w=w8s, x_amax=w8s.view(-1)[4:8].view(torch.float32))()
+    bias = torch.zeros(16, dtype=torch.bfloat16, device=device)
+    with pytest.raises(RuntimeError, match=r"linear_fwd: x_amax lies inside bias's memory"):
+        _fwd_call(device, bias=bias, x_amax=bias[2:4].view(torch.float32))()
+    lw = torch.ones(48, device=device)
+    with pytest.raises(RuntimeError, match=r"ln_linear_fwd: w_amax lies inside ln_weight's memory"):
+        ops.ln_linear_fwd(x, lw, None, 1e-5, w, sx, torch.zeros(1, device=device), sx_inv, sw_inv,
+                          w_scale=one, w_amax=lw[47:48])
+    assert torch.equal(xs, x32) and torch.equal(w8s.float(), w8.float()) and not bias.any() and bool((lw == 1).all())
+    gy = torch.randn(32, 16, device=device)
+    w8t = torch.zeros(48, 16, dtype=E4, device=device)
+    x8t = torch.zeros(48, 32, dtype=E4, device=device)
+    gys = gy.clone()
+    with pytest.raises(RuntimeError, match=r"linear_bwd: g_amax lies inside gy's memory"):
+        ops.linear_bwd(gys, w8t, x8t, one, gys.view(-1)[0:1], one, one, one, need_db=True)
+    with pytest.raises(RuntimeError, match=r"linear_bwd: g_amax lies inside w8t's memory"):
+        ops.linear_bwd(gy, w8t, x8t, one, w8t.view(-1)[0:4].view(torch.float32), one, one, one)
+    with pytest.raises(RuntimeError, match=r"linear_bwd: g_amax lies inside x8t's memory"):
+        ops.linear_bwd(gy, w8t, x8t, one, x8t.view(-1)[8:12].view(torch.float32), one, one, one)
+    h = torch.randn(32, 16, device=device)
+    with pytest.raises(RuntimeError, match=r"linear_bwd: g_amax lies inside gelu_input's memory"):
+        ops.linear_bwd(gy, w8t, x8t, one, h.view(-1)[-1:], one, one, one, gelu_input=h)
+    qkv = torch.randn(32, 48, device=device)  # three [32, 16] blocks of one buffer, row stride 48
+    a, b, c = qkv.split(16, dim=1)
+    with pytest.raises(RuntimeError, match=r"linear_bwd_cat: g_amax lies inside gy_b's memory"):
+        torch.ops.fp8ops.linear_bwd_cat(a, b, c, torch.zeros(48, 48, dtype=E4, device=device), x8t, one,
+                                        qkv[31, 16:17], one, one, one, E5, torch.bfloat16, torch.float32,
+                                        True, True)
+    assert torch.equal(gys, gy) and not w8t.float().any() and not x8t.float().any()
+    # a slot right after an operand's last element, in the same buffer, is apart from it: it runs
+    buf = torch.zeros(32 * 16 + 1, device=device)
+    g2 = buf[:-1].view(32, 16).copy_(gy)
+    dx, dw, _ = ops.linear_bwd(g2, w8t, x8t, one, buf[-1:], one, one, one)
+    assert buf[-1].item() == gy.abs().max().item()
+
+
 @pytest.mark.parametrize("device", FP8_DEVICES)
 def test_public_ops_that_write_scaling_state_bump_its_version(device):
     """The C ops write amax slots, scales and histories through data pointers, which autograd
