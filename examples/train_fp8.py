@@ -3,7 +3,7 @@
 It shows the three lines a training script adds (`add_fp8_args`, `prepare_model`, and saving
 `fp8ops.scaling_state_dict` next to the model), together with everything a real run needs: a
 byte-level GPT-2 on a corpus that needs no download, checkpoints (latest, periodic, best) with
-`--resume`, TensorBoard, a progress bar, periodic evaluation, Ctrl-C that saves, and a
+`--resume`, TensorBoard, a progress bar, periodic evaluation, Ctrl-C (or SIGTERM) that saves, and a
 metrics.json for comparing FP8 with BF16.
 
     python examples/train_fp8.py --use_fp8                          # GPU: GPT-2 124M in FP8
@@ -56,10 +56,20 @@ CORPUS_MAX_BYTES = 8 << 20
 # ------------------------------------------------------------------------------------------------
 # arguments
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """torch-style help with defaults, except where there is none to show (None, an off switch)
+    or the help names its own (a default that depends on the device or another flag)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Train a byte-level GPT-2 with FP8 linear layers (fp8ops, torchao or TE).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", choices=list(PRESETS), default=None,
                    help="size preset: tiny (d128 L2, CPU smoke tests), small (GPT-2 124M), "
@@ -88,9 +98,10 @@ def parse_args(argv=None):
     o.add_argument("--min_lr", type=float, default=None, help="final lr of the cosine (default lr/10)")
     o.add_argument("--warmup_steps", type=int, default=None,
                    help="linear warm-up steps (default: min(100, steps/10))")
-    o.add_argument("--weight_decay", type=float, default=0.1)
+    o.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay of the weight matrices "
+                   "(biases and norm gains: none)")
     o.add_argument("--grad_clip", type=float, default=1.0, help="max grad norm; 0 disables")
-    o.add_argument("--seed", type=int, default=1337)
+    o.add_argument("--seed", type=int, default=1337, help="random seed: initial weights, batches, dropout")
 
     r = p.add_argument_group("run")
     r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -150,6 +161,12 @@ def parse_args(argv=None):
                            ("max_time_min", args.max_time_min is None or args.max_time_min > 0, "positive")):
         if not ok:
             p.error(f"--{name} must be {want} (got {getattr(args, name)})")
+    if args.min_lr is not None and args.min_lr > args.lr:
+        p.error(f"--min_lr {args.min_lr} must be at most --lr {args.lr} (the schedule decays from --lr "
+                "to --min_lr)")
+    if args.warmup_steps is not None and args.warmup_steps > args.steps:
+        p.error(f"--warmup_steps {args.warmup_steps} must be at most --steps {args.steps} (a warm-up "
+                "longer than the run never reaches --lr)")
     if args.n_embd is not None and args.n_head is not None and args.n_embd % args.n_head:
         p.error(f"--n_embd {args.n_embd} must be a multiple of --n_head {args.n_head}")
     if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
@@ -194,7 +211,8 @@ def load_data(args, device, block_size):
         raw, desc = default_corpus()
     need = 10 * (block_size + 2)  # (10 % of it validates: more than block_size + 1 bytes)
     if len(raw) < need:
-        raise SystemExit(f"--data {desc}: {len(raw):,} bytes; with a context of {block_size} (--block_size) "
+        where = f"--data {desc}" if args.data else f"the default corpus ({desc})"
+        raise SystemExit(f"{where}: {len(raw):,} bytes; with a context of {block_size} (--block_size) "
                          f"it needs at least {need:,} (10 % of it is the validation split): use a larger "
                          f"file or a smaller --block_size")
     tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -240,7 +258,7 @@ def _json_safe(obj):
 
 # the flags that make up a run's recipe: a resume that changes one of them says so
 RECIPE_FLAGS = ("steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "batch_size",
-                "grad_accum", "data", "seed", "use_fp8", "fp8_backend", "fp8_fallback", "fp8_recipe",
+                "grad_accum", "data", "seed", "dtype", "use_fp8", "fp8_backend", "fp8_fallback", "fp8_recipe",
                 "fp8_format", "fp8_margin", "fp8_interval", "fp8_amax_history_len",
                 "fp8_amax_compute_algo", "fp8_policy")
 # model-shape flags: a resume takes the checkpoint's shape
@@ -254,7 +272,11 @@ def resume_differences(args, saved: dict, model_config: dict) -> list[str]:
     lines = []
     for name in RECIPE_FLAGS:
         if name in saved and getattr(args, name) != saved[name]:
-            lines.append(f"--{name} {getattr(args, name)} (the checkpoint's run: {saved[name]})")
+            if name == "seed":  # (the resume restores the random state the checkpoint saved)
+                lines.append(f"--seed {args.seed} ignored: the run continues from the checkpoint's random "
+                             f"state (its run's seed: {saved[name]})")
+            else:
+                lines.append(f"--{name} {getattr(args, name)} (the checkpoint's run: {saved[name]})")
     for name in SHAPE_FLAGS:
         given = getattr(args, name)
         if given is None:
@@ -321,21 +343,31 @@ def make_optimizer(model, args, device):
 
 
 # ------------------------------------------------------------------------------------------------
-# Ctrl-C: the first one stops at the end of the current step and saves; a second one aborts.
+# Ctrl-C or SIGTERM: the first one stops at the end of the current step and saves; a second one aborts.
 
 class StopOnInterrupt:
+    """Ctrl-C (SIGINT), or SIGTERM (`timeout`, a scheduler's preemption: SLURM and Kubernetes
+    send it before killing), stops the run after the current step with a checkpoint; the same
+    signal again goes to the handler that was there before (Ctrl-C: abort without saving)."""
+
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+
     def __init__(self, log):
-        self.requested = False
+        self.requested = None  # the signal's name, once one came
+        self.code = 0          # the exit status it asks for
         self.log = log
-        self.previous = signal.signal(signal.SIGINT, self._handler)
+        self.previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
 
     def _handler(self, signum, frame):
-        self.requested = True
-        self.log("Ctrl-C: saving a checkpoint after this step (Ctrl-C again to abort without saving)")
-        signal.signal(signal.SIGINT, self.previous)
+        self.requested = self.SIGNALS.get(signum, str(signum))
+        self.code = 128 + signum  # (the shell's exit status for a process ended by that signal)
+        self.log(f"{self.SIGNALS.get(signum, signum)}: saving a checkpoint after this step (the same signal "
+                 "again aborts without saving)")
+        signal.signal(signum, self.previous[signum])
 
     def restore(self):
-        signal.signal(signal.SIGINT, self.previous)
+        for sig, previous in self.previous.items():
+            signal.signal(sig, previous)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -384,7 +416,13 @@ def _main(argv=None):
     args = parse_args(argv)
     t_start = time.time()
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(out_dir, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        raise SystemExit(f"--out_dir {out_dir}: cannot write there ({e.strerror or e}); name a directory "
+                         "this user can create or write") from None
 
     # --- device and precision ---------------------------------------------------------------------
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -423,8 +461,10 @@ def _main(argv=None):
             cfg = GPTConfig(**ckpt["model_config"])
             ckpt["step"], ckpt["model"]  # noqa: B018 -- what a resume reads first
         except Exception as e:  # noqa: BLE001 -- any unreadable file gets the same answer
-            raise SystemExit(f"--resume {resume_path}: not a checkpoint this script wrote "
-                             f"({type(e).__name__}: {str(e)[:200]})") from None
+            raise SystemExit(f"--resume {resume_path}: not readable as a checkpoint of this script "
+                             f"(truncated or damaged, or another program's: {type(e).__name__}: "
+                             f"{str(e)[:200].rstrip()}); resume from another of its out_dir's "
+                             f"checkpoints (ckpt_step*.pt, ckpt_best.pt) with --resume PATH") from None
         saved_backend = ckpt.get("fp8_backend", "bf16")
         saved_dtype = (ckpt.get("args") or {}).get("dtype")  # (bf16, fp32, or auto: the device's)
         trained_with = (f"trained with {saved_backend} FP8" if saved_backend != "bf16" else "trained without FP8"
@@ -452,7 +492,8 @@ def _main(argv=None):
         # lets a BF16 checkpoint continue in FP8 and the other way round.
         model.load_state_dict(ckpt["model"])
     model.to(device)
-    print(f"model: GPT-2 {cfg.n_layer} layers, {cfg.n_head} heads, d{cfg.n_embd}, context "
+    kind = "Llama-style" if cfg.arch == "llama" else "GPT-2"
+    print(f"model: {kind} {cfg.n_layer} layers, {cfg.n_head} heads, d{cfg.n_embd}, context "
           f"{cfg.block_size}, {model.num_params() / 1e6:.1f}M parameters")
 
     model, fp8_info = prepare_model(model, args, logger=print, module_filter_fn=LM_HEAD_FILTER,
@@ -615,8 +656,8 @@ def _main(argv=None):
         print(f"the checkpoint is at step {start_step}, already >= --steps {args.steps}: "
               "nothing to train (raise --steps to continue)")
     else:
-        print(f"training steps {start_step}..{args.steps}: {tokens_per_step:,} tokens per step; "
-              f"writing to {out_dir}")
+        log(f"training steps {start_step}..{args.steps}: {tokens_per_step:,} tokens per step; "  # (above the bar)
+            f"writing to {out_dir}")
     stopper = StopOnInterrupt(log)
     step, stop_reason, diverged = start_step, None, None
     pending = []                     # (step, loss tensor): read back at log steps, not every step
@@ -640,7 +681,7 @@ def _main(argv=None):
     try:
         while step < args.steps:
             if stopper.requested:
-                stop_reason = "interrupted (Ctrl-C)"
+                stop_reason = f"interrupted ({stopper.requested})"
             elif args.max_time_min is not None and time.time() - t_start > 60 * args.max_time_min:
                 stop_reason = f"--max_time_min {args.max_time_min} reached"
             if dinfo.world > 1:
@@ -793,7 +834,7 @@ def _main(argv=None):
         # the FP8 line above says what they ran)
         print()
         report(model)
-    return 130 if stop_reason == "interrupted (Ctrl-C)" else 0
+    return stopper.code if stopper.requested and stop_reason == f"interrupted ({stopper.requested})" else 0
 
 
 TRAIN_LOSS_WINDOW = 10  # (the train loss the logs and the summary give: a mean of the last steps)

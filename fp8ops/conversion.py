@@ -209,6 +209,11 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
     log.info("fp8ops: %d of %d linear layers converted to FP8 (%s)", n_fp8, len(decisions), config.short_str())
     if n_fp8 == 0 and decisions:
         warnings.warn("fp8ops: no layer was converted to FP8; see fp8ops.report(model) for the reasons", stacklevel=2)
+    elif not decisions:
+        scripted = isinstance(model, torch.jit.ScriptModule)
+        warnings.warn("fp8ops: the model has no nn.Linear (or transformers Conv1D) layer; nothing was converted"
+                      + (" (a TorchScript module's layers are compiled code: convert the model before "
+                         "torch.jit.script)" if scripted else ""), stacklevel=2)
     _store(model, decisions)
     return model
 

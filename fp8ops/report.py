@@ -87,6 +87,8 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     BF16; compiled code does not count). Prints a table
     unless print_table=False.
     Reading the scales synchronises with the GPU once."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"report: model must be an nn.Module, found {type(model).__name__}")
     fold_grad_amax([m for m in model.modules() if isinstance(m, Fp8Linear)])  # (compiled backwards' dy amaxes)
     decisions = decisions_of(model)
     rows = []

@@ -542,6 +542,21 @@ def test_report_of_a_layer_replaced_after_conversion_says_so(monkeypatch):
     assert rows["1"]["reason"] == "replaced after conversion by a plain layer; call fp8ops.convert(model) again"
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (torch.jit.script is deprecated in torch 2.11)
+def test_convert_of_a_model_without_linear_layers_says_so(monkeypatch):
+    """A model with no linear layer (or a TorchScript module, whose layers are compiled code)
+    was returned unconverted without a word; report(None) raised an AttributeError."""
+    monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
+    with pytest.warns(UserWarning, match=r"no nn.Linear \(or transformers Conv1D\) layer; nothing was converted$"):
+        fp8ops.convert(nn.Sequential(nn.ReLU(), nn.LayerNorm(16)))
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(16, 16)))
+    with pytest.warns(UserWarning, match=r"nothing was converted \(a TorchScript module's layers .* before "
+                                         r"torch.jit.script\)"):
+        fp8ops.convert(scripted)
+    with pytest.raises(TypeError, match="report: model must be an nn.Module, found NoneType"):
+        fp8ops.report(None)
+
+
 def test_report_reads_the_running_amax_until_the_first_update_under_an_interval(monkeypatch):
     """Under interval > 1 the first steps roll nothing: the report shows row 0's running
     maxima (the casts' amaxes so far), not the zeros of a history row no update has written."""

@@ -538,7 +538,9 @@ def test_example_refuses_bad_arguments_before_building_anything(argv, said):
     (["--dropout", "2"], "--dropout must be in [0, 1) (got 2.0)"),
     (["--warmup_steps", "-5"], "--warmup_steps must be at least 0 (got -5)"),
     (["--n_embd", "128", "--n_head", "3"], "--n_embd 128 must be a multiple of --n_head 3"),
-    (["--data", "/"], "--data /: is a directory")])
+    (["--data", "/"], "--data /: is a directory"),
+    (["--lr", "1e-3", "--min_lr", "0.5"], "--min_lr 0.5 must be at most --lr 0.001"),
+    (["--warmup_steps", "5"], "--warmup_steps 5 must be at most --steps 2")])
 def test_example_names_the_bad_flag(argv, said, capsys):
     """Flags torch would refuse later with a traceback (AdamW, nn.Dropout, the model) are
     refused at parse time, by name."""
@@ -546,6 +548,26 @@ def test_example_names_the_bad_flag(argv, said, capsys):
     with pytest.raises(SystemExit) as e:
         train_fp8.parse_args(["--steps", "2", *argv])
     assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_an_out_dir_that_cannot_be_made_is_named(tmp_path):
+    """--out_dir under a file (or where this user may not write) ended in a traceback from
+    mkdir; it is named with the reason."""
+    (tmp_path / "afile").write_text("x")
+    r = run_example(*SMALL_RUN, "--steps", "2", "--device", "cpu", "--out_dir", str(tmp_path / "afile" / "sub"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"--out_dir {tmp_path / 'afile' / 'sub'}: cannot write there (Not a directory)" in r.stderr
+
+
+def test_a_resume_names_a_changed_seed_as_ignored_and_a_changed_dtype():
+    """The resume restores the checkpoint's random state, so a new --seed changes nothing (it
+    was listed as a change); a new --dtype was not listed."""
+    import train_fp8
+    args = train_fp8.parse_args(["--seed", "1", "--dtype", "bf16"])
+    saved = {**vars(train_fp8.parse_args([])), "seed": 1337, "dtype": "fp32"}
+    lines = train_fp8.resume_differences(args, saved, {})
+    assert "--seed 1 ignored: the run continues from the checkpoint's random state (its run's seed: 1337)" in lines
+    assert "--dtype bf16 (the checkpoint's run: fp32)" in lines
 
 
 def test_a_head_count_the_presets_width_does_not_divide_is_refused_by_name():
@@ -636,10 +658,12 @@ def test_tensorboard_gets_the_steps_after_the_last_log_step(monkeypatch, tmp_pat
         def __init__(self, log):
             self.asked = 0
 
+        code = 130
+
         @property
         def requested(self):  # asked once before each step
             self.asked += 1
-            return self.asked > 5
+            return "Ctrl-C" if self.asked > 5 else None
 
         def restore(self):
             pass
@@ -758,7 +782,8 @@ def test_resume_from_a_file_that_is_no_checkpoint_says_so(tmp_path):
     bad = tmp_path / "notes.pt"
     torch.save({"hello": 1}, bad)
     r = run_example(*SMALL_RUN, "--steps", "2", "--device", "cpu", "--out_dir", str(tmp_path), "--resume", str(bad))
-    assert r.returncode == 1 and "not a checkpoint this script wrote" in r.stderr, r.stdout + r.stderr
+    assert r.returncode == 1 and "not readable as a checkpoint of this script" in r.stderr, r.stdout + r.stderr
+    assert "ckpt_step*.pt, ckpt_best.pt" in r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -769,7 +794,10 @@ def test_help_describes_default_corpus():
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT delivery differs on Windows")
-def test_ctrl_c_saves_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("sig, name", [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
+def test_ctrl_c_saves_a_checkpoint(tmp_path, sig, name):
+    """Ctrl-C, or SIGTERM (`timeout`, a scheduler's preemption), stops after the step with a
+    checkpoint; the exit status is the signal's (SIGTERM used to end the run unsaved)."""
     env = dict(os.environ, PYTHONPATH=str(Path(fp8ops.__file__).resolve().parent.parent))
     err = open(tmp_path / "stderr.txt", "w")
     proc = subprocess.Popen([sys.executable, str(EXAMPLES / "train_fp8.py"), *SMALL_RUN,
@@ -780,13 +808,13 @@ def test_ctrl_c_saves_a_checkpoint(tmp_path):
             if line.startswith("training steps"):
                 break
         time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         rest, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()
         err.close()
-    assert proc.returncode == 130, rest
-    assert "interrupted (Ctrl-C)" in rest
+    assert proc.returncode == 128 + sig, rest
+    assert f"interrupted ({name})" in rest
     ckpt = torch.load(tmp_path / "ckpt_latest.pt", map_location="cpu", weights_only=True)
     assert ckpt["step"] > 0
 
