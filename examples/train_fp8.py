@@ -272,9 +272,9 @@ def resume_differences(args, saved: dict, model_config: dict) -> list[str]:
     lines = []
     for name in RECIPE_FLAGS:
         if name in saved and getattr(args, name) != saved[name]:
-            if name == "seed":  # (the resume restores the random state the checkpoint saved)
-                lines.append(f"--seed {args.seed} ignored: the run continues from the checkpoint's random "
-                             f"state (its run's seed: {saved[name]})")
+            if name == "seed":  # (the resume keeps the run's seed: _main sets it back)
+                lines.append(f"--seed {args.seed} ignored: the run keeps its seed, {saved[name]} (its random "
+                             "state and validation batches continue)")
             else:
                 lines.append(f"--{name} {getattr(args, name)} (the checkpoint's run: {saved[name]})")
     for name in SHAPE_FLAGS:
@@ -347,8 +347,11 @@ def make_optimizer(model, args, device):
 
 class StopOnInterrupt:
     """Ctrl-C (SIGINT), or SIGTERM (`timeout`, a scheduler's preemption: SLURM and Kubernetes
-    send it before killing), stops the run after the current step with a checkpoint; the same
-    signal again goes to the handler that was there before (Ctrl-C: abort without saving)."""
+    send it before killing), stops the run after the current step with a checkpoint. A second
+    Ctrl-C goes to the handler that was there before (abort without saving); SIGTERM stays
+    caught until the final save is written, since automation may send it twice (torchrun passes
+    its own SIGTERM on to workers a job-wide signal already reached): the hard stop is the
+    scheduler's SIGKILL."""
 
     SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
@@ -359,15 +362,18 @@ class StopOnInterrupt:
         self.previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
 
     def _handler(self, signum, frame):
-        self.requested = self.SIGNALS.get(signum, str(signum))
-        self.code = 128 + signum  # (the shell's exit status for a process ended by that signal)
-        self.log(f"{self.SIGNALS.get(signum, signum)}: saving a checkpoint after this step (the same signal "
-                 "again aborts without saving)")
-        signal.signal(signum, self.previous[signum])
+        if self.requested is None:
+            self.requested = self.SIGNALS[signum]
+            self.code = 128 + signum  # (the shell's exit status for a process ended by that signal)
+            self.log(f"{self.requested}: saving a checkpoint after this step"
+                     + (" (Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""))
+        if signum == signal.SIGINT:
+            signal.signal(signum, self.previous[signum])
 
-    def restore(self):
-        for sig, previous in self.previous.items():
-            signal.signal(sig, previous)
+    def restore(self, *signals):
+        """Put the handlers that were there before back (those of `signals`, or all)."""
+        for sig in signals or tuple(self.previous):
+            signal.signal(sig, self.previous[sig])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -472,6 +478,9 @@ def _main(argv=None):
         print(f"resume: {resume_path} (step {ckpt['step']}, {trained_with}); model shape from the checkpoint")
         for line in resume_differences(args, ckpt.get("args") or {}, ckpt["model_config"]):
             print(f"resume: {line}")
+        if "seed" in (ckpt.get("args") or {}):
+            # (the evaluation's batches and the fallback reseed derive from it: the run's own)
+            args.seed = ckpt["args"]["seed"]
         saved_world = ckpt.get("world_size")  # (not in checkpoints before the twenty-eighth session)
         if saved_world is not None and saved_world != dinfo.world:
             print(f"resume: {dinfo.world} rank(s) (the checkpoint's run: {saved_world}): the global batch, "
@@ -774,9 +783,13 @@ def _main(argv=None):
         print(f"\naborted during step {step + 1}; last checkpoint: "
               f"{'step %d (ckpt_latest.pt)' % last_saved if last_saved else 'none from this run'}"
               + (f"; best: step {best_saved} (ckpt_best.pt)" if best_saved else ""))
-        return 130
-    finally:
         stopper.restore()
+        return 130
+    except BaseException:
+        stopper.restore()
+        raise
+    finally:
+        stopper.restore(signal.SIGINT)  # (SIGTERM stays caught through the final save below)
         fp8_log.removeHandler(_FP8OPS_LOG)
         fp8_log.setLevel(fp8_log_saved[0])
         fp8_log.propagate = fp8_log_saved[1]
@@ -787,9 +800,12 @@ def _main(argv=None):
     # (a resume with nothing to train leaves the finished run's checkpoint and metrics.json as they
     # are: rewritten, they would carry this invocation's flags, e.g. BF16 without --use_fp8)
     trained = step > start_step
-    if trained and last_saved != step and not diverged:
-        checkpoint(step, "ckpt_latest.pt")
-    summary = write_metrics(step, save=trained)
+    try:
+        if trained and last_saved != step and not diverged:
+            checkpoint(step, "ckpt_latest.pt")
+        summary = write_metrics(step, save=trained)
+    finally:
+        stopper.restore()
     if writer is not None:
         # the steps after the last log step (a stop between two, or the divergence's window)
         for s_, l_ in zip(metrics["steps"][tb_from:], metrics["train_loss"][tb_from:]):

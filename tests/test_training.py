@@ -566,7 +566,7 @@ def test_a_resume_names_a_changed_seed_as_ignored_and_a_changed_dtype():
     args = train_fp8.parse_args(["--seed", "1", "--dtype", "bf16"])
     saved = {**vars(train_fp8.parse_args([])), "seed": 1337, "dtype": "fp32"}
     lines = train_fp8.resume_differences(args, saved, {})
-    assert "--seed 1 ignored: the run continues from the checkpoint's random state (its run's seed: 1337)" in lines
+    assert "--seed 1 ignored: the run keeps its seed, 1337 (its random state and validation batches continue)" in lines
     assert "--dtype bf16 (the checkpoint's run: fp32)" in lines
 
 
@@ -665,7 +665,7 @@ def test_tensorboard_gets_the_steps_after_the_last_log_step(monkeypatch, tmp_pat
             self.asked += 1
             return "Ctrl-C" if self.asked > 5 else None
 
-        def restore(self):
+        def restore(self, *signals):
             pass
     monkeypatch.setattr(train_fp8, "StopOnInterrupt", StopBeforeStep6)
     code = train_fp8.main([*SMALL_RUN, "--steps", "20", "--log_every", "2", "--eval_every", "100",
@@ -794,10 +794,12 @@ def test_help_describes_default_corpus():
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT delivery differs on Windows")
-@pytest.mark.parametrize("sig, name", [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
-def test_ctrl_c_saves_a_checkpoint(tmp_path, sig, name):
+@pytest.mark.parametrize("sig, name, times", [(signal.SIGINT, "Ctrl-C", 1), (signal.SIGTERM, "SIGTERM", 1),
+                                              (signal.SIGTERM, "SIGTERM", 2)])
+def test_ctrl_c_saves_a_checkpoint(tmp_path, sig, name, times):
     """Ctrl-C, or SIGTERM (`timeout`, a scheduler's preemption), stops after the step with a
-    checkpoint; the exit status is the signal's (SIGTERM used to end the run unsaved)."""
+    checkpoint; the exit status is the signal's (SIGTERM used to end the run unsaved). A second
+    SIGTERM (torchrun passes its own on to workers a job-wide one reached) still saves."""
     env = dict(os.environ, PYTHONPATH=str(Path(fp8ops.__file__).resolve().parent.parent))
     err = open(tmp_path / "stderr.txt", "w")
     proc = subprocess.Popen([sys.executable, str(EXAMPLES / "train_fp8.py"), *SMALL_RUN,
@@ -808,7 +810,9 @@ def test_ctrl_c_saves_a_checkpoint(tmp_path, sig, name):
             if line.startswith("training steps"):
                 break
         time.sleep(1.0)
-        proc.send_signal(sig)
+        for _ in range(times):
+            proc.send_signal(sig)
+            time.sleep(0.005)
         rest, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()
