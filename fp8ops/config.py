@@ -109,6 +109,12 @@ class Fp8Config:
         """True when no FP8 tensor core runs this format's GEMMs (all E5M2)."""
         return self.fp8_format == "e5m2"
 
+    def fuses(self, what: str) -> bool:
+        """Does a layer with this config take the fusion `what` ("gelu", "swiglu", "layernorm")?
+        Its flag on, and delayed scaling with FP8 GEMMs: the fused casts run only on delayed
+        scaling's steady path (current scaling's amax pass comes first; emulated GEMMs take BF16)."""
+        return self.recipe == "delayed" and not self.gemm_emulated and getattr(self, "fuse_" + what)
+
     def short_str(self) -> str:
         s = f"{self.recipe}/{self.fp8_format}"
         if self.recipe == "delayed":

@@ -98,7 +98,10 @@ def _roles(calls: dict, parent: nn.Module, name: str, uses: dict) -> tuple[str, 
         return None
     consumer = parent.get_submodule(user.target)
     # (a hook on the consumer would see h instead of gelu(h))
-    if not isinstance(consumer, Fp8Linear) or uses[id(consumer)] != 1 or hooked(consumer):
+    # (a layer converted earlier with fuse_gelu=False, or on current scaling, keeps its GELU
+    # apart: convert again with another config keeps each converted layer's config)
+    if not isinstance(consumer, Fp8Linear) or uses[id(consumer)] != 1 or hooked(consumer) \
+            or not consumer.fp8_config.fuses("gelu"):
         return None
     producer = None
     src = g.args[0]
@@ -107,7 +110,7 @@ def _roles(calls: dict, parent: nn.Module, name: str, uses: dict) -> tuple[str, 
             and src not in calls[ESCAPED] and _single(calls, src.target) is not None):
         p = parent.get_submodule(src.target)
         # (a hook on its output's gradient would see the gradient of gelu(h), not of h)
-        if isinstance(p, Fp8Linear) and uses[id(p)] == 1 and not hooked(p):
+        if isinstance(p, Fp8Linear) and uses[id(p)] == 1 and not hooked(p) and p.fp8_config.fuses("gelu"):
             producer = src.target
     return user.target, producer
 

@@ -82,8 +82,8 @@ def _consumer(calls: dict, parent: nn.Module, name: str, uses: dict) -> str | No
     if user.op != "call_module" or user.args != (node,) or user.kwargs or _single(calls, user.target) is None:
         return None
     lin = parent.get_submodule(user.target)
-    if not isinstance(lin, Fp8Linear) or uses[id(lin)] != 1 or hooked(lin):
-        return None
+    if not isinstance(lin, Fp8Linear) or uses[id(lin)] != 1 or hooked(lin) or not lin.fp8_config.fuses("layernorm"):
+        return None  # (a layer converted earlier with the fusion off, or on current scaling, keeps it off)
     return user.target
 
 

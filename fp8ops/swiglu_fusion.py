@@ -45,7 +45,8 @@ def fuse_swiglu(model: nn.Module) -> list[Fused]:
             continue  # not eligible, or routed differently in train and eval mode
         consumer, _ = roles.pop()  # (its producer needs nothing: the gradient is made here)
         lin = parent.get_submodule(consumer)
-        if lin.fp8_swiglu_input or lin.fp8_gelu_input or lin.fp8_ln_input is not None:
+        if lin.fp8_swiglu_input or lin.fp8_gelu_input or lin.fp8_ln_input is not None \
+                or not lin.fp8_config.fuses("swiglu"):  # (converted earlier with the fusion off: kept so)
             continue
         lin.fp8_swiglu_input = True
         setattr(parent, name, nn.Identity())

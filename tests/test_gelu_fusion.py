@@ -748,3 +748,21 @@ def test_a_hook_registered_after_the_fusion_warns_what_it_sees(monkeypatch):
         gelu_only.mlp.c_fc.register_forward_hook(lambda m, a, o: None)  # c_fc's input and output its own
         plain = convert_as_on_fp8_gpu(Block(), monkeypatch, fuse_gelu=False, fuse_layernorm=False)
         plain.mlp.c_proj.register_forward_pre_hook(lambda m, a: None)
+
+
+@pytest.mark.filterwarnings("ignore:fp8ops")
+@pytest.mark.parametrize("first", [dict(fuse_gelu=False), dict(recipe="current")])
+def test_convert_again_keeps_each_layers_own_fusion_choice(monkeypatch, first):
+    """A model converted with fuse_gelu=False (or on current scaling, which fuses nothing), then
+    converted again with the defaults: the layers keep their config, so their GELU stays apart
+    (the second call used to fuse it, against the config the layer shows)."""
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.act, self.proj = nn.Linear(64, 128), nn.GELU(approximate="tanh"), nn.Linear(128, 64)
+
+        def forward(self, x):
+            return self.proj(self.act(self.fc(x)))
+    m = convert_as_on_fp8_gpu(MLP(), monkeypatch, **first)
+    fp8ops.convert(m, config=fp8ops.Fp8Config(policy="always"))
+    assert isinstance(m.act, nn.GELU) and not m.proj.fp8_gelu_input and not m.fc.fp8_gelu_output
