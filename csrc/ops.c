@@ -1116,7 +1116,8 @@ static int run_linear_bwd(const char* op, const char* gy, AtenTensorHandle in[LB
     const tinfo* slots[5] = {&ga, &gs, &gsi, need_dx ? &wsi : NULL, need_dw ? &xsi : NULL};
     const char* names[5] = {"g_amax", "g_scale", "g_scale_inv", "w_scale_inv", "x_scale_inv"};
     FP8OPS_TRY(require_slots_apart(op, 1, 5, slots, names));
-    if (!blocks) FP8OPS_TRY(require_slot_outside_of(op, &ga, "g_amax", &g, gy)); /* (blocks: the caller's) */
+    if (!blocks) /* (blocks: the caller checked them) */
+      FP8OPS_TRY(require_slot_outside_of(op, &ga, "g_amax", &g, gy));
     if (need_dx) FP8OPS_TRY(require_slot_outside_of(op, &ga, "g_amax", &wt, "w8t"));
     if (need_dw) FP8OPS_TRY(require_slot_outside_of(op, &ga, "g_amax", &xt, "x8t"));
   }
@@ -1279,7 +1280,8 @@ static int run_linear_bwd_cat(AtenTensorHandle in[LBWD_CAT_NIN], int32_t g_fp8, 
     FP8OPS_TRY(describe(op, "g_amax", in[6], &ga));
     for (int i = 0; i < FP8OPS_MAX_BLOCKS; ++i) {
       const int64_t rows = p[i].sizes[0], n = p[i].sizes[1];
-      const int64_t span = rows > 0 && n > 0 ? ((rows - 1) * blocks.ld[i] + n) * dtype_bytes(p[i].dtype) : 0;
+      const int64_t span =
+          rows > 0 && n > 0 ? ((rows - 1) * blocks.ld[i] + n) * dtype_bytes(p[i].dtype) : 0;
       FP8OPS_TRY(require_slot_outside(op, &ga, "g_amax", p[i].data, span, names[i]));
     }
   }
