@@ -47,6 +47,7 @@ Validation (once, in the warm-up): every variant's first loss (same init, same b
 of BF16 eager's and its last warm-up loss within 3 %; all losses finite.
 """
 import argparse
+import contextlib
 import gc
 import math
 import statistics
@@ -349,6 +350,10 @@ def main() -> int:
     ap.add_argument("--fp8-policy", choices=("auto", "always"), default="auto",
                     help="fp8ops policy: auto = FP8 only where measured faster (the default users get)")
     ap.add_argument("--fp8-recipe", choices=("delayed", "current"), default="delayed")
+    ap.add_argument("--compiled-autograd", action="store_true",
+                    help="compiled variants: each step (forwards and backward) under compiled autograd, "
+                         "torch._dynamo.compiled_autograd._enable(torch.compile), as torchtitan's "
+                         "--compile.enable_compiled_autograd runs it")
     ap.add_argument("--json", metavar="PATH", help="write every number here")
     args = ap.parse_args()
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -418,11 +423,16 @@ def main() -> int:
                 row["note"] = note
                 fpt = flops_per_token(model, cfg)
 
+                compiled_autograd = args.compiled_autograd and v.endswith("compiled")
+                ca0 = torch._dynamo.utils.counters["compiled_autograd"]["captures"]
+
                 def step(i):
                     idx, tgt = batches[i % len(batches)]
-                    with torch.autocast(DEVICE, dtype=torch.bfloat16):
-                        _, loss = call(idx, tgt)
-                    loss.backward()
+                    with (torch._dynamo.compiled_autograd._enable(torch.compile) if compiled_autograd
+                          else contextlib.nullcontext()):
+                        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                            _, loss = call(idx, tgt)
+                        loss.backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     return loss.detach()
@@ -432,6 +442,10 @@ def main() -> int:
                 # GPT-2 small batch 8 on an H200, trial FP8 1.02x synced, then 0.89x timed)
                 losses = [float(t) for t in [step(i) for i in range(max(2, args.warmup))]]
                 row["warmup_losses"] = losses
+                if compiled_autograd:  # (the backward graphs compiled autograd captured: it ran)
+                    row["compiled_autograd_captures"] = torch._dynamo.utils.counters["compiled_autograd"]["captures"] - ca0
+                    row["note"] += (f"{'; ' if row['note'] else ''}compiled autograd, "
+                                    f"{row['compiled_autograd_captures']} capture(s)")
                 if v.endswith("compiled"):
                     row["graph_breaks"] = graph_breaks() - gb0
                     # (compile scope "blocks": one graph serves every block; fp8ops makes two, for

@@ -17,7 +17,7 @@ import torch
 
 from . import ops
 from .linear import (V_H, V_S, V_SI, W, X, _check_scales_unchanged, _current_scale, _keep_context,
-                     _keep_scales, _once_differentiable, _scaled_grad_output)
+                     _keep_scales, _once_differentiable, _scaled_grad_output, _take_scales)
 
 
 def mm_dequant(a8: torch.Tensor, b8: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -54,8 +54,8 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
         if bias is not None:
             # the bias as it is (no bf16 rounding: that is a cuBLASLt FP8 rule, not needed here)
             y = y + bias.float()
-        sx_inv = _keep_scales(ctx, views, static)
-        ctx.save_for_backward(x8 if need_wgrad else None, w8, sx_inv)
+        sx_inv, *scales = _keep_scales(ctx, views, static)
+        ctx.save_for_backward(x8 if need_wgrad else None, w8, sx_inv, *scales)
         _keep_context(ctx, views, static, weight, bias, x2)
         # A view, not the product tensor itself: returned directly, torch.compile (2.11)
         # traced this backward with a zero gradient (test_e5m2_compiled_matches_eager_cpu).
@@ -65,7 +65,7 @@ class Fp8LinearEmulatedFn(torch.autograd.Function):
     @_once_differentiable  # as linear._Fp8LinearFn's
     def backward(ctx, gy):
         _check_scales_unchanged(ctx)
-        x8, w8, sx_inv = ctx.saved_tensors
+        x8, w8, sx_inv = _take_scales(ctx, ctx.saved_tensors)
         x_dtype, w_dtype, g_dtype, out_dtype, _fast, current, margin, need_wgrad, need_dgrad, delayed, *_gelu = \
             ctx.static
         # (compiled: cast_accumulate declares its write to the amax slot, so here a second

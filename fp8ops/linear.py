@@ -110,15 +110,17 @@ def _is_padded(t: torch.Tensor) -> bool:
 
 def _saved_tensors_hooks_under_compile() -> bool:
     """Are saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu) active
-    while torch.compile traces an Fp8Linear on delayed scaling? Run at trace time, its answer a
-    constant of the graph (dynamo does not guard on such Python hooks: a graph keeps what it was
-    traced with). Such a graph saves the layer's padded fp8_scale_inv (stride 4: cuBLASLt's
-    aligned scale pointers) for its backward; hooks that copy what is saved hand the backward a
-    contiguous copy, which failed inductor's stride check, and with that check off dy's amaxes
-    came out NaN. Eager code keeps the scales on its context, out of the hooks' reach, and the
-    current recipe saves clones of them. So under hooks the traced layers run nn.Linear's
-    computation, saying so. torch.utils.checkpoint's own hooks keep what is saved (a holder, then
-    detach()ed views of the recomputation): not these."""
+    while torch.compile traces an Fp8Linear on delayed scaling, or under compiled autograd? Run
+    at trace time, its answer a constant of the graph (dynamo does not guard on such Python
+    hooks: a graph keeps what it was traced with). Such a graph saves the layer's padded
+    fp8_scale_inv (stride 4: cuBLASLt's aligned scale pointers) for its backward; hooks that copy
+    what is saved hand the backward a contiguous copy, which failed inductor's stride check, and
+    with that check off dy's amaxes came out NaN. Under compiled autograd it also saves the
+    buffer the backward writes dy's amax into (_keep_scales), whose copy would take that write.
+    Eager code keeps the scales on its context, out of the hooks' reach, and the current recipe
+    saves clones of them. So under hooks the traced layers run nn.Linear's computation, saying
+    so. torch.utils.checkpoint's own hooks keep what is saved (a holder, then detach()ed views
+    of the recomputation): not these."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     if hooks is None or getattr(hooks[0], "__qualname__", "").startswith(_CHECKPOINT_HOOKS):
         return False
@@ -126,10 +128,11 @@ def _saved_tensors_hooks_under_compile() -> bool:
         "fp8ops: torch.compile traced Fp8Linear layers while saved-tensor hooks were active "
         "(torch.autograd.graph.saved_tensors_hooks or save_on_cpu): those layers run nn.Linear's "
         "computation in this graph, no FP8, since hooks that copy what is saved would hand the compiled "
-        "backward contiguous copies of the layers' padded scale buffers. To train them in FP8, run the "
-        "model eagerly under the hooks (eager Fp8Linear keeps its scales out of them), compile it "
-        "without the hooks (activation checkpointing instead of offloading), or use "
-        "Fp8Config(recipe=\"current\")", stacklevel=1)
+        "backward copies of the layers' padded scale buffers (delayed scaling) or of the buffer it writes "
+        "dy's amax into (compiled autograd). To train them in FP8, run the model eagerly under the hooks "
+        "(eager Fp8Linear keeps its scales out of them), compile it without the hooks (activation "
+        "checkpointing instead of offloading), or use Fp8Config(recipe=\"current\") without compiled "
+        "autograd", stacklevel=1)
     return True
 
 
@@ -233,7 +236,7 @@ def _apply(fn_cls, compiling: bool, *args):
 
 
 def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float, keep_history: bool = False,
-                   reduce=None, count: bool = True, into: tuple | None = None):
+                   reduce=None, count: bool = True):
     """Current (dynamic) scaling of one tensor: its amax now -> scale. Reuses
     amax_update with most_recent, so the rules (zero / non-finite amax keeps the
     previous scale) are the same code, and a NaN/inf amax is counted in the
@@ -245,25 +248,22 @@ def _current_scale(t2d: torch.Tensor, views: tuple, col: int, margin: float, kee
     (scaling.update_scales): a layer no optimizer steps (a frozen LoRA base)
     stays here and still counts. reduce(amax): in place, e.g. the max over the
     shards of an FSDP2 weight. count=False: a NaN/inf amax is left to the update to count (a
-    layer on delayed scaling whose dy alone is scaled here, scaling._unprimed). into: the
-    ([1] scale, [1] scale_inv) to set instead of the layer's, which writes nothing of the
-    layer's (compiled backward's copies, _scaled_grad_output)."""
+    layer on delayed scaling whose dy alone is scaled here, scaling._unprimed)."""
     history, scale, scale_inv, fp8_max = views[V_BUFFERS:V_BUFFERS + 4]
     with torch.no_grad():
         a = ops._amax_raw(t2d.detach())
         if reduce is not None:
             a = a.reshape(1)
             reduce(a)
-        if keep_history or into is not None:
+        if keep_history:
             h = a.reshape(1, 1)
         else:
             h = history[:1, col:col + 1]
             h.copy_(a.reshape(1, 1))
-        s, si = (scale[col:col + 1], scale_inv[col:col + 1]) if into is None else into
         # a NaN/inf amax keeps the previous scale; amax_update counts the event
         # in the same launch
-        ops._amax_update(h, s, si, fp8_max[col:col + 1], margin, "most_recent",
-                         overflow_count=views[V_OVERFLOW][col:col + 1] if count and into is None else None)
+        ops._amax_update(h, scale[col:col + 1], scale_inv[col:col + 1], fp8_max[col:col + 1], margin, "most_recent",
+                         overflow_count=views[V_OVERFLOW][col:col + 1] if count else None)
 
 
 def _scaled_grad_output(ctx, gy: torch.Tensor):
@@ -287,37 +287,80 @@ def _scaled_grad_output(ctx, gy: torch.Tensor):
     keep theirs until the step)."""
     static = ctx.static
     current, margin, delayed, current_g = static[5], static[6], static[9], static[12]
-    views = ctx.views
     g2 = gy.contiguous()
     if not ctx.compiled:
+        views = ctx.views
         if current_g:
             # (dy alone on its current scale, the layer on delayed scaling: the update counts its NaN/inf)
             _current_scale(g2, views, G, margin, keep_history=delayed, count=current)
         return g2, views[V_S + G], views[V_SI + G], views[V_H + G]
-    sg, sg_inv = ctx.g_scales
+    sg, sg_inv, fp8_max, g_amax = ctx.g_scales
     if current_g:
         sg, sg_inv = sg.clone(), sg_inv.clone()
-        _current_scale(g2, views, G, margin, into=(sg, sg_inv))
-    return g2, sg, sg_inv, views[V_GRAD_AMAX]
+        with torch.no_grad():
+            ops._amax_update(ops._amax_raw(g2.detach()).reshape(1, 1), sg, sg_inv, fp8_max[G:G + 1], margin,
+                             "most_recent")
+    return g2, sg, sg_inv, g_amax
 
 
-def _keep_scales(ctx, views: tuple, static: tuple) -> torch.Tensor:
-    """The scales backward reads besides dy's amax slot: returns x's scale_inv (to be saved);
-    keeps w's (ctx.sw_inv) and, in compiled code, dy's scale and scale_inv (ctx.g_scales).
-    Copies of those a later forward of the layer may write first: under current scaling
-    each forward rescales x (eager code reads w's and dy's live, as nothing else changes them
-    before this backward; compiled code's version checks would refuse the write)."""
+def _keep_scales(ctx, views: tuple, static: tuple) -> tuple:
+    """The scales backward reads besides x's: keeps w's scale_inv (ctx.sw_inv) in eager
+    code. Returns (x's scale_inv, *the rest), all to be saved with save_for_backward; the
+    rest is empty in eager code, and in compiled code w's scale_inv, dy's scale and
+    scale_inv, fp8_max and, under compiled autograd, dy's amax slot, which backward hands
+    to _take_scales. Copies of those a later forward of the layer may write first: under
+    current scaling each forward rescales x (eager code reads w's and dy's live, as nothing
+    else changes them before this backward; compiled code's version checks would refuse
+    the write).
+    Compiled autograd (torch._dynamo.compiled_autograd._enable) miscounts the inputs of an
+    AOT backward that reads tensors held on ctx, and failed (an IndexError in torch's
+    call_aot_bwd_prologue): compiled code saves them. Held on ctx, the amax slot reaches
+    the compiled backward as the layer's buffer itself; saved, saved-tensor hooks that copy
+    (save_on_cpu) would hand it a copy to write dy's amax into, lost. So the slot is saved
+    only where a forward is traced under compiled autograd (which the hooks then refuse:
+    Fp8Linear.forward)."""
     compiled = ctx.compiled = torch.compiler.is_compiling()
     sx_inv, sw_inv = views[V_SI + X], views[V_SI + W]
     if static[5]:
         sx_inv = sx_inv.clone()
         if compiled:
             sw_inv = sw_inv.clone()
-    ctx.sw_inv = sw_inv
-    if compiled:
-        sg, sg_inv = views[V_S + G], views[V_SI + G]
-        ctx.g_scales = (sg.clone(), sg_inv.clone()) if static[5] else (sg, sg_inv)
-    return sx_inv
+    if not compiled:
+        ctx.sw_inv = sw_inv
+        return (sx_inv,)
+    sg, sg_inv = views[V_S + G], views[V_SI + G]
+    if static[5]:
+        sg, sg_inv = sg.clone(), sg_inv.clone()
+    kept = (sw_inv, sg, sg_inv, views[V_BUFFERS + 3])
+    if _compiled_autograd_on():
+        ctx.g_amax_slot = None
+        kept += (views[V_GRAD_AMAX],)
+    else:
+        ctx.g_amax_slot = views[V_GRAD_AMAX]
+    ctx.n_kept = len(kept)
+    return (sx_inv, *kept)
+
+
+def _take_scales(ctx, saved: tuple) -> tuple:
+    """Backward's saved tensors: in compiled code sets ctx.sw_inv and ctx.g_scales = (dy's
+    scale, scale_inv, fp8_max, amax slot) from what _keep_scales saved after the others;
+    returns the others."""
+    if not ctx.compiled:
+        return saved
+    n = len(saved) - ctx.n_kept
+    ctx.sw_inv, sg, sg_inv, fp8_max, *slot = saved[n:]
+    ctx.g_scales = (sg, sg_inv, fp8_max, slot[0] if slot else ctx.g_amax_slot)
+    return saved[:n]
+
+
+def _compiled_autograd_on() -> bool:
+    """Is compiled autograd on where torch.compile traces a forward? Run at trace time, its
+    answer a constant of the graph (as _saved_tensors_hooks_under_compile's)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(ca, "compiled_autograd_enabled", False))
+
+
+_compiled_autograd_on._dynamo_marked_constant = True
 
 
 def swap_class(mod: nn.Module, cls: type, init) -> nn.Module:
@@ -386,9 +429,9 @@ class _Fp8LinearFn(torch.autograd.Function):
             w8t = w8t_new
             if store is not None:
                 store(w8_new, w8t_new)
-        sx_inv = _keep_scales(ctx, views, static)
+        sx_inv, *scales = _keep_scales(ctx, views, static)
         keep_x = act_in in (GELU_GRAD_HERE, SWIGLU_IN) and need_dgrad
-        ctx.save_for_backward(x8t, w8t, sx_inv, x2 if keep_x else None, y if gelu_out is not None else None)
+        ctx.save_for_backward(x8t, w8t, sx_inv, x2 if keep_x else None, y if gelu_out is not None else None, *scales)
         _keep_context(ctx, views, static, weight, bias, x2)
         return y
 
@@ -396,7 +439,7 @@ class _Fp8LinearFn(torch.autograd.Function):
     @_once_differentiable  # (a second derivative through FP8 casts is not computed: it raises)
     def backward(ctx, gy):
         _check_scales_unchanged(ctx)  # (before the saved tensors: their check would raise less clearly)
-        x8t, w8t, sx_inv, h, y = ctx.saved_tensors
+        x8t, w8t, sx_inv, h, y = _take_scales(ctx, ctx.saved_tensors)
         need_dx = ctx.static[8] and ctx.needs_input_grad[0]
         need_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
         dx, dw, db = _linear_grads(ctx, gy, x8t, w8t, sx_inv, y, need_dx, ctx.needs_input_grad[1], need_db)
@@ -414,14 +457,16 @@ class _Fp8LinearFn(torch.autograd.Function):
 
 
 def _keep_context(ctx, views, static, weight, bias, x2) -> None:
-    """What both autograd functions' backward reads besides the saved tensors."""
-    ctx.views, ctx.static = views, static
+    """What both autograd functions' backward reads besides the saved tensors (compiled
+    code: no tensor, see _keep_scales)."""
+    compiled = torch.compiler.is_compiling()
+    ctx.views, ctx.static = None if compiled else views, static
     ctx.w_dtype = weight.dtype
     ctx.b_dtype = None if bias is None else bias.dtype
     ctx.x2_dtype = x2.dtype
     # the scales' generation: a scale update (update_scales) or a state load between this
     # forward and its backward bumps it (eager only: compiled code keeps no Python context)
-    ctx.si_version = None if torch.compiler.is_compiling() else views[V_BUFFERS + 2]._version
+    ctx.si_version = None if compiled else views[V_BUFFERS + 2]._version
 
 
 def _check_scales_unchanged(ctx) -> None:
@@ -483,10 +528,10 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
             w8t = w8t_new
             if store is not None:
                 store(w8_new, w8t_new)
-        sx_inv = _keep_scales(ctx, views, static)
+        sx_inv, *scales = _keep_scales(ctx, views, static)
         # (not the shared empty "none": made under inference_mode it could not be saved)
         ctx.save_for_backward(x8t, w8t, sx_inv, x2, mean, rstd, ln_w, ln_b,
-                              None if ln_w is None else lw, y if gelu_out is not None else None)
+                              None if ln_w is None else lw, y if gelu_out is not None else None, *scales)
         _keep_context(ctx, views, static, weight, bias, x2)
         ctx.rms = rms
         return y
@@ -495,7 +540,7 @@ class _Fp8LayerNormLinearFn(torch.autograd.Function):
     @_once_differentiable  # (a second derivative through FP8 casts is not computed: it raises)
     def backward(ctx, gy):
         _check_scales_unchanged(ctx)  # (before the saved tensors: their check would raise less clearly)
-        x8t, w8t, sx_inv, x2, mean, rstd, ln_w, ln_b, lw, y = ctx.saved_tensors
+        x8t, w8t, sx_inv, x2, mean, rstd, ln_w, ln_b, lw, y = _take_scales(ctx, ctx.saved_tensors)
         need = ctx.needs_input_grad
         need_ln = need[0] or need[1] or need[2]
         need_db = ctx.b_dtype is not None and need[4]
@@ -1189,7 +1234,7 @@ class Fp8Linear(nn.Linear):
         # delayed scaling's first step casts with current scales (under torch.compile the
         # flag's flip at the first update costs one recompile)
         delayed = cfg.recipe == "delayed"
-        if compiling and delayed and _saved_tensors_hooks_under_compile():
+        if compiling and (delayed or _compiled_autograd_on()) and _saved_tensors_hooks_under_compile():
             return self._plain_forward(x)  # (it warned: see there)
         current = not delayed or not d["_fp8_delayed_ready"]
         # dy from its own amax: with x and w, or while no gradient has set dy's scale (scaling._unprimed)

@@ -249,6 +249,20 @@ def test_bench_train_compiles_ten_blocks_into_two_graphs_and_the_loss_apart(monk
     assert torch._dynamo.config.recompile_limit == limit  # (torch's, not raised for the run)
 
 
+def test_bench_train_compiled_autograd_trains_the_compiled_variants_under_it(monkeypatch, tmp_path):
+    """--compiled-autograd: the compiled variants' steps run under compiled autograd (its
+    captures counted in the row, which says so), train FP8 and validate; the eager ones do not."""
+    bench = _bench_train_on_cpu(monkeypatch, n_layer=1)
+    with torch.compiler.config.patch(force_disable_caches=True):
+        rc, result = _run_bench_train(bench, monkeypatch, tmp_path, "--variants", "fp8ops,fp8ops_compiled",
+                                      "--steps", "2", "--warmup", "3", "--compiled-autograd")
+    assert rc == 0 and not result["validation_failures"]
+    rows = {r["variant"]: r for r in result["rows"]}
+    row = rows["fp8ops_compiled"]
+    assert row["valid"] and row["fp8_layers_ran"] == 4 and row["compiled_autograd_captures"] >= 1, row
+    assert "compiled autograd" in row["note"] and "compiled_autograd_captures" not in rows["fp8ops"]
+
+
 def test_bench_train_compile_scope_model_keeps_the_loss_in_the_models_graph(monkeypatch, tmp_path, capsys):
     """--compile-scope model: one compiled model, the loss inside its graph (GPT.forward's), so no
     graph of its own (fp8ops: its two, delayed scaling's first step and the steps after); the

@@ -9,6 +9,7 @@ backward wrote the amax history, which its forward writes too, and those orders 
 "modified by an inplace operation"; now it folds dy's amax into fp8_grad_amax, which the
 optimizer step folds into the history (linear._scaled_grad_output, scaling.fold_grad_amax).
 These tests train the same steps eager and compiled, and compare them step by step."""
+import contextlib
 import copy
 import os
 import subprocess
@@ -164,6 +165,31 @@ def test_a_second_compiled_call_before_the_backward_trains_like_eager(monkeypatc
         fn = torch.compile(model) if compiled else model
         torch._dynamo.reset()
         runs.append(_train(model, fn, order, device))
+    _assert_runs_match(runs, recipe, device)
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("order", ["one call", "summed"])
+def test_compiled_autograd_over_compiled_forwards_trains_like_eager(monkeypatch, device, recipe, order):
+    """Compiled autograd (torch._dynamo.compiled_autograd._enable(torch.compile) around the
+    backward, as torchtitan's --compile.enable_compiled_autograd sets it) over compiled
+    forwards: the first backward failed in torch (an
+    IndexError in call_aot_bwd_prologue) while the compiled backward read the scales it
+    held on its autograd context; they are saved with save_for_backward now
+    (linear._keep_scales). Trains as eager code does, scaling state included, and the
+    backward ran compiled autograd's graph."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+    base = _model(monkeypatch, recipe, device)
+    runs = []
+    for compiled in (False, True):
+        model = copy.deepcopy(base)
+        torch._dynamo.reset()
+        counters.clear()
+        fn = torch.compile(model) if compiled else model
+        with torch._dynamo.compiled_autograd._enable(torch.compile) if compiled else contextlib.nullcontext():
+            runs.append(_train(model, fn, order, device, steps=4))
+    assert counters["compiled_autograd"]["captures"] >= 1
     _assert_runs_match(runs, recipe, device)
 
 

@@ -1384,6 +1384,27 @@ def test_compiled_layers_under_saved_tensor_hooks_run_bf16_and_say_so(monkeypatc
     assert fp8[1].fp8_amax_history.abs().sum() > 0
 
 
+def test_compiled_autograd_under_saved_tensor_hooks_runs_bf16_and_says_so(monkeypatch):
+    """Under compiled autograd a compiled graph saves the buffer its backward writes dy's
+    amax into (linear._keep_scales); hooks that copy what is saved would hand it a copy, and
+    dy's amax would be lost without a word. So on the current recipe too, layers traced
+    there under such hooks run nn.Linear's computation, with the warning; under compiled
+    autograd without hooks, FP8, dy's amaxes reaching the history."""
+    ca = torch._dynamo.compiled_autograd._enable(torch.compile)
+    model = convert_as_on_fp8_gpu(_ln_gelu_mlp(), monkeypatch, recipe="current")
+    torch._dynamo.reset()
+    with ca, pytest.warns(UserWarning, match=r"saved-tensor hooks .*no FP8.*compiled autograd"):
+        outs, model = _train_under(model, torch.compile(model, fullgraph=True), hooks=True)
+    assert all(m.fp8_amax_history.abs().sum() == 0 and m.fp8_grad_amax.abs().sum() == 0
+               for m in model if isinstance(m, Fp8Linear))  # (no FP8 cast ran)
+    fp8 = convert_as_on_fp8_gpu(_ln_gelu_mlp(), monkeypatch, recipe="current")
+    torch._dynamo.reset()
+    with torch._dynamo.compiled_autograd._enable(torch.compile), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*saved-tensor hooks")
+        _train_under(fp8, torch.compile(fp8, fullgraph=True), hooks=False)
+    assert fp8[1].fp8_amax_history[:, 2].abs().sum() > 0
+
+
 def _compiled_runs(monkeypatch, wrap, **cfg):
     """(outputs, model) of the compiled converted model, called plainly and through wrap(fn, x),
     with a warning about saved-tensor hooks an error."""
