@@ -117,8 +117,9 @@ def _saved_tensors_hooks_under_compile() -> bool:
     what is saved hand the backward a contiguous copy, which failed inductor's stride check, and
     with that check off dy's amaxes came out NaN. Under compiled autograd it also saves the
     buffer the backward writes dy's amax into (_keep_scales), whose copy would take that write.
-    Eager code keeps the scales on its context, out of the hooks' reach, and the current recipe
-    saves clones of them. So under hooks the traced layers run nn.Linear's computation, saying
+    Eager code keeps w's and dy's scales and dy's amax slot on its context, out of the hooks'
+    reach (x's scale_inv, saved, is only read, by a C op that takes any stride), and the current
+    recipe saves clones of them. So under hooks the traced layers run nn.Linear's computation, saying
     so. torch.utils.checkpoint's own hooks keep what is saved (a holder, then detach()ed views
     of the recomputation): not these."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
@@ -458,7 +459,7 @@ class _Fp8LinearFn(torch.autograd.Function):
 
 def _keep_context(ctx, views, static, weight, bias, x2) -> None:
     """What both autograd functions' backward reads besides the saved tensors (compiled
-    code: no tensor, see _keep_scales)."""
+    code: no view of the layer's buffers; _keep_scales holds the amax slot)."""
     compiled = torch.compiler.is_compiling()
     ctx.views, ctx.static = None if compiled else views, static
     ctx.w_dtype = weight.dtype

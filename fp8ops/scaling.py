@@ -381,6 +381,7 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
 # data pointers of fp8_grad_amax slots that compiled backwards wrote (linear_bwd_sink and
 # linear_bwd_cat note each write in C: csrc/amax_writes.c) and no fold has read yet
 _WRITTEN: set = set()
+_LOST_WRITE_WARNED = [False]  # (fold_grad_amax's warning about writes no live layer holds: once)
 
 
 def _written_grad_amaxes() -> set | None:
@@ -442,6 +443,7 @@ def fold_grad_amax(layers: list[Fp8Linear], every_live: bool = False) -> None:
     # forgets none, so the next one reads them again)
     read: list = []
     seen = set(written) if every_live and written is not None else None
+    held: set = set()      # the live layers' fp8_grad_amax data pointers (every_live: seen - held was lost)
     delayed: dict = {}     # device -> (row 0's dy slots, fp8_grad_amax), as int32
     current: dict = {}     # device -> (row 0's dy slots, fp8_grad_amax): the current recipe's
     scale_jobs: dict = {}  # device -> amax_update_many jobs: the current recipe's CUDA layers
@@ -455,6 +457,7 @@ def fold_grad_amax(layers: list[Fp8Linear], every_live: bool = False) -> None:
             if hb is None or gb is None or ob is None:
                 continue
             gp = gb.data_ptr()
+            held.add(gp)
             if c is None or c.hb is not hb or c.gb is not gb or c.ob is not ob \
                     or c.ptrs != (hb.data_ptr(), gp, ob.data_ptr()):
                 if hb.is_meta:
@@ -520,7 +523,19 @@ def fold_grad_amax(layers: list[Fp8Linear], every_live: bool = False) -> None:
             torch._foreach_zero_(found[1])
     _WRITTEN.difference_update(read)
     if seen is not None:
-        _WRITTEN.difference_update(seen)  # (what no live layer holds: a freed layer's slots)
+        lost = seen.difference(held)
+        if lost and not _LOST_WRITE_WARNED[0]:
+            _LOST_WRITE_WARNED[0] = True
+            warnings.warn(
+                f"fp8ops: compiled backwards wrote dy's amax into {len(lost)} buffer(s) that no live Fp8Linear "
+                "holds, so those amaxes did not reach any layer's scaling state (dy's scale kept its value, NaN/inf "
+                "in dy went uncounted). Saved-tensor hooks that copy what autograd saves (save_on_cpu, activation "
+                "offloading) around a graph that torch.compile traced under compiled autograd without them do "
+                "this: dynamo does not retrace when such hooks change. Trace under the hooks (torch._dynamo.reset(), "
+                "then run under them: those layers then run BF16, saying so), or keep the hooks off. (A layer "
+                "freed between its backward and this optimizer step also leaves its buffer here; nothing is lost "
+                "then.) Said once per process", stacklevel=3)
+        _WRITTEN.difference_update(seen)  # (what no live layer holds: a freed layer's slots, or copies)
 
 
 def _grad_scale_job(layer: Fp8Linear, grad_amax: torch.Tensor):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 import fp8ops
 from fp8ops._reference import sqnr
@@ -176,27 +177,85 @@ def test_a_second_compiled_call_before_the_backward_trains_like_eager(monkeypatc
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
-@pytest.mark.parametrize("order", ["one call", "summed, tensor weight"])
-def test_compiled_autograd_over_compiled_forwards_trains_like_eager(monkeypatch, device, recipe, order):
+@pytest.mark.parametrize("order", ["one call", "summed, tensor weight", "no_grad between", "pipeline"])
+@pytest.mark.parametrize("forward", ["compiled", "eager"])
+def test_compiled_autograd_trains_like_eager(monkeypatch, device, recipe, order, forward):
     """Compiled autograd (torch._dynamo.compiled_autograd._enable(torch.compile) around the
-    backward, as torchtitan's --compile.enable_compiled_autograd sets it) over compiled
-    forwards: the first backward failed in torch (an
-    IndexError in call_aot_bwd_prologue) while the compiled backward read the scales it
-    held on its autograd context; they are saved with save_for_backward now
-    (linear._keep_scales). Trains as eager code does, scaling state included, and the
-    backward ran compiled autograd's graph."""
+    forwards and the backward, as torchtitan's --compile.enable_compiled_autograd sets it)
+    over compiled forwards: the first backward failed in torch (an IndexError in
+    call_aot_bwd_prologue) while the compiled backward read the scales it held on its
+    autograd context; they are saved with save_for_backward now (linear._keep_scales). Over
+    compiled and eager forwards, in the orders above, it trains as eager code without it
+    does, scaling state included (and dy's amaxes reach every layer's history, which
+    _assert_runs_match leaves out under the current recipe), and the backward ran compiled
+    autograd's graph. (torch._dynamo.reset() before entering: inside, it switches compiled
+    autograd off.)"""
     from torch._dynamo.utils import counters  # noqa: PLC0415
     base = _model(monkeypatch, recipe, device)
     runs = []
-    for compiled in (False, True):
+    for under_ca in (False, True):
         model = copy.deepcopy(base)
         torch._dynamo.reset()
         counters.clear()
-        fn = torch.compile(model) if compiled else model
-        with torch._dynamo.compiled_autograd._enable(torch.compile) if compiled else contextlib.nullcontext():
+        fn = torch.compile(model) if under_ca and forward == "compiled" else model
+        with torch._dynamo.compiled_autograd._enable(torch.compile) if under_ca else contextlib.nullcontext():
             runs.append(_train(model, fn, order, device, steps=4))
     assert counters["compiled_autograd"]["captures"] >= 1
     _assert_runs_match(runs, recipe, device)
+    for step in runs[1]:
+        assert all(h[:, G].abs().sum() > 0 for h, _ in step[2])
+
+
+class _SwiGLU(nn.Module):
+    def forward(self, x):
+        a, b = torch.chunk(x, 2, -1)
+        return b * nn.functional.silu(a)
+
+
+class _Checkpointed(nn.Module):
+    """LayerNorm -> Linear -> GELU -> Linear, its MLP under activation checkpointing."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(32), nn.Linear(32, 64)
+        self.act, self.proj = nn.GELU(approximate="tanh"), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(lambda h: self.proj(self.act(self.fc(self.ln(h)))), x,
+                                                 use_reentrant=False)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("kind", ["e5m2", "swiglu", "checkpointed"])
+def test_compiled_autograd_trains_the_other_paths_like_eager(monkeypatch, recipe, kind):
+    """The other autograd paths under compiled autograd over compiled forwards (CPU
+    reference kernels): the all-E5M2 format's emulated GEMMs, the fused SwiGLU input and
+    activation checkpointing inside the compiled model train as eager code does, dy's
+    amaxes reaching every layer."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+    torch.manual_seed(0)
+    if kind == "swiglu":
+        plain = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), _SwiGLU(), nn.Linear(64, 32))
+    elif kind == "checkpointed":
+        plain = _Checkpointed()
+    else:
+        plain = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 32))
+    base = convert_as_on_fp8_gpu(plain, monkeypatch, recipe=recipe,
+                                 **({"fp8_format": "e5m2"} if kind == "e5m2" else {}))
+    # (delayed scaling: the SwiGLU fused into c_proj's input cast; the current recipe fuses nothing)
+    assert kind != "swiglu" or base[3].fp8_swiglu_input == (recipe == "delayed")
+    runs = []
+    for under_ca in (False, True):
+        model = copy.deepcopy(base)
+        torch._dynamo.reset()
+        counters.clear()
+        fn = torch.compile(model) if under_ca else model
+        with torch._dynamo.compiled_autograd._enable(torch.compile) if under_ca else contextlib.nullcontext():
+            runs.append(_train(model, fn, "one call", "cpu", steps=4))
+    assert counters["compiled_autograd"]["captures"] >= 1
+    _assert_runs_match(runs, recipe, "cpu")
+    for step in runs[1]:
+        assert len(step[2]) == 2 and all(h[:, G].abs().sum() > 0 for h, _ in step[2])
 
 
 @pytest.mark.gpu
