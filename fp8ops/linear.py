@@ -1071,6 +1071,7 @@ class Fp8Linear(nn.Linear):
         state.pop("_fp8_views_flat", None)
         state.pop("_fp8_fold_views", None)
         state.pop("_fp8_trial_watch", None)  # (a finalizer of this object: loop_trial._watch)
+        state.pop("_fp8_death_note", None)   # (and scaling.track's)
         if not isinstance(state.get("_fp8_group", ""), str):
             # a ProcessGroup (scaling.set_scaling_group) does not pickle: a copy takes the
             # default group until it is set again ("local" is kept)

@@ -41,7 +41,23 @@ _hook_handles = None
 def track(layer: Fp8Linear) -> None:
     with _LAYERS_LOCK:
         _LAYERS.add(layer)
+    if "_fp8_death_note" not in layer.__dict__:
+        # (its dict, not the layer: a finalizer must not keep the layer alive; the buffers stay
+        # until it has run)
+        note = weakref.finalize(layer, _note_dead_slot, layer._buffers)
+        note.atexit = False
+        layer.__dict__["_fp8_death_note"] = note
     _install_hook()
+
+
+def _note_dead_slot(buffers: dict) -> None:
+    """A layer died: its fp8_grad_amax, should a compiled backward have written it since the
+    last fold, is not a write lost to a copy (fold_grad_amax's warning)."""
+    ga = buffers.get("fp8_grad_amax")
+    if ga is not None and not ga.is_meta and _linear._TRACES[0]:  # (only compiled backwards write it)
+        if len(_DEAD_SLOTS) > 65536:  # (no step has folded in a long while: a bound, not a record)
+            _DEAD_SLOTS.clear()
+        _DEAD_SLOTS.add(ga.data_ptr())
 
 
 def live_layers() -> list[Fp8Linear]:
@@ -87,6 +103,9 @@ def untrack(layer) -> None:
     """Forget a layer (a conversion undone)."""
     with _LAYERS_LOCK:
         _LAYERS.discard(layer)
+    note = layer.__dict__.get("_fp8_death_note")
+    if note is not None:
+        note.detach()
 
 
 def _install_hook() -> None:
@@ -382,6 +401,7 @@ def update_scales(layers: list[Fp8Linear], group=None) -> None:
 # linear_bwd_cat note each write in C: csrc/amax_writes.c) and no fold has read yet
 _WRITTEN: set = set()
 _LOST_WRITE_WARNED = [False]  # (fold_grad_amax's warning about writes no live layer holds: once)
+_DEAD_SLOTS: set = set()      # fp8_grad_amax data pointers of layers that died since the last step's fold
 
 
 def _written_grad_amaxes() -> set | None:
@@ -523,7 +543,8 @@ def fold_grad_amax(layers: list[Fp8Linear], every_live: bool = False) -> None:
             torch._foreach_zero_(found[1])
     _WRITTEN.difference_update(read)
     if seen is not None:
-        lost = seen.difference(held)
+        lost = seen.difference(held, _DEAD_SLOTS)
+        _DEAD_SLOTS.clear()
         if lost and not _LOST_WRITE_WARNED[0]:
             _LOST_WRITE_WARNED[0] = True
             warnings.warn(
@@ -533,8 +554,8 @@ def fold_grad_amax(layers: list[Fp8Linear], every_live: bool = False) -> None:
                 "offloading) around a graph that torch.compile traced under compiled autograd without them do "
                 "this: dynamo does not retrace when such hooks change. Trace under the hooks (torch._dynamo.reset(), "
                 "then run under them: those layers then run BF16, saying so), or keep the hooks off. (A layer "
-                "freed between its backward and this optimizer step also leaves its buffer here; nothing is lost "
-                "then.) Said once per process", stacklevel=3)
+                "whose buffers moved, .to() or .cuda(), between its backward and this optimizer step leaves its "
+                "old buffer here; nothing is lost then.) Said once per process", stacklevel=3)
         _WRITTEN.difference_update(seen)  # (what no live layer holds: a freed layer's slots, or copies)
 
 
