@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn as nn
 
+from . import linear as _linear
 from . import loop_trial, ops
 from .conversion import decisions_of
 from .conv1d import is_hf_conv1d
@@ -59,6 +60,11 @@ def runs_now(m: Fp8Linear) -> str:
         return RUNS_TRIAL
     if m._fp8_delayed_ready or m._fp8_cast_since_update:
         return RUNS_FP8            # policy "always", or cast without a verdict (compiled, CPU kernels)
+    h = m._buffers["fp8_amax_history"]
+    if _linear._TRACES[0] and not h.is_meta and bool(h.any()):
+        # compiled casts flag nothing for the current recipe (update_scales looks up delayed
+        # scaling's only): the amaxes they folded into the history say it (one read)
+        return RUNS_FP8
     return RUNS_NOT_YET
 
 

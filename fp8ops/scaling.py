@@ -554,8 +554,8 @@ def fold_grad_amax(layers: list[Fp8Linear], every_live: bool = False) -> None:
                 "offloading) around a graph that torch.compile traced under compiled autograd without them do "
                 "this: dynamo does not retrace when such hooks change. Trace under the hooks (torch._dynamo.reset(), "
                 "then run under them: those layers then run BF16, saying so), or keep the hooks off. (A layer "
-                "whose buffers moved, .to() or .cuda(), between its backward and this optimizer step leaves its "
-                "old buffer here; nothing is lost then.) Said once per process", stacklevel=3)
+                "whose buffers moved, .to(), .cuda() or share_memory(), between its backward and this optimizer step "
+                "leaves its old buffer here; nothing is lost then.) Said once per process", stacklevel=3)
         _WRITTEN.difference_update(seen)  # (what no live layer holds: a freed layer's slots, or copies)
 
 
@@ -723,13 +723,16 @@ def _check_not_broadcast(layers: list[Fp8Linear]) -> None:
     forward unless its root module names them in _ddp_params_and_buffers_to_ignore, which
     convert() sets on the model it converts. A DDP around another module (a parent of the
     converted model) overwrites each rank's amaxes of the earlier micro-batches. The copy
-    bumps the buffers' version counters, which nothing else between two updates does: warn."""
+    bumps the buffers' version counters, which nothing else between two updates of a layer on
+    delayed scaling does: warn. (Under the current recipe a compiled forward writes its scales
+    back through the graph's copy, which bumps the counter too: those layers are not read.)"""
     global _warned_broadcast
     if _warned_broadcast:
         return
     for layer in layers:
         v = layer.__dict__.get("_fp8_si_version")
-        if v is not None and layer._buffers["fp8_scale_inv"]._version != v:
+        if v is not None and layer._buffers["fp8_scale_inv"]._version != v \
+                and layer.__dict__["_fp8_config"].recipe == "delayed":
             _warned_broadcast = True
             warnings.warn(
                 "fp8ops: the FP8 scaling buffers were overwritten between two optimizer steps, most likely by DDP's "

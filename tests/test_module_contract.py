@@ -1451,6 +1451,20 @@ def test_a_compiled_layer_freed_before_the_step_is_no_lost_dy_amax(monkeypatch):
         _train_under(other, other, hooks=False, steps=1)
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_the_report_says_compiled_layers_run_fp8(monkeypatch, recipe):
+    """fp8ops.report's "runs" of a compiled model that casts FP8: "FP8" on either recipe (the
+    current recipe's compiled casts flag nothing, and it said "not yet"); a compiled model
+    that has not run yet: "not yet"."""
+    idle = convert_as_on_fp8_gpu(_ln_gelu_mlp(), monkeypatch, recipe=recipe)
+    model = convert_as_on_fp8_gpu(_ln_gelu_mlp(), monkeypatch, recipe=recipe)
+    torch._dynamo.reset()
+    torch.compile(idle, fullgraph=True)
+    _train_under(model, torch.compile(model, fullgraph=True), hooks=False, steps=2)
+    assert [r["runs"] for r in fp8ops.report(model, print_table=False)] == ["FP8", "FP8"]
+    assert [r["runs"] for r in fp8ops.report(idle, print_table=False)] == ["not yet", "not yet"]
+
+
 def _compiled_runs(monkeypatch, wrap, **cfg):
     """(outputs, model) of the compiled converted model, called plainly and through wrap(fn, x),
     with a warning about saved-tensor hooks an error."""
