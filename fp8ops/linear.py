@@ -459,8 +459,9 @@ class _Fp8LinearFn(torch.autograd.Function):
 
 def _keep_context(ctx, views, static, weight, bias, x2) -> None:
     """What both autograd functions' backward reads besides the saved tensors (compiled
-    code: no view of the layer's buffers; _keep_scales holds the amax slot)."""
-    compiled = torch.compiler.is_compiling()
+    code: no view of the layer's buffers; _keep_scales holds the amax slot). After
+    _keep_scales, which set ctx.compiled."""
+    compiled = ctx.compiled
     ctx.views, ctx.static = None if compiled else views, static
     ctx.w_dtype = weight.dtype
     ctx.b_dtype = None if bias is None else bias.dtype
