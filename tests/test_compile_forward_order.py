@@ -147,8 +147,9 @@ def _order(fn, x1, x2, order):
         loss = fn(x1).square().mean()
         loss.backward()
         return [loss.detach()]
-    # "pipeline": both micro-batches' forwards, then both backwards (GPipe's order)
-    l1, l2 = fn(x1).square().mean(), 7 * fn(x2).square().mean()
+    # "pipeline": both micro-batches' forwards, then both backwards (GPipe's order; the
+    # weight a tensor for the reason above)
+    l1, l2 = fn(x1).square().mean(), torch.tensor(7.0, device=x1.device) * fn(x2).square().mean()
     l1.backward()
     l2.backward()
     return [l1.detach(), l2.detach()]
