@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from .config import Fp8Config
-from .linear import Fp8Linear, swap_class
+from .linear import Fp8LinearBase, swap_class
 
 
 def is_hf_conv1d(m: nn.Module) -> bool:
@@ -29,7 +29,7 @@ def is_hf_conv1d(m: nn.Module) -> bool:
     return cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils"
 
 
-class Fp8Conv1D(Fp8Linear):
+class Fp8Conv1D(Fp8LinearBase):
     """transformers' Conv1D with FP8 forward and backward; weight [in, out] as there."""
 
     @classmethod
@@ -53,8 +53,9 @@ class Fp8Conv1D(Fp8Linear):
         return p.t() if name == "weight" and p is not None else p
 
     def extra_repr(self) -> str:
-        return f"nf={self.nf}, nx={self.nx} (HF Conv1D, weight [nx, nf]), " + super().extra_repr()
+        return (f"nf={self.nf}, nx={self.nx} (HF Conv1D, weight [nx, nf]), bias={self.bias is not None}, "
+                + super().extra_repr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (transformers' Conv1D names its argument x, nn.Linear input: a call by keyword keeps working)
-        return Fp8Linear.forward(self, x)
+        return Fp8LinearBase.forward(self, x)

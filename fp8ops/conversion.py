@@ -24,7 +24,7 @@ import torch.nn as nn
 from . import _loader
 from .config import Fp8Config
 from .conv1d import Fp8Conv1D, is_hf_conv1d
-from .linear import Fp8Linear, unswap_class
+from .linear import Fp8Linear, Fp8LinearBase, unswap_class
 
 log = logging.getLogger("fp8ops")
 
@@ -131,7 +131,7 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
     ok, env_reason = fp8_supported_here()
     if not ok:
         for name, m in linears:
-            if not isinstance(m, Fp8Linear):
+            if not isinstance(m, Fp8LinearBase):
                 decisions[name] = ("bf16", env_reason)
         msg = f"fp8ops: FP8 is OFF for this model, training runs in BF16/FP32 as before. Reason: {env_reason}"
         warnings.warn(msg, stacklevel=2)
@@ -163,7 +163,7 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
     kept_config: list[str] = []  # layers converted before with another config, which they keep
 
     def _decide(name: str, mod: nn.Module) -> tuple[str, str]:
-        if isinstance(mod, Fp8Linear):
+        if isinstance(mod, Fp8LinearBase):
             notes = _fusion_notes(earlier.get(name))
             if mod.fp8_config != config:
                 kept_config.append(name)

@@ -31,7 +31,7 @@ import torch.fx
 import torch.nn as nn
 
 from .fx_read import graphs_in_both_modes, hooked, mutated_in_place, used_by_other_methods
-from .linear import Fp8Linear
+from .linear import Fp8LinearBase
 
 log = logging.getLogger("fp8ops")
 
@@ -100,7 +100,7 @@ def _roles(calls: dict, parent: nn.Module, name: str, uses: dict) -> tuple[str, 
     # (a hook on the consumer would see h instead of gelu(h))
     # (a layer converted earlier with fuse_gelu=False, or on current scaling, keeps its GELU
     # apart: convert again with another config keeps each converted layer's config)
-    if not isinstance(consumer, Fp8Linear) or uses[id(consumer)] != 1 or hooked(consumer) \
+    if not isinstance(consumer, Fp8LinearBase) or uses[id(consumer)] != 1 or hooked(consumer) \
             or not consumer.fp8_config.fuses("gelu"):
         return None
     producer = None
@@ -110,7 +110,7 @@ def _roles(calls: dict, parent: nn.Module, name: str, uses: dict) -> tuple[str, 
             and src not in calls[ESCAPED] and _single(calls, src.target) is not None):
         p = parent.get_submodule(src.target)
         # (a hook on its output's gradient would see the gradient of gelu(h), not of h)
-        if isinstance(p, Fp8Linear) and uses[id(p)] == 1 and not hooked(p) and p.fp8_config.fuses("gelu"):
+        if isinstance(p, Fp8LinearBase) and uses[id(p)] == 1 and not hooked(p) and p.fp8_config.fuses("gelu"):
             producer = src.target
     return user.target, producer
 

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from .fx_read import hooked, mutated_in_place
 from .gelu_fusion import ESCAPED, _single, candidates
-from .linear import Fp8Linear
+from .linear import Fp8LinearBase
 
 class _AppliedByNextLinear:
     """A norm module whose normalization the next (FP8) linear applies: its
@@ -82,7 +82,7 @@ def _consumer(calls: dict, parent: nn.Module, name: str, uses: dict) -> str | No
     if user.op != "call_module" or user.args != (node,) or user.kwargs or _single(calls, user.target) is None:
         return None
     lin = parent.get_submodule(user.target)
-    if not isinstance(lin, Fp8Linear) or uses[id(lin)] != 1 or hooked(lin) or not lin.fp8_config.fuses("layernorm"):
+    if not isinstance(lin, Fp8LinearBase) or uses[id(lin)] != 1 or hooked(lin) or not lin.fp8_config.fuses("layernorm"):
         return None  # (a layer converted earlier with the fusion off, or on current scaling, keeps it off)
     return user.target
 

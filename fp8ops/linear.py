@@ -652,14 +652,13 @@ def _history_rows(config: Fp8Config) -> int:
     return config.amax_history_len if config.recipe == "delayed" else 1
 
 
-class Fp8Linear(nn.Linear):
-    """nn.Linear with FP8 forward and backward. Same parameters, same
-    state_dict keys, shapes and dtypes as the nn.Linear it replaces."""
-
-    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
-                 config: Fp8Config | None = None):
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_fp8_state(config or Fp8Config())
+class Fp8LinearBase(nn.Module):
+    """A linear layer's FP8 forward and backward, its scaling state and policy: every FP8 layer
+    fp8ops makes is one (Fp8Linear, an nn.Linear; Fp8Conv1D, transformers' Conv1D with its
+    [in, out] weight). Not an nn.Linear itself, so that a layer whose weight is not
+    nn.Linear's [out, in] is never one: tools that dispatch on nn.Linear (PEFT's LoRA, whose
+    merge would add its update transposed) see Fp8Conv1D as what it is. A subclass sets
+    in_features, out_features, weight and bias, then calls _init_fp8_state."""
 
     def _init_fp8_state(self, config: Fp8Config) -> None:
         self.__dict__["_fp8_config"] = config  # (not the property's setter: nothing to compare with yet)
@@ -755,16 +754,6 @@ class Fp8Linear(nn.Linear):
                     "config=Fp8Config(...))")
         self.__dict__["_fp8_config"] = config
 
-    @classmethod
-    def from_linear(cls, mod: nn.Linear, config: Fp8Config) -> "Fp8Linear":
-        """Turn the nn.Linear `mod` itself into an Fp8Linear and return it: its
-        Parameters, hooks of every kind, attributes, train/eval mode and every
-        reference to it (a module shared by two parents) stay what they were."""
-        if type(mod) is not nn.Linear:
-            raise TypeError(f"Fp8Linear.from_linear: mod must be a plain nn.Linear, found {type(mod).__name__}; "
-                            "subclasses may compute something else in forward")
-        return swap_class(mod, cls, lambda: mod._init_fp8_state(config))
-
     def extra_repr(self) -> str:
         gelu = ", input=gelu_tanh(x) (fused)" if self.fp8_gelu_input else ""
         gelu += ", output feeds a fused GELU" if self.fp8_gelu_output else ""
@@ -772,7 +761,8 @@ class Fp8Linear(nn.Linear):
         ln = self.fp8_ln_input
         gelu += f", input={'RMSNorm' if isinstance(ln, nn.RMSNorm) else 'LayerNorm'}(x) (fused)" if ln is not None \
             else ""
-        return super().extra_repr() + f", fp8={self.fp8_config.short_str()}{gelu}"
+        head = super().extra_repr()  # (nn.Linear's sizes and bias; nothing from nn.Module's)
+        return (head + ", " if head else "") + f"fp8={self.fp8_config.short_str()}{gelu}"
 
     # ------------------------------------------------------------------ hooks after a fusion
 
@@ -1310,3 +1300,23 @@ class Fp8Linear(nn.Linear):
         if gelu_out is not None:
             setattr(y, GELU_BOX, gelu_out)
         return y
+
+
+class Fp8Linear(Fp8LinearBase, nn.Linear):
+    """nn.Linear with FP8 forward and backward. Same parameters, same
+    state_dict keys, shapes and dtypes as the nn.Linear it replaces."""
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
+                 config: Fp8Config | None = None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_fp8_state(config or Fp8Config())
+
+    @classmethod
+    def from_linear(cls, mod: nn.Linear, config: Fp8Config) -> "Fp8Linear":
+        """Turn the nn.Linear `mod` itself into an Fp8Linear and return it: its
+        Parameters, hooks of every kind, attributes, train/eval mode and every
+        reference to it (a module shared by two parents) stay what they were."""
+        if type(mod) is not nn.Linear:
+            raise TypeError(f"Fp8Linear.from_linear: mod must be a plain nn.Linear, found {type(mod).__name__}; "
+                            "subclasses may compute something else in forward")
+        return swap_class(mod, cls, lambda: mod._init_fp8_state(config))

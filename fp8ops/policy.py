@@ -403,9 +403,9 @@ def tune_policy(model: nn.Module, *args, **kwargs) -> dict:
     (FP8 only where every rank chose it). Returns {layer name: {(M bucket, dtype): (fp8 wins,
     speedup)}} (rows_bucket: the lowest M of the bucket)."""
     from . import linear, policy_ranks  # noqa: PLC0415 -- linear imports this module lazily
-    from .linear import Fp8Linear  # noqa: PLC0415
+    from .linear import Fp8LinearBase  # noqa: PLC0415
 
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8LinearBase)]
     calls = {m: m.fp8_fallback_calls for _, m in layers}
     linear._POLICY_ONLY = True
     try:

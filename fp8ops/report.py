@@ -12,7 +12,7 @@ from . import loop_trial, ops
 from .conversion import decisions_of
 from .conv1d import is_hf_conv1d
 from .fsdp import fp8_all_gather_enabled
-from .linear import G, W, X, Fp8Linear
+from .linear import G, W, X, Fp8LinearBase
 from .policy import rows_label
 from .scaling import fold_grad_amax
 
@@ -23,7 +23,7 @@ RUNS_FP8, RUNS_BF16_POLICY, RUNS_TRIAL, RUNS_NOT_YET, RUNS_BF16 = "FP8", "BF16 (
 RUNS_PLAIN = "nn.Linear"  # converted, but with its weight's dtype now every call falls back
 
 
-def cannot_run_fp8(m: Fp8Linear) -> str | None:
+def cannot_run_fp8(m: Fp8LinearBase) -> str | None:
     """Why every call of m runs nn.Linear's computation now, whatever it ran before (its
     weight's dtype: model.double(); a GPU-trained model moved to the CPU and called there), or
     None. (Inputs off the GPU fall back, counted per call in fallback_calls: a layer whose
@@ -41,7 +41,7 @@ def cannot_run_fp8(m: Fp8Linear) -> str | None:
     return None
 
 
-def runs_now(m: Fp8Linear) -> str:
+def runs_now(m: Fp8LinearBase) -> str:
     """What a converted layer runs at its next call: FP8; BF16 because policy
     "auto" found FP8 not faster for every input shape it has seen; "trial"
     while policy auto's trial in the loop is deciding; "not yet" before any
@@ -95,17 +95,17 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
     Reading the scales synchronises with the GPU once."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"report: model must be an nn.Module, found {type(model).__name__}")
-    fold_grad_amax([m for m in model.modules() if isinstance(m, Fp8Linear)])  # (compiled backwards' dy amaxes)
+    fold_grad_amax([m for m in model.modules() if isinstance(m, Fp8LinearBase)])  # (compiled backwards' dy amaxes)
     decisions = decisions_of(model)
     rows = []
     for name, m in model.named_modules():
-        if isinstance(m, Fp8Linear) and m.fp8_amax_history.is_meta:
+        if isinstance(m, Fp8LinearBase) and m.fp8_amax_history.is_meta:
             # a model built on the meta device: no scaling state until to_empty()
             rows.append(_row_without_state(name, "fp8ops", RUNS_NOT_YET,
                                            decisions.get(name, ("fp8ops", "converted"))[1] + "; on the meta device",
                                            m.fp8_config.short_str(), f"{m.in_features}->{m.out_features}",
                                            m.fp8_fallback_calls))
-        elif isinstance(m, Fp8Linear):
+        elif isinstance(m, Fp8LinearBase):
             h = m.fp8_amax_history.detach().float().cpu()
             # the newest completed step sits in the last row after a roll; before
             # any update the running maxima are in row 0

@@ -24,12 +24,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from . import _loader, loop_trial, ops, policy, policy_ranks
 from . import linear as _linear
-from .linear import G, Fp8Linear, _settled_bf16
+from .linear import G, Fp8LinearBase, _settled_bf16
 
 # Every live Fp8Linear (weak: dead models are not kept alive). The optimizer
 # hook matches layers by the identity of their *current* weight Parameter, so
 # wrappers that swap Parameters after conversion (FSDP2's DTensor shards) work.
-_LAYERS: "weakref.WeakSet[Fp8Linear]" = weakref.WeakSet()
+_LAYERS: "weakref.WeakSet[Fp8LinearBase]" = weakref.WeakSet()
 # A WeakSet guards its iteration against the garbage collector's removals, not against another
 # thread's additions: a layer made (convert, deepcopy: an EMA or checkpoint thread) while an
 # optimizer step lists the layers made the step raise "Set changed size during iteration",
@@ -38,7 +38,7 @@ _LAYERS_LOCK = threading.RLock()
 _hook_handles = None
 
 
-def track(layer: Fp8Linear) -> None:
+def track(layer: Fp8LinearBase) -> None:
     with _LAYERS_LOCK:
         _LAYERS.add(layer)
     if "_fp8_death_note" not in layer.__dict__:
@@ -60,7 +60,7 @@ def _note_dead_slot(buffers: dict) -> None:
         _DEAD_SLOTS.add(ga.data_ptr())
 
 
-def live_layers() -> list[Fp8Linear]:
+def live_layers() -> list[Fp8LinearBase]:
     """Every live Fp8Linear, a list made under the lock."""
     with _LAYERS_LOCK:
         return list(_LAYERS)
@@ -115,7 +115,7 @@ def _install_hook() -> None:
                          register_optimizer_step_post_hook(_after_optimizer_step))
 
 
-def _layers_of(optimizer) -> list[Fp8Linear]:
+def _layers_of(optimizer) -> list[Fp8LinearBase]:
     if not _LAYERS:
         return []
     # ordered as the optimizer's params, so every rank concatenates amaxes alike; layers that
@@ -177,7 +177,7 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
     d["_fp8ops_open"] = False
 
 
-def _reduce_amax(layers: list[Fp8Linear], group=None, flag: float | None = None):
+def _reduce_amax(layers: list[Fp8LinearBase], group=None, flag: float | None = None):
     """Max-all-reduce row 0 (this step's amaxes) of every layer in one collective.
     Every rank passes the same layers in the same order (the optimizer's
     parameter order), so the concatenations line up and every rank then runs
@@ -216,7 +216,7 @@ def exclude_from_ddp_broadcast(model: torch.nn.Module) -> list[str]:
     model it converts, so call this yourself when DDP wraps another module
     (or pass DDP(broadcast_buffers=False))."""
     names = [f"{name}.{b}" if name else b
-             for name, m in model.named_modules() if isinstance(m, Fp8Linear) for b in FP8_BUFFERS]
+             for name, m in model.named_modules() if isinstance(m, Fp8LinearBase) for b in FP8_BUFFERS]
     # DDP(torch.compile(model)): DDP finds this list through the OptimizedModule's attribute
     # lookup, and names the buffers under its _orig_mod
     names += ["_orig_mod." + n for n in names]
@@ -227,7 +227,7 @@ def exclude_from_ddp_broadcast(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def _fast_job(layer: Fp8Linear, counts: bool = True):
+def _fast_job(layer: Fp8LinearBase, counts: bool = True):
     """(device index, job) for _C.amax_update_many -- the step's update of all
     CUDA layers in a few launches, without a dispatcher call per layer -- or
     None when this layer must take the checked op (CPU, or buffers that are not
@@ -263,7 +263,7 @@ def _fast_job(layer: Fp8Linear, counts: bool = True):
                        h.shape[0], si.stride(0), float(cfg.margin), ops.AMAX_ALGOS[cfg.amax_compute_algo])
 
 
-def _find_compiled_casts(layers: list[Fp8Linear]) -> list[Fp8Linear]:
+def _find_compiled_casts(layers: list[Fp8LinearBase]) -> list[Fp8LinearBase]:
     """Set _fp8_cast_since_update of the layers whose compiled code cast since the last update.
     Compiled code sets no flag (linear._cast_traced), but every cast folds its amax into row 0
     of the layer's history (nonzero, or NaN, after a cast; each update and each reset leave it
@@ -297,7 +297,7 @@ def _find_compiled_casts(layers: list[Fp8Linear]) -> list[Fp8Linear]:
     return no_cast
 
 
-def _by_readable_device(layers: list[Fp8Linear], read) -> list[tuple[Fp8Linear, bool]]:
+def _by_readable_device(layers: list[Fp8LinearBase], read) -> list[tuple[Fp8LinearBase, bool]]:
     """(layer, read's verdict on it): read takes the layers of one device and returns a bool
     each, in one read of their histories (one sync). Layers on the meta device, or on a CUDA
     device during a graph capture (where a read cannot sync), are left out."""
@@ -312,14 +312,14 @@ def _by_readable_device(layers: list[Fp8Linear], read) -> list[tuple[Fp8Linear, 
     return out
 
 
-def _row0_written(layers: list[Fp8Linear]) -> list[bool]:
+def _row0_written(layers: list[Fp8LinearBase]) -> list[bool]:
     """Is row 0 of each layer's amax history nonzero (or NaN)? One read for all (one device)."""
     with torch.no_grad():
         rows = torch.stack([layer._buffers["fp8_amax_history"][0] for layer in layers])
         return rows.ne(0).any(dim=1).tolist()
 
 
-def _row0_primed(layers: list[Fp8Linear]) -> list[list[bool]]:
+def _row0_primed(layers: list[Fp8LinearBase]) -> list[list[bool]]:
     """Does row 0 of each layer's amax history hold a finite amax > 0, for each of its tensors
     (x, w, dy)? One read for all (one device)."""
     with torch.no_grad():
@@ -332,7 +332,7 @@ def _row0_primed(layers: list[Fp8Linear]) -> list[list[bool]]:
 _PRIMING_UPDATES = 4
 
 
-def _unprimed(layers: list[Fp8Linear]) -> set:
+def _unprimed(layers: list[Fp8LinearBase]) -> set:
     """Of these layers (cast since the last update, still on current scaling), those whose
     row 0 holds no finite amax > 0 for one of its tensors this step: e.g. the input gradient of
     a layer before a zero-initialised projection (exactly 0 in the first step), or the weight
@@ -361,7 +361,7 @@ def _unprimed(layers: list[Fp8Linear]) -> set:
     return out
 
 
-def _grad_seen(layers: list[Fp8Linear]) -> None:
+def _grad_seen(layers: list[Fp8LinearBase]) -> None:
     """A layer whose dy scale no amax has set yet (_unprimed) once a backward has cast a dy with
     a finite amax > 0 in it (with dy's current scale, the amax folded into row 0): delayed
     scaling takes it from here. Read (one sync per device) only for such layers whose weight
@@ -375,7 +375,7 @@ def _grad_seen(layers: list[Fp8Linear]) -> None:
                 del layer.__dict__["_fp8_grad_unset"]
 
 
-def _note_no_cast(layers: list[Fp8Linear]) -> None:
+def _note_no_cast(layers: list[Fp8LinearBase]) -> None:
     """After the update's own writes to the histories (the all-reduce, the CPU op): the state
     _find_compiled_casts compares with at the next update."""
     gen = _linear._TRACES[0]
@@ -383,7 +383,7 @@ def _note_no_cast(layers: list[Fp8Linear]) -> None:
         layer.__dict__["_fp8_cast_looked_at"] = (gen, layer._buffers["fp8_amax_history"]._version)
 
 
-def update_scales(layers: list[Fp8Linear], group=None) -> None:
+def update_scales(layers: list[Fp8LinearBase], group=None) -> None:
     """One optimizer step has happened for these layers. Their amaxes are reduced over
     the ranks of each layer's scaling group (set_scaling_group; else `group`, None:
     every rank), one collective per group, in the order the groups first appear."""
@@ -439,7 +439,7 @@ class _FoldViews:
         self.count = ob.data[G:G + 1]                  # dy's NaN/inf count
 
 
-def fold_grad_amax(layers: list[Fp8Linear], every_live: bool = False) -> None:
+def fold_grad_amax(layers: list[Fp8LinearBase], every_live: bool = False) -> None:
     """Compiled backwards fold dy's amax into each layer's fp8_grad_amax, not into its
     history (linear._scaled_grad_output): fold it in there as eager backward's casts do, and
     zero it. Before anything reads row 0 (the update, its all-reduce, a saved scaling state, the
@@ -559,7 +559,7 @@ def fold_grad_amax(layers: list[Fp8Linear], every_live: bool = False) -> None:
         _WRITTEN.difference_update(seen)  # (what no live layer holds: a freed layer's slots, or copies)
 
 
-def _grad_scale_job(layer: Fp8Linear, grad_amax: torch.Tensor):
+def _grad_scale_job(layer: Fp8LinearBase, grad_amax: torch.Tensor):
     """(device index, job) for _C.amax_update_many: dy's scale from the step's largest
     compiled dy amax (fp8_grad_amax as a one-row history, "most_recent": a zero or NaN/inf
     amax keeps the scale, and a NaN/inf is counted), or None where _fast_job refuses the
@@ -580,7 +580,7 @@ def _grad_scale_job(layer: Fp8Linear, grad_amax: torch.Tensor):
                  margin, ops.AMAX_ALGOS["most_recent"])
 
 
-def by_scaling_group(layers: list[Fp8Linear], group=None) -> list[tuple]:
+def by_scaling_group(layers: list[Fp8LinearBase], group=None) -> list[tuple]:
     """[(group, its layers)]: each layer's scaling group (set_scaling_group; else `group`,
     None: every rank), in the order the groups first appear (every rank alike)."""
     groups: list = []
@@ -610,7 +610,7 @@ def set_scaling_group(model: torch.nn.Module, group) -> int:
                         f"found {type(group).__name__}; for every rank pass dist.group.WORLD")
     n = 0
     for m in _unwrapped(model).modules():
-        if isinstance(m, Fp8Linear):
+        if isinstance(m, Fp8LinearBase):
             m.__dict__["_fp8_group"] = group
             n += 1
     return n
@@ -620,7 +620,7 @@ def _is_local(group) -> bool:
     return isinstance(group, str) and group == "local"
 
 
-def _update_group(layers: list[Fp8Linear], group, serial: int) -> None:
+def _update_group(layers: list[Fp8LinearBase], group, serial: int) -> None:
     """update_scales for the layers of one scaling group."""
     # Every delayed layer whose interval is due is updated, also one that cast
     # nothing since the last update (policy "auto" chose BF16 for its shape, or
@@ -718,7 +718,7 @@ def _update_group(layers: list[Fp8Linear], group, serial: int) -> None:
 _warned_broadcast = False
 
 
-def _check_not_broadcast(layers: list[Fp8Linear]) -> None:
+def _check_not_broadcast(layers: list[Fp8LinearBase]) -> None:
     """DDP with broadcast_buffers=True copies rank 0's buffers to every rank before each
     forward unless its root module names them in _ddp_params_and_buffers_to_ignore, which
     convert() sets on the model it converts. A DDP around another module (a parent of the
@@ -757,7 +757,7 @@ def step(model: torch.nn.Module) -> None:
     global _warned_step
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fp8ops.step: model must be an nn.Module (the converted model), found {type(model).__name__}")
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    layers = [m for m in model.modules() if isinstance(m, Fp8LinearBase)]
     # (an update since this model's last fp8ops.step came from an optimizer's hook)
     mine = [m for m in layers if m.__dict__.get("_fp8_updated_at", 0) <= m.__dict__.get("_fp8_stepped_at", 0)]
     if len(mine) < len(layers) and not _warned_step:
@@ -803,9 +803,9 @@ def scaling_state_dict(model: torch.nn.Module) -> dict:
     """FP8 scaling state of every Fp8Linear, by module name (CPU tensors); the
     names of the model a torch.compile or DDP wrapper holds."""
     out = {}
-    fold_grad_amax([m for m in model.modules() if isinstance(m, Fp8Linear)])  # (compiled backwards' dy amaxes)
+    fold_grad_amax([m for m in model.modules() if isinstance(m, Fp8LinearBase)])  # (compiled backwards' dy amaxes)
     for name, m in _unwrapped(model).named_modules():
-        if isinstance(m, Fp8Linear) and not m.fp8_amax_history.is_meta:  # (meta: no state before to_empty)
+        if isinstance(m, Fp8LinearBase) and not m.fp8_amax_history.is_meta:  # (meta: no state before to_empty)
             out[name] = {
                 "config": m.fp8_config.short_str(),
                 "amax_history": m.fp8_amax_history.detach().cpu().clone(),
@@ -822,7 +822,7 @@ def scaling_state_dict(model: torch.nn.Module) -> dict:
     return out
 
 
-def _gpu_name(m: Fp8Linear) -> str | None:
+def _gpu_name(m: Fp8LinearBase) -> str | None:
     """The GPU whose speed m's policy "auto" verdicts are for (its own, or the current one
     while m still sits on the CPU or meta device); None without CUDA."""
     dev = m.fp8_amax_history.device
@@ -831,7 +831,7 @@ def _gpu_name(m: Fp8Linear) -> str | None:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
-def _saved_verdicts(m: Fp8Linear) -> dict | None:
+def _saved_verdicts(m: Fp8LinearBase) -> dict | None:
     """m's settled policy "auto" verdicts, with the GPU and torch they were measured on (a
     resume elsewhere measures again): a resumed run then runs each shape as before, without
     its trial steps (which alternate BF16 and FP8). None where there are none."""
@@ -843,7 +843,7 @@ def _saved_verdicts(m: Fp8Linear) -> dict | None:
                          for (M, dtype), (wins, speedup) in m.fp8_policy.items()]}
 
 
-def _restore_verdicts(m: Fp8Linear, saved: dict | None) -> None:
+def _restore_verdicts(m: Fp8LinearBase, saved: dict | None) -> None:
     """Settle m's verdicts as saved, where they were measured on this GPU and torch, for
     m's recipe, format, accumulation and weight dtype (policy.setup_of), and m's policy is
     "auto". Under torch.distributed they are exchanged at the next step like
@@ -930,7 +930,7 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
     skipped, matched, loads = [], set(), []
     bare = {_bare_name(k): v for k, v in state.items()}
     for name, m in _unwrapped(model).named_modules():
-        if not isinstance(m, Fp8Linear):
+        if not isinstance(m, Fp8LinearBase):
             continue
         s = state.get(name, bare.get(name))
         if s is not None:

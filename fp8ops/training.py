@@ -288,7 +288,8 @@ def _prepare_fp8ops(model, args, logger, module_filter_fn, info, precision):
         return model, info
 
     info["backend"] = "fp8ops"
-    param = next((m.weight for m in model.modules() if isinstance(m, nn.Linear) and type(m) is not nn.Linear), None)
+    from .linear import Fp8LinearBase  # noqa: PLC0415
+    param = next((m.weight for m in model.modules() if isinstance(m, Fp8LinearBase)), None)
     if param is not None and param.device.type == "cpu" and torch.cuda.is_available():
         # convert checked this machine, not where the model lives: every call would fall back
         logger(f"FP8 note: the converted layers' weights are on the CPU, and fp8ops runs FP8 on CUDA tensors "
@@ -333,10 +334,10 @@ def run_summary(model, info) -> str:
     if info.get("backend") != "fp8ops":
         return info["summary"]
     # the extension may be absent on the other backends' paths: imported here
-    from .linear import Fp8Linear  # noqa: PLC0415
+    from .linear import Fp8LinearBase  # noqa: PLC0415
     from .report import RUNS_BF16_POLICY, RUNS_FP8, RUNS_NOT_YET, RUNS_PLAIN, RUNS_TRIAL, runs_now  # noqa: PLC0415
 
-    runs = [runs_now(m) for m in model.modules() if isinstance(m, Fp8Linear)]
+    runs = [runs_now(m) for m in model.modules() if isinstance(m, Fp8LinearBase)]
     parts = [f"{runs.count(RUNS_FP8)} of {len(runs)} converted layers ran FP8"]
     if runs.count(RUNS_BF16_POLICY):
         parts.append(f"{runs.count(RUNS_BF16_POLICY)} ran BF16: policy auto found FP8 not faster for them "

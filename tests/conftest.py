@@ -39,11 +39,11 @@ def pytest_collection_modifyitems(config, items):
 def convert_as_on_fp8_gpu(model, monkeypatch, device="cpu", **cfg):
     """fp8ops.convert (policy "always") as on an FP8 GPU; on the CPU the converted layers
     run the C reference kernels."""
-    from fp8ops.linear import Fp8Linear  # noqa: PLC0415
+    from fp8ops.linear import Fp8LinearBase  # noqa: PLC0415
     monkeypatch.setattr("fp8ops.conversion.fp8_supported_here", lambda device=None: (True, "ok"))
     fp8ops.convert(model, config=fp8ops.Fp8Config(policy="always", **cfg))
     for m in model.modules():
-        if isinstance(m, Fp8Linear):
+        if isinstance(m, Fp8LinearBase):
             m.fp8_on_cpu = device == "cpu"
     return model
 

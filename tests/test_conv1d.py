@@ -82,6 +82,29 @@ def test_checkpoint_loads_into_plain_gpt2(monkeypatch, tmp_path):
         assert torch.equal(p.detach(), q.detach()), n
 
 
+def test_a_converted_conv1d_is_no_nn_linear(monkeypatch):
+    """Its weight is [in, out], not nn.Linear's [out, in]: a tool that dispatches on nn.Linear
+    must not take it for one. PEFT did, while Fp8Conv1D was an nn.Linear subclass: LoRA added
+    after convert merged its update transposed into the square c_proj, silently. It now refuses
+    the layer (its own error), and LoRA added before convert merges as on the plain model."""
+    from fp8ops.linear import Fp8LinearBase  # noqa: PLC0415
+    model = convert_as_on_fp8_gpu(_gpt2(), monkeypatch)
+    proj = model.transformer.h[0].attn.c_proj
+    assert isinstance(proj, Fp8LinearBase) and not isinstance(proj, nn.Linear)
+    assert repr(proj).startswith("Fp8Conv1D(nf=64, nx=64 (HF Conv1D, weight [nx, nf]), bias=True, fp8=")
+    assert all(fp8ops.report(model, print_table=False)[i]["backend"] == "fp8ops" for i in range(9))
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(target_modules=["c_attn", "c_proj"], r=4, init_lora_weights=False)
+    with pytest.raises(ValueError, match="Target module Fp8Conv1D"):
+        peft.get_peft_model(model, lora)
+    torch.manual_seed(1)
+    plain = peft.get_peft_model(_gpt2(), lora)
+    converted = convert_as_on_fp8_gpu(copy.deepcopy(plain), monkeypatch)
+    assert type(converted.base_model.model.transformer.h[0].attn.c_proj.base_layer) is Fp8Conv1D
+    merged, ref = converted.merge_and_unload().state_dict(), plain.merge_and_unload().state_dict()
+    assert merged.keys() == ref.keys() and all(torch.equal(merged[k], ref[k]) for k in ref)
+
+
 @pytest.mark.parametrize("device", FP8_DEVICES)
 def test_conv1d_computes_what_the_linear_with_its_transpose_does(monkeypatch, device):
     """Fp8Conv1D gives Fp8Linear's bits (output, input and weight gradients, scales) for the
