@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from . import _loader
 from .config import Fp8Config
-from .conv1d import Fp8Conv1D, is_hf_conv1d
+from .conv1d import _Fp8Conv1DLayer, is_hf_conv1d
 from .linear import Fp8Linear, Fp8LinearBase, unswap_class
 
 log = logging.getLogger("fp8ops")
@@ -127,7 +127,7 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
     # every name of a module shared by several parents: each sees the one converted module;
     # HF transformers' Conv1D (GPT-2's projections) is a linear layer too
     linears = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
-               if isinstance(m, nn.Linear) or is_hf_conv1d(m)]
+               if isinstance(m, (nn.Linear, Fp8LinearBase)) or is_hf_conv1d(m)]
     ok, env_reason = fp8_supported_here()
     if not ok:
         for name, m in linears:
@@ -155,7 +155,7 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
             # in place: the same module object, under every name it has
             before = (mod, type(mod), set(mod.__dict__), set(mod._buffers))
             if is_hf_conv1d(mod):
-                Fp8Conv1D.from_conv1d(mod, config)
+                _Fp8Conv1DLayer.from_conv1d(mod, config)
             else:
                 Fp8Linear.from_linear(mod, config)
             done.append(before)
@@ -195,7 +195,7 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
                       f"{', ...' if len(kept_config) > 3 else ''}) were already converted with another config, "
                       f"which they keep; this call's {config.short_str()} does not apply to them. Convert the "
                       "original nn.Linear model to change the config", stacklevel=2)
-    if isinstance(model, nn.Linear):  # a root-level layer (converted in place): nothing to fuse
+    if isinstance(model, (nn.Linear, Fp8LinearBase)):  # a root-level layer (converted in place): nothing to fuse
         _store(model, decisions)
         return model
     if config.recipe != "delayed" or config.gemm_emulated:

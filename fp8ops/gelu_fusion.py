@@ -54,7 +54,7 @@ class _Tracer(torch.fx.Tracer):
         self._leaves = {id(m) for m in leaves}
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return (id(m) in self._leaves or isinstance(m, (nn.Linear, nn.GELU)) or hooked(m)
+        return (id(m) in self._leaves or isinstance(m, (nn.Linear, Fp8LinearBase, nn.GELU)) or hooked(m)
                 or super().is_leaf_module(m, qualname))
 
 

@@ -654,11 +654,12 @@ def _history_rows(config: Fp8Config) -> int:
 
 class Fp8LinearBase(nn.Module):
     """A linear layer's FP8 forward and backward, its scaling state and policy: every FP8 layer
-    fp8ops makes is one (Fp8Linear, an nn.Linear; Fp8Conv1D, transformers' Conv1D with its
+    fp8ops makes is one (Fp8Linear, an nn.Linear; Fp8Conv1D, a transformers Conv1D with its
     [in, out] weight). Not an nn.Linear itself, so that a layer whose weight is not
-    nn.Linear's [out, in] is never one: tools that dispatch on nn.Linear (PEFT's LoRA, whose
-    merge would add its update transposed) see Fp8Conv1D as what it is. A subclass sets
-    in_features, out_features, weight and bias, then calls _init_fp8_state."""
+    nn.Linear's [out, in] is never one: tools that dispatch on the type (PEFT's LoRA, whose
+    merge added its update transposed, transformers' weight init) see Fp8Conv1D as the Conv1D
+    it is. A subclass sets in_features, out_features, weight and bias, then calls
+    _init_fp8_state."""
 
     def _init_fp8_state(self, config: Fp8Config) -> None:
         self.__dict__["_fp8_config"] = config  # (not the property's setter: nothing to compare with yet)

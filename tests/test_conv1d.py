@@ -5,6 +5,8 @@ kernels (conftest.convert_as_on_fp8_gpu) and, on an FP8 GPU, the CUDA path (the 
 weight made contiguous for its cast, cuBLASLt's GEMMs; training under bf16 autocast); the
 whole-model fallback as this machine gives it."""
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,12 +14,13 @@ import torch.nn as nn
 
 import fp8ops
 from fp8ops._reference import sqnr
-from fp8ops.conv1d import Fp8Conv1D
 
 from conftest import FP8_DEVICES, assert_compiled_matches_eager, convert_as_on_fp8_gpu
 
 transformers = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402
+
+from fp8ops.conv1d import Fp8Conv1D  # noqa: E402 -- (made at first use, from transformers' Conv1D)
 
 
 def _gpt2(n_embd=64):
@@ -82,27 +85,91 @@ def test_checkpoint_loads_into_plain_gpt2(monkeypatch, tmp_path):
         assert torch.equal(p.detach(), q.detach()), n
 
 
-def test_a_converted_conv1d_is_no_nn_linear(monkeypatch):
-    """Its weight is [in, out], not nn.Linear's [out, in]: a tool that dispatches on nn.Linear
-    must not take it for one. PEFT did, while Fp8Conv1D was an nn.Linear subclass: LoRA added
-    after convert merged its update transposed into the square c_proj, silently. It now refuses
-    the layer (its own error), and LoRA added before convert merges as on the plain model."""
-    from fp8ops.linear import Fp8LinearBase  # noqa: PLC0415
-    model = convert_as_on_fp8_gpu(_gpt2(), monkeypatch)
-    proj = model.transformer.h[0].attn.c_proj
-    assert isinstance(proj, Fp8LinearBase) and not isinstance(proj, nn.Linear)
-    assert repr(proj).startswith("Fp8Conv1D(nf=64, nx=64 (HF Conv1D, weight [nx, nf]), bias=True, fp8=")
-    assert all(fp8ops.report(model, print_table=False)[i]["backend"] == "fp8ops" for i in range(9))
+def _with_lora(base, monkeypatch, convert: str):
+    """A copy of base with PEFT's LoRA on GPT-2's c_attn and both c_proj (attention, MLP), random B (a merge that adds
+    nothing shows nothing), and fp8ops.convert "before" or "after" it, or "never"."""
     peft = pytest.importorskip("peft")
-    lora = peft.LoraConfig(target_modules=["c_attn", "c_proj"], r=4, init_lora_weights=False)
-    with pytest.raises(ValueError, match="Target module Fp8Conv1D"):
-        peft.get_peft_model(model, lora)
+    lora = peft.LoraConfig(target_modules=["c_attn", "c_proj"], r=4, init_lora_weights=False, lora_dropout=0.0)
+    model = copy.deepcopy(base)
+    if convert == "before":
+        convert_as_on_fp8_gpu(model, monkeypatch)
     torch.manual_seed(1)
-    plain = peft.get_peft_model(_gpt2(), lora)
-    converted = convert_as_on_fp8_gpu(copy.deepcopy(plain), monkeypatch)
-    assert type(converted.base_model.model.transformer.h[0].attn.c_proj.base_layer) is Fp8Conv1D
-    merged, ref = converted.merge_and_unload().state_dict(), plain.merge_and_unload().state_dict()
+    model = peft.get_peft_model(model, lora)
+    if convert == "after":
+        convert_as_on_fp8_gpu(model, monkeypatch)
+    return model
+
+
+@pytest.mark.parametrize("convert", ["before", "after"])
+def test_a_converted_conv1d_is_a_conv1d_for_peft(monkeypatch, convert):
+    """Its weight is [in, out], not nn.Linear's [out, in]: Fp8Conv1D is a transformers Conv1D
+    and no nn.Linear. PEFT took it for an nn.Linear while it was one: LoRA added after convert
+    merged its update transposed into the square c_proj, silently. Either order now trains as
+    LoRA on the plain model does (the LoRA weights' gradients included) and merges the same
+    weights."""
+    from fp8ops.linear import Fp8LinearBase  # noqa: PLC0415
+    base = _gpt2()
+    plain, model = _with_lora(base, monkeypatch, "never"), _with_lora(base, monkeypatch, convert)
+    proj = model.base_model.model.transformer.h[0].attn.c_proj.base_layer
+    assert type(proj) is Fp8Conv1D and isinstance(proj, (Conv1D, Fp8LinearBase)) and not isinstance(proj, nn.Linear)
+    assert repr(proj).startswith("Fp8Conv1D(nf=64, nx=64 (HF Conv1D, weight [nx, nf]), bias=True, fp8=")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    losses = [m(ids, labels=ids).loss for m in (model, plain)]
+    for loss in losses:
+        loss.backward()
+    assert losses[0].item() == pytest.approx(losses[1].item(), rel=0.01)
+    lora_grads = [[p.grad for n, p in m.named_parameters() if "lora_" in n] for m in (model, plain)]
+    assert len(lora_grads[0]) == len(lora_grads[1]) == 12 and all(sqnr(a, b) >= 15 for a, b in zip(*lora_grads))
+    merged, ref = model.merge_and_unload().state_dict(), plain.merge_and_unload().state_dict()
     assert merged.keys() == ref.keys() and all(torch.equal(merged[k], ref[k]) for k in ref)
+
+
+def test_transformers_init_reaches_converted_conv1d_layers(monkeypatch):
+    """A model built on the meta device, converted, then materialized and initialized by
+    transformers (init_weights, as from_pretrained's missing keys are): every weight is set."""
+    with torch.device("meta"):
+        model = _gpt2()
+    convert_as_on_fp8_gpu(model, monkeypatch)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    model.init_weights()
+    assert [n for n, p in model.named_parameters() if p.isnan().any()] == []
+
+
+def test_a_pickled_conv1d_model_loads_in_a_new_process(monkeypatch, tmp_path):
+    """Fp8Conv1D is made at first use: unpickling in a process that made none finds it by name."""
+    model = convert_as_on_fp8_gpu(_gpt2(), monkeypatch).eval()
+    ids = torch.randint(0, 128, (2, 16))
+    torch.save((model, ids, model(ids).logits), tmp_path / "m.pt")
+    code = (f"import torch; m, ids, y = torch.load(r'{tmp_path / 'm.pt'}', weights_only=False); "
+            "c = m.transformer.h[0].attn.c_proj; "
+            "print(type(c).__name__, type(c).__mro__[-3].__name__, torch.equal(m(ids).logits, y))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["Fp8Conv1D", "Conv1D", "True"]
+
+
+def test_conv1d_layers_take_the_fusions_and_a_second_convert(monkeypatch):
+    """A model of transformers Conv1D layers (not HF's GPT-2, which torch.fx cannot trace):
+    LayerNorm and GELU fuse into them as into nn.Linear layers, and a second convert with
+    another config finds them converted (a review found both lost while Fp8Conv1D was being
+    taken out of nn.Linear)."""
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.c_fc, self.act, self.c_proj = (nn.LayerNorm(64), Conv1D(256, 64),
+                                                         nn.GELU(approximate="tanh"), Conv1D(64, 256))
+
+        def forward(self, x):
+            return x + self.c_proj(self.act(self.c_fc(self.ln(x))))
+    model = convert_as_on_fp8_gpu(nn.Sequential(Mlp(), Mlp()), monkeypatch)
+    why = {r["name"]: r["reason"] for r in fp8ops.report(model, print_table=False)}
+    assert "LayerNorm 0.ln fused" in why["0.c_fc"] and "GELU 0.act fused" in why["0.c_proj"], why
+    kept = r"4 layer\(s\) \(0\.c_fc, 0\.c_proj, 1\.c_fc, \.\.\.\) were already converted"
+    with pytest.warns(UserWarning, match=kept):
+        fp8ops.convert(model, config=fp8ops.Fp8Config(policy="always", margin=1))
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
