@@ -11,6 +11,7 @@ state_dict so checkpoints stay the BF16 model's).
 """
 from __future__ import annotations
 
+import math
 import numbers
 import sys
 import threading
@@ -297,8 +298,8 @@ def _find_compiled_casts(layers: list[Fp8LinearBase]) -> list[Fp8LinearBase]:
     return no_cast
 
 
-def _by_readable_device(layers: list[Fp8LinearBase], read) -> list[tuple[Fp8LinearBase, bool]]:
-    """(layer, read's verdict on it): read takes the layers of one device and returns a bool
+def _by_readable_device(layers: list[Fp8LinearBase], read) -> list[tuple]:
+    """(layer, read's verdict on it): read takes the layers of one device and returns a verdict
     each, in one read of their histories (one sync). Layers on the meta device, or on a CUDA
     device during a graph capture (where a read cannot sync), are left out."""
     by_device: dict = {}
@@ -319,17 +320,24 @@ def _row0_written(layers: list[Fp8LinearBase]) -> list[bool]:
         return rows.ne(0).any(dim=1).tolist()
 
 
-def _row0_primed(layers: list[Fp8LinearBase]) -> list[list[bool]]:
-    """Does row 0 of each layer's amax history hold a finite amax > 0, for each of its tensors
-    (x, w, dy)? One read for all (one device)."""
+def _row0_primed(layers: list[Fp8LinearBase]) -> list[tuple[list[bool], list[bool]]]:
+    """For each layer and each of its tensors (x, w, dy): does row 0 of its amax history hold a
+    finite amax > 0, and is it more than _GROWTH times the step before's (the last row: the
+    update rolls row 0 there, torch.roll(h, -1, 0))? One read for all (one device)."""
     with torch.no_grad():
-        rows = torch.stack([layer._buffers["fp8_amax_history"][0] for layer in layers])
-        return (rows.isfinite() & rows.gt(0)).tolist()
+        hs = [layer._buffers["fp8_amax_history"] for layer in layers]
+        rows = torch.stack([h[0] for h in hs])
+        prev = torch.stack([h[-1] if h.shape[0] > 1 else torch.full_like(h[0], math.inf) for h in hs])
+        primed, growing = rows.isfinite() & rows.gt(0), rows.gt(prev * _GROWTH)
+        return list(zip(primed.tolist(), growing.tolist()))
 
 
 # updates a layer waits on current scaling for a usable amax of each of its tensors (see
 # _unprimed); after that it turns to delayed scaling anyway, and stops costing a read per step
 _PRIMING_UPDATES = 4
+# a layer that waited for one keeps current scaling while an amax grows more than _GROWTH-fold
+# from one step to the next, up to _GROWING_UPDATES updates in all
+_GROWTH, _GROWING_UPDATES = 1.25, 12
 
 
 def _unprimed(layers: list[Fp8LinearBase]) -> set:
@@ -340,14 +348,21 @@ def _unprimed(layers: list[Fp8LinearBase]) -> set:
     state, which no amax ever set: cast with it, the next step's small gradients would flush
     to zero. Those layers stay on current scaling for another step, up to _PRIMING_UPDATES
     updates (a tensor that stays 0, a branch the loss never reaches, then costs no read per
-    step). Read after the all-reduce (every rank decides alike), before the update rolls row 0
-    away: one read of all such layers of a device, in practice at the first update only. Not
-    during a CUDA graph capture, where a read cannot sync, nor on the meta device: ready there."""
+    step). Such a layer then stays on current scaling while one of its amaxes still grows more
+    than _GROWTH-fold per step, up to _GROWING_UPDATES updates: a weight that starts at 0 grows
+    ~k * lr under AdamW, and so do the gradients before it and the inputs after it; cast with
+    the step before's amax, such a tensor saturated (a probe: 7.2 dB at step 2, 13.5 at step 3,
+    against ~25-30 dB of FP8's noise). A layer that had its amaxes at the first update (the last
+    row then is no step's record) turns to delayed scaling there, as before. Read after the
+    all-reduce (every rank decides alike), before the update rolls row 0 away: one read of all
+    such layers of a device per update, in practice at the first updates only. Not during a
+    CUDA graph capture, where a read cannot sync, nor on the meta device: ready there."""
     out = set()
-    for layer, cols in _by_readable_device(layers, _row0_primed):
+    for layer, (cols, grows) in _by_readable_device(layers, _row0_primed):
         d = layer.__dict__
         waited = d.get("_fp8_priming_waits", 0)
-        if not all(cols) and waited + 1 < _PRIMING_UPDATES:
+        if (not all(cols) and waited + 1 < _PRIMING_UPDATES) or (
+                waited and any(grows) and waited + 1 < _GROWING_UPDATES):
             d["_fp8_priming_waits"] = waited + 1
             out.add(layer)
         else:
@@ -370,7 +385,7 @@ def _grad_seen(layers: list[Fp8LinearBase]) -> None:
     own amax (one amax pass more per backward, no fused GELU gradient)."""
     seen = [layer for layer in layers if "_fp8_grad_unset" in layer.__dict__ and layer.weight.grad is not None]
     if seen:
-        for layer, cols in _by_readable_device(seen, _row0_primed):
+        for layer, (cols, _) in _by_readable_device(seen, _row0_primed):
             if cols[G]:
                 del layer.__dict__["_fp8_grad_unset"]
 
@@ -808,6 +823,7 @@ def scaling_state_dict(model: torch.nn.Module) -> dict:
         if isinstance(m, Fp8LinearBase) and not m.fp8_amax_history.is_meta:  # (meta: no state before to_empty)
             out[name] = {
                 "config": m.fp8_config.short_str(),
+                "shape": (m.in_features, m.out_features),  # (a load into another layer's shape: refused)
                 "amax_history": m.fp8_amax_history.detach().cpu().clone(),
                 "scale": m.fp8_scale.detach().cpu().clone(),
                 "scale_inv": m.fp8_scale_inv.detach().cpu().clone(),
@@ -891,6 +907,10 @@ def _check_saved_form(name: str, s) -> None:
     for key in ("amax_history", "scale", "scale_inv", "step"):
         if key not in s:
             raise bad(f"has no {key!r}")
+    shape = s.get("shape", (0, 0))
+    if not (isinstance(shape, (tuple, list)) and len(shape) == 2
+            and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in shape)):
+        raise bad(f"shape is {shape!r}, not (in_features, out_features)")
     for key in ("amax_history", "scale", "scale_inv", "overflow_count"):
         if key in s and not (isinstance(s[key], torch.Tensor) and s[key].is_floating_point() == (key != "overflow_count")):
             raise bad(f"{key} is {type(s[key]).__name__} {getattr(s[key], 'dtype', '')}, not a "
@@ -922,9 +942,9 @@ def _check_saved_values(name: str, s) -> None:
 def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = False) -> list[str]:
     """Restore what scaling_state_dict saved (also from a state saved by an
     fp8ops that keyed a compiled or DDP-wrapped model by its wrapper's names).
-    Layers without a state, or whose saved history length, recipe or FP8 format
-    differ from theirs (the scales of one format mean nothing in another), keep
-    their fresh state; returns the names that were not restored (raises instead,
+    Layers without a state, or whose saved history length, recipe, FP8 format or
+    shape (in, out) differ from theirs (the scales of one format mean nothing in
+    another), keep their fresh state; returns the names that were not restored (raises instead,
     loading nothing, when strict; strict also refuses states of layers the model
     does not have)."""
     skipped, matched, loads = [], set(), []
@@ -937,9 +957,20 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
             matched.add(name)
             _check_saved_form(name, s)
         if (s is None or s["amax_history"].shape != m.fp8_amax_history.shape
-                or ("config" in s and _recipe_and_format(s["config"]) != _recipe_and_format(m.fp8_config.short_str()))):
+                or ("config" in s and _recipe_and_format(s["config"]) != _recipe_and_format(m.fp8_config.short_str()))
+                or ("shape" in s and tuple(s["shape"]) != (m.in_features, m.out_features))):
+            # (the scales of one format mean nothing in another, nor a layer's amaxes in one of another
+            # shape: its inputs saturate at the loaded scale; states saved before the forty-second
+            # session hold no shape)
             skipped.append(name)
             continue
+        if m.fp8_amax_history.is_meta:
+            # (a copy into a meta buffer stores nothing, and the assign=True weight load or to_empty()
+            # that gives the layer storage starts its scaling afresh: the load would be lost, silently)
+            raise ValueError(f"load_scaling_state_dict: {name} is on the meta device (a model built under "
+                             "torch.device('meta')), where its scaling state has no storage yet. Load the weights "
+                             "(load_state_dict(..., assign=True)) or call to_empty() first, then the scaling "
+                             "state. Nothing was loaded")
         for what in ("scale", "scale_inv", "overflow_count"):
             if what in s and tuple(s[what].shape) != tuple(m._buffers["fp8_" + what].shape):
                 raise ValueError(f"load_scaling_state_dict: {name}'s saved {what} has shape {tuple(s[what].shape)}, "
@@ -951,7 +982,7 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
     unknown = sorted(k for k in bare if k not in matched)
     if strict and (skipped or unknown):
         what = ([f"no compatible state for {skipped} (missing, or saved with another amax history length, "
-                 "recipe or FP8 format)"] if skipped else []) + \
+                 "recipe, FP8 format or layer shape)"] if skipped else []) + \
                ([f"states for layers this model does not have: {unknown}"] if unknown else [])
         raise KeyError(f"load_scaling_state_dict: {'; '.join(what)}. Nothing was loaded; pass strict=False to "
                        "load what fits and start the other layers' scaling afresh")

@@ -272,8 +272,46 @@ def test_scaling_state_of_another_format_is_not_loaded(monkeypatch):
     dst = convert_as_on_fp8_gpu(_mlp(), monkeypatch, amax_history_len=4, fp8_format="e4m3")
     assert fp8ops.load_scaling_state_dict(dst, state) == ["0", "2"]
     assert dst[0].fp8_scale.tolist() == [1.0, 1.0, 1.0]
-    with pytest.raises(KeyError, match="another amax history length, recipe or FP8 format"):
+    with pytest.raises(KeyError, match="another amax history length, recipe, FP8 format or layer shape"):
         fp8ops.load_scaling_state_dict(dst, state, strict=True)
+
+
+def test_scaling_state_of_another_shape_is_not_loaded(monkeypatch):
+    """A state saved from a layer of another shape under the same name (a probe: the loaded
+    input scale saturated a wider layer's inputs, 0.2 dB against F.linear) is skipped, and
+    strict refuses it; a state saved before the shape was recorded still loads."""
+    src = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    _train(src)
+    state = fp8ops.scaling_state_dict(src)
+    assert state["0"]["shape"] == (32, 64) and state["2"]["shape"] == (64, 32)
+    wide = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32)), monkeypatch)
+    assert fp8ops.load_scaling_state_dict(wide, state) == ["0", "2"]
+    assert wide[0].fp8_scale.tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(KeyError, match=r"no compatible state for \['0', '2'\].*layer shape"):
+        fp8ops.load_scaling_state_dict(wide, state, strict=True)
+    old = {name: {k: v for k, v in s.items() if k != "shape"} for name, s in state.items()}
+    dst = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    assert fp8ops.load_scaling_state_dict(dst, old, strict=True) == []
+    assert torch.equal(dst[0].fp8_scale, src[0].fp8_scale)
+    with pytest.raises(ValueError, match=r"0's saved state shape is \(32,\), not \(in_features, out_features\)"):
+        fp8ops.load_scaling_state_dict(dst, {**state, "0": {**state["0"], "shape": (32,)}})
+
+
+def test_scaling_state_into_a_meta_model_raises_before_the_weights_give_it_storage(monkeypatch):
+    """On a model built on the meta device the copy stored nothing and the assign=True weight
+    load (or to_empty) then started the scaling afresh, while the load had returned [] (a
+    probe): it raises now, saying to load the weights first; that order restores the state."""
+    src = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    _train(src)
+    state, weights = fp8ops.scaling_state_dict(src), src.state_dict()
+    with torch.device("meta"):
+        dst = _mlp()
+    convert_as_on_fp8_gpu(dst, monkeypatch)
+    with pytest.raises(ValueError, match="0 is on the meta device.*Load the weights.*first.*Nothing was loaded"):
+        fp8ops.load_scaling_state_dict(dst, state, strict=True)
+    dst.load_state_dict(weights, assign=True)
+    assert fp8ops.load_scaling_state_dict(dst, state, strict=True) == []
+    assert dst[0].fp8_step == src[0].fp8_step == 3 and torch.equal(dst[0].fp8_scale, src[0].fp8_scale)
 
 
 def test_policy_verdicts_are_saved_and_restored_on_the_same_gpu(monkeypatch):
