@@ -920,6 +920,7 @@ class Fp8LinearBase(nn.Module):
         d.pop("_fp8_grad_unset", None)
         d["_fp8_delayed_ready"] = False
         d["_fp8_priming_waits"] = 0
+        d.pop("_fp8_wait_amax", None)
         d["_fp8_cast_since_update"] = False
         d["_fp8_cast_looked_at"] = None
         d["_fp8_pristine"] = True

@@ -11,7 +11,6 @@ state_dict so checkpoints stay the BF16 model's).
 """
 from __future__ import annotations
 
-import math
 import numbers
 import sys
 import threading
@@ -320,16 +319,17 @@ def _row0_written(layers: list[Fp8LinearBase]) -> list[bool]:
         return rows.ne(0).any(dim=1).tolist()
 
 
-def _row0_primed(layers: list[Fp8LinearBase]) -> list[tuple[list[bool], list[bool]]]:
-    """For each layer and each of its tensors (x, w, dy): does row 0 of its amax history hold a
-    finite amax > 0, and is it more than _GROWTH times the step before's (the last row: the
-    update rolls row 0 there, torch.roll(h, -1, 0))? One read for all (one device)."""
+def _row0_primed(layers: list[Fp8LinearBase]) -> list[tuple]:
+    """For each layer: (does row 0 of its amax history hold a finite amax > 0, for each of its
+    tensors (x, w, dy); row 0's amaxes; the step before's, in the last row, where the update
+    rolls row 0 (torch.roll(h, -1, 0)), or None for a one-row history). One read for all (one
+    device)."""
     with torch.no_grad():
         hs = [layer._buffers["fp8_amax_history"] for layer in layers]
         rows = torch.stack([h[0] for h in hs])
-        prev = torch.stack([h[-1] if h.shape[0] > 1 else torch.full_like(h[0], math.inf) for h in hs])
-        primed, growing = rows.isfinite() & rows.gt(0), rows.gt(prev * _GROWTH)
-        return list(zip(primed.tolist(), growing.tolist()))
+        primed = (rows.isfinite() & rows.gt(0)).tolist()
+        row0, last = torch.stack([rows, torch.stack([h[-1] for h in hs])]).tolist()
+    return [(p, r, q if h.shape[0] > 1 else None) for p, r, q, h in zip(primed, row0, last, hs)]
 
 
 # updates a layer waits on current scaling for a usable amax of each of its tensors (see
@@ -353,20 +353,28 @@ def _unprimed(layers: list[Fp8LinearBase]) -> set:
     ~k * lr under AdamW, and so do the gradients before it and the inputs after it; cast with
     the step before's amax, such a tensor saturated (a probe: 7.2 dB at step 2, 13.5 at step 3,
     against ~25-30 dB of FP8's noise). A layer that had its amaxes at the first update (the last
-    row then is no step's record) turns to delayed scaling there, as before. Read after the
+    row then is no step's record) turns to delayed scaling there, as before. (With interval > 1
+    the first update sees the max over several steps, which a weight that starts at 0 has left
+    by then: no wait, README.) Read after the
     all-reduce (every rank decides alike), before the update rolls row 0 away: one read of all
     such layers of a device per update, in practice at the first updates only. Not during a
     CUDA graph capture, where a read cannot sync, nor on the meta device: ready there."""
     out = set()
-    for layer, (cols, grows) in _by_readable_device(layers, _row0_primed):
+    for layer, (cols, row0, last) in _by_readable_device(layers, _row0_primed):
         d = layer.__dict__
         waited = d.get("_fp8_priming_waits", 0)
+        # the step before's amaxes: a one-row history keeps none (they are kept here while the
+        # layer waits; after a resume, none: it waits once more)
+        before = last if last is not None else d.get("_fp8_wait_amax")
+        grows = before is None or any(a > b * _GROWTH for a, b in zip(row0, before))
         if (not all(cols) and waited + 1 < _PRIMING_UPDATES) or (
-                waited and any(grows) and waited + 1 < _GROWING_UPDATES):
+                waited and grows and waited + 1 < _GROWING_UPDATES):
             d["_fp8_priming_waits"] = waited + 1
+            d["_fp8_wait_amax"] = row0
             out.add(layer)
         else:
             d["_fp8_priming_waits"] = 0
+            d.pop("_fp8_wait_amax", None)
             if not cols[G]:
                 # no gradient has reached it yet (a frozen part, a loss term switched on later):
                 # its dy scale is still the fresh 1.0, which would flush the first gradient that
@@ -385,7 +393,7 @@ def _grad_seen(layers: list[Fp8LinearBase]) -> None:
     own amax (one amax pass more per backward, no fused GELU gradient)."""
     seen = [layer for layer in layers if "_fp8_grad_unset" in layer.__dict__ and layer.weight.grad is not None]
     if seen:
-        for layer, (cols, _) in _by_readable_device(seen, _row0_primed):
+        for layer, (cols, _, _) in _by_readable_device(seen, _row0_primed):
             if cols[G]:
                 del layer.__dict__["_fp8_grad_unset"]
 
@@ -829,6 +837,8 @@ def scaling_state_dict(model: torch.nn.Module) -> dict:
                 "scale_inv": m.fp8_scale_inv.detach().cpu().clone(),
                 "step": m.fp8_step,
                 "primed": m._fp8_delayed_ready,
+                # (updates waited on current scaling so far: a resume goes on waiting, _unprimed)
+                "priming_waits": m.__dict__.get("_fp8_priming_waits", 0),
                 # (cumulative over the run, as report and the example's TensorBoard show them)
                 "overflow_count": m.fp8_overflow_count.detach().cpu().clone(),
             }
@@ -935,6 +945,9 @@ def _check_saved_values(name: str, s) -> None:
         raise bad(f"step is {step!r}: an int >= 0")
     if not isinstance(s.get("primed", True), bool):
         raise bad(f"primed is {s['primed']!r}: a bool")
+    waits = s.get("priming_waits", 0)
+    if isinstance(waits, bool) or not isinstance(waits, numbers.Integral) or waits < 0:
+        raise bad(f"priming_waits is {waits!r}: an int >= 0")
     if "overflow_count" in s and bool((s["overflow_count"] < 0).any()):
         raise bad(f"overflow_count is {s['overflow_count'].tolist()}: counts >= 0")
 
@@ -996,6 +1009,8 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
             m.fp8_grad_amax.zero_()  # (a compiled backward's dy amax, of the state this load replaces)
         m.fp8_step = s["step"]
         m._fp8_delayed_ready = s["primed"]
+        m.__dict__["_fp8_priming_waits"] = int(s.get("priming_waits", 0))
+        m.__dict__.pop("_fp8_wait_amax", None)
         m.__dict__.pop("_fp8_grad_unset", None)
         h = s["amax_history"]
         if s["primed"] and h.shape[0] > 1 and not bool(h[:, G].ne(0).any()):

@@ -146,7 +146,7 @@ def test_a_pickled_conv1d_model_loads_in_a_new_process(monkeypatch, tmp_path):
     code = (f"import torch; m, ids, y = torch.load(r'{tmp_path / 'm.pt'}', weights_only=False); "
             "c = m.transformer.h[0].attn.c_proj; "
             "print(type(c).__name__, type(c).__mro__[-3].__name__, torch.equal(m(ids).logits, y))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["Fp8Conv1D", "Conv1D", "True"]
 
