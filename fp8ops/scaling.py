@@ -11,6 +11,7 @@ state_dict so checkpoints stay the BF16 model's).
 """
 from __future__ import annotations
 
+import math
 import numbers
 import sys
 import threading
@@ -326,10 +327,9 @@ def _row0_primed(layers: list[Fp8LinearBase]) -> list[tuple]:
     device)."""
     with torch.no_grad():
         hs = [layer._buffers["fp8_amax_history"] for layer in layers]
-        rows = torch.stack([h[0] for h in hs])
-        primed = (rows.isfinite() & rows.gt(0)).tolist()
-        row0, last = torch.stack([rows, torch.stack([h[-1] for h in hs])]).tolist()
-    return [(p, r, q if h.shape[0] > 1 else None) for p, r, q, h in zip(primed, row0, last, hs)]
+        row0, last = torch.stack([torch.stack([h[0] for h in hs]), torch.stack([h[-1] for h in hs])]).tolist()
+    return [([math.isfinite(a) and a > 0 for a in r], r, q if h.shape[0] > 1 else None)
+            for r, q, h in zip(row0, last, hs)]
 
 
 # updates a layer waits on current scaling for a usable amax of each of its tensors (see
@@ -355,10 +355,10 @@ def _unprimed(layers: list[Fp8LinearBase]) -> set:
     against ~25-30 dB of FP8's noise). A layer that had its amaxes at the first update (the last
     row then is no step's record) turns to delayed scaling there, as before. (With interval > 1
     the first update sees the max over several steps, which a weight that starts at 0 has left
-    by then: no wait, README.) Read after the
-    all-reduce (every rank decides alike), before the update rolls row 0 away: one read of all
-    such layers of a device per update, in practice at the first updates only. Not during a
-    CUDA graph capture, where a read cannot sync, nor on the meta device: ready there."""
+    by then: no wait, README.) Read after the all-reduce (every rank decides alike), before
+    the update rolls row 0 away: one read of all such layers of a device per update, in
+    practice at the first updates only. Not during a CUDA graph capture, where a read cannot
+    sync, nor on the meta device: ready there."""
     out = set()
     for layer, (cols, row0, last) in _by_readable_device(layers, _row0_primed):
         d = layer.__dict__
