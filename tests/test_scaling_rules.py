@@ -355,8 +355,9 @@ def test_a_layer_whose_bias_alone_an_optimizer_steps_goes_with_its_step(monkeypa
     assert (m[0].fp8_step, m[1].fp8_step) == (3, 1)
 
 
+@pytest.mark.parametrize("device", FP8_DEVICES)
 @pytest.mark.parametrize("weight_first", [True, False])
-def test_a_layer_split_between_two_optimizers_is_updated_once_per_step(weight_first, monkeypatch):
+def test_a_layer_split_between_two_optimizers_is_updated_once_per_step(weight_first, device, monkeypatch):
     """Muon steps the weights, AdamW the biases (Muon takes 2-D parameters only): both steps
     updated each layer's scales, so fp8_step doubled and every other history row was an update
     with nothing cast (half the window, `interval` counted twice). The weight's optimizer
@@ -365,13 +366,14 @@ def test_a_layer_split_between_two_optimizers_is_updated_once_per_step(weight_fi
     from conftest import convert_as_on_fp8_gpu
     from fp8ops import scaling
     monkeypatch.setattr(scaling, "_OPTIMIZERS", weakref.WeakSet())
-    m = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)), monkeypatch)
+    m = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)).to(device), monkeypatch,
+                              device)
     layers = (m[0], m[2])
     opt_w = torch.optim.Muon([layer.weight for layer in layers], lr=0.01)
     opt_b = torch.optim.AdamW([layer.bias for layer in layers], lr=0.01)
     opts = (opt_w, opt_b) if weight_first else (opt_b, opt_w)
     for _ in range(4):
-        m(torch.randn(16, 32)).square().mean().backward()
+        m(torch.randn(16, 32, device=device)).square().mean().backward()
         for o in opts:
             o.step()
             o.zero_grad()
@@ -379,7 +381,7 @@ def test_a_layer_split_between_two_optimizers_is_updated_once_per_step(weight_fi
         assert layer.fp8_step == 4
         assert layer.fp8_amax_history[-4:].gt(0).all()  # (four steps' amaxes, no zero rolls between them)
     for _ in range(3):
-        m(torch.randn(16, 32)).square().mean().backward()
+        m(torch.randn(16, 32, device=device)).square().mean().backward()
         opt_b.step()
         m.zero_grad()
     # (stepped last, the weight's optimizer still speaks for the weights at the bias's next step)
