@@ -1086,7 +1086,8 @@ class Fp8LinearBase(nn.Module):
         # would never be updated: its inputs and weights move away from them)
         state.pop("_fp8_updated_at", None)
         state.pop("_fp8_stepped_at", None)  # (the original's fp8ops.step, counted by this process)
-        state.pop("_fp8_bias_only_at", None)
+        state.pop("_fp8_weight_path_at", None)  # (the hooks' counts of this process)
+        state.pop("_fp8_bias_path_at", None)
         state["_fp8_delayed_ready"] = False
         state.pop("_fp8_trace_key", None)  # (what an fp8ops from before _TRACES pickled)
         state.setdefault("_fp8_serial", next(_SERIAL))

@@ -116,51 +116,45 @@ def _install_hook() -> None:
                          register_optimizer_step_post_hook(_after_optimizer_step))
 
 
-def _layers_of(optimizer, bias_only: list | None = None) -> list[Fp8LinearBase]:
+def _layers_of(optimizer, by_bias: list | None = None) -> list[Fp8LinearBase]:
     """The layers whose scales this optimizer's step updates, ordered as its params (so every
     rank concatenates amaxes alike; layers that share one weight by creation, since a WeakSet
     iterates in an order of its own in each process). A layer goes with the optimizer that
-    steps its weight. One that steps only its bias takes the layer while no other hooked
-    optimizer steps the weight: a frozen weight (BitFit, a LoRA model's bias="all"), or one
-    only a custom optimizer steps. Split between two (Muon for the weight, AdamW for the bias)
-    the layer counted two updates per step: its history's window halved, `interval` counted
-    twice. bias_only: where the layers taken through their bias alone are appended."""
+    steps its weight. Split between two (Muon for the weight, AdamW for the bias) both took
+    it, until the forty-third session: two updates per step, half the history's window,
+    `interval` counted twice. One that steps only the bias takes the layer only while its
+    weight is frozen (BitFit, a LoRA model's bias="all"), and then, as the weight's own does,
+    only if the other one has not updated it since this one's last step: the first of the two
+    to step takes it. Decided from the hooks' own counts (_HOOK_STEPS), never from which
+    optimizers are still alive: ranks collect garbage at different times, and their update
+    sets must pair up in the all-reduce. A weight only a custom optimizer steps is updated by
+    fp8ops.step. by_bias: where the layers taken through their bias are appended."""
     if not _LAYERS:
         return []
     pos = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    found, by_bias = [], []
+    since = optimizer.__dict__.get("_fp8ops_step_end", 0)
+    found = []
     for layer in live_layers():
         w, b = layer.weight, layer.bias
-        at = [pos[id(p)] for p in (w, b) if p is not None and id(p) in pos]
-        if not at:
-            continue
-        entry = (min(at), layer.__dict__.get("_fp8_serial", 0), layer.__dict__.get("_fp8_copy", 0), layer)
+        d = layer.__dict__
         if id(w) in pos:
-            found.append(entry)
+            if not w.requires_grad and d.get("_fp8_bias_path_at", 0) > since:
+                continue
+            at = pos[id(w)] if b is None or id(b) not in pos else min(pos[id(w)], pos[id(b)])
+        elif b is not None and id(b) in pos and not w.requires_grad and d.get("_fp8_weight_path_at", 0) <= since:
+            at = pos[id(b)]
+            if by_bias is not None:
+                by_bias.append(layer)
         else:
-            by_bias.append(entry)
-    if by_bias:
-        stepped = {id(p) for o in _weight_optimizers(optimizer) for g in o.param_groups for p in g["params"]}
-        by_bias = [e for e in by_bias if not (e[-1].weight.requires_grad and id(e[-1].weight) in stepped)]
-        found += by_bias
-        if bias_only is not None:
-            bias_only += [e[-1] for e in by_bias]
+            continue
+        found.append((at, d.get("_fp8_serial", 0), d.get("_fp8_copy", 0), layer))
     return [f[-1] for f in sorted(found, key=lambda f: f[:3])]
 
 
-# the optimizers whose steps the hooks have seen (weak), each with the hooks' count at its
-# last step's end (_fp8ops_step_end, _HOOK_STEPS): what _layers_of asks of a layer's weight
-_OPTIMIZERS: "weakref.WeakSet" = weakref.WeakSet()
+# the optimizer step hooks that ran so far (outermost steps): each optimizer keeps the count
+# at its last step (_fp8ops_step_end), each layer the count of its last update through its
+# weight's optimizer and through its bias's (_fp8_weight_path_at, _fp8_bias_path_at)
 _HOOK_STEPS = [0]
-
-
-def _weight_optimizers(optimizer) -> list:
-    """The other hooked optimizers that have stepped since this one's last step (all of
-    them before its first): one that stopped stepping (replaced, kept alive by a reference)
-    no longer speaks for the weights it holds."""
-    since = optimizer.__dict__.get("_fp8ops_step_end", -1)
-    return [o for o in list(_OPTIMIZERS)
-            if o is not optimizer and o.__dict__.get("_fp8ops_step_end", -1) > since]
 
 
 # update_scales calls so far (loop_trial keeps the count): each layer keeps the count at its
@@ -199,33 +193,20 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     d = optimizer.__dict__
     if not d.get("_fp8ops_inner"):
-        bias_only = []
-        layers = _layers_of(optimizer, bias_only)
+        _HOOK_STEPS[0] += 1
+        by_bias = []
+        layers = _layers_of(optimizer, by_bias)
         seen = d.get("_fp8ops_seen")
         if seen is not None and seen != loop_trial.optimizer_steps():
             # an optimizer stepped inside this one's step has updated some layers: once per step
             layers = [layer for layer in layers if layer.__dict__.get("_fp8_updated_at", 0) <= seen]
-        elif seen is not None:
-            # the last update was another optimizer's, through these layers' bias alone, in
-            # this same step: this one (their weight's) had not stepped yet then (the first
-            # step of Muon + AdamW, AdamW's first)
-            mine, done = {id(layer) for layer in bias_only}, set()
-            for layer in layers:
-                ld = layer.__dict__
-                if id(layer) not in mine and ld.get("_fp8_bias_only_at") == seen:
-                    del ld["_fp8_bias_only_at"]  # (this step's update is done: the next ones are this one's)
-                    done.add(id(layer))
-            if done:
-                layers = [layer for layer in layers if id(layer) not in done]
         if layers:
             update_scales(layers)
-            now, updated = loop_trial.optimizer_steps(), {id(layer) for layer in layers}
-            for layer in bias_only:
-                if id(layer) in updated:
-                    layer.__dict__["_fp8_bias_only_at"] = now
-        _HOOK_STEPS[0] += 1
+            bias_path = {id(layer) for layer in by_bias}
+            for layer in layers:
+                path = "_fp8_bias_path_at" if id(layer) in bias_path else "_fp8_weight_path_at"
+                layer.__dict__[path] = _HOOK_STEPS[0]
         d["_fp8ops_step_end"] = _HOOK_STEPS[0]
-        _OPTIMIZERS.add(optimizer)
     d["_fp8ops_open"] = False
 
 

@@ -4,7 +4,6 @@ on a layer, two forwards before one backward under current scaling, what a saved
 state restores (step count, primed or not), nested optimizers over part of a model, and the
 SQNR helper every numerics test relies on."""
 import warnings
-import weakref
 
 import pytest
 import torch
@@ -361,31 +360,35 @@ def test_a_layer_split_between_two_optimizers_is_updated_once_per_step(weight_fi
     """Muon steps the weights, AdamW the biases (Muon takes 2-D parameters only): both steps
     updated each layer's scales, so fp8_step doubled and every other history row was an update
     with nothing cast (half the window, `interval` counted twice). The weight's optimizer
-    updates the layer; the bias's only while no other optimizer steps the weight: when the
-    weight's stops stepping (kept alive, not stepped), the bias's takes over a step later."""
+    updates the layer, in either order; while the weights are frozen (still held by Muon) the
+    first of the two to step does; a trainable weight that no hooked optimizer steps is left to
+    fp8ops.step (the bias's optimizer does not take the layer over)."""
     from conftest import convert_as_on_fp8_gpu
-    from fp8ops import scaling
-    monkeypatch.setattr(scaling, "_OPTIMIZERS", weakref.WeakSet())
     m = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)).to(device), monkeypatch,
                               device)
     layers = (m[0], m[2])
     opt_w = torch.optim.Muon([layer.weight for layer in layers], lr=0.01)
     opt_b = torch.optim.AdamW([layer.bias for layer in layers], lr=0.01)
+
+    def train(opts, steps):
+        for _ in range(steps):
+            m(torch.randn(16, 32, device=device)).square().mean().backward()
+            for o in opts:
+                o.step()
+            m.zero_grad()
+        return [layer.fp8_step for layer in layers]
+
     opts = (opt_w, opt_b) if weight_first else (opt_b, opt_w)
-    for _ in range(4):
-        m(torch.randn(16, 32, device=device)).square().mean().backward()
-        for o in opts:
-            o.step()
-            o.zero_grad()
+    assert train(opts, 3) == [3, 3]
     for layer in layers:
-        assert layer.fp8_step == 4
-        assert layer.fp8_amax_history[-4:].gt(0).all()  # (four steps' amaxes, no zero rolls between them)
-    for _ in range(3):
-        m(torch.randn(16, 32, device=device)).square().mean().backward()
-        opt_b.step()
-        m.zero_grad()
-    # (stepped last, the weight's optimizer still speaks for the weights at the bias's next step)
-    assert [layer.fp8_step for layer in layers] == ([7, 7] if weight_first else [6, 6])
+        layer.weight.requires_grad_(False)
+    assert train(opts, 3) == [6, 6]  # (frozen: the first to step takes each step)
+    for layer in layers:
+        layer.weight.requires_grad_(True)
+    assert train(opts, 3) == [9, 9]
+    for layer in layers:
+        assert layer.fp8_amax_history[-9:].gt(0).all()  # (nine steps' amaxes, no zero rolls between them)
+    assert train((opt_b,), 2) == [9, 9]  # (the weights' optimizer stopped: fp8ops.step's, as for a custom one)
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
