@@ -34,7 +34,9 @@ def train(use_fp8: bool, data: torch.Tensor, args) -> dict:
     cfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block)
     model = GPT(cfg).to(args.device)
     if use_fp8:
-        fp8ops.convert(model)
+        # (policy "always": at this model's small shapes "auto" runs most layers BF16, whose
+        # updates then roll rows with nothing cast, by design; every layer here casts each step)
+        fp8ops.convert(model, config=fp8ops.Fp8Config(policy="always"))
     opts = optimizers(model, args.lr_muon, args.lr_adamw)
     g = torch.Generator(device="cpu").manual_seed(args.seed + 1)
     losses, t0, timed_from = [], None, args.steps // 4
