@@ -135,7 +135,14 @@ def _layers_of(optimizer, by_bias: list | None = None) -> list[Fp8LinearBase]:
     since = optimizer.__dict__.get("_fp8ops_step_end", 0)
     found = []
     for layer in live_layers():
-        w, b = layer.weight, layer.bias
+        # (no Module.__getattr__: with one optimizer per parameter, each step's hooks run this
+        # for layers x optimizers; a parametrized weight or bias is not in _parameters)
+        ps = layer._parameters
+        w, b = ps.get("weight"), ps.get("bias")
+        if w is None or (b is None and "bias" not in ps):
+            w, b = layer._param("weight"), layer._param("bias")
+        if id(w) not in pos and (b is None or id(b) not in pos):
+            continue
         d = layer.__dict__
         if id(w) in pos:
             if not w.requires_grad and d.get("_fp8_bias_path_at", 0) > since:
