@@ -103,6 +103,21 @@ static const char* shape_str(const tinfo* t, char* buf, size_t n) {
 #define SHAPE(t, buf) \
   shape_str((t), (buf), sizeof(buf) + 0 * sizeof(char[sizeof(buf) > sizeof(char*) ? 1 : -1]))
 
+/* bytes per element of the dtypes an op may be handed (0: another, not checked here) */
+static int64_t elem_size(int32_t d) {
+  if (d == aoti_torch_dtype_float32() || d == aoti_torch_dtype_int32()) return 4;
+  if (d == aoti_torch_dtype_bfloat16() || d == aoti_torch_dtype_float16() || d == aoti_torch_dtype_int16())
+    return 2;
+  if (d == aoti_torch_dtype_float8_e4m3fn() || d == aoti_torch_dtype_float8_e5m2() ||
+      d == aoti_torch_dtype_float8_e4m3fnuz() || d == aoti_torch_dtype_float8_e5m2fnuz() ||
+      d == aoti_torch_dtype_uint8() || d == aoti_torch_dtype_int8() || d == aoti_torch_dtype_bool())
+    return 1;
+  if (d == aoti_torch_dtype_float64() || d == aoti_torch_dtype_int64() || d == aoti_torch_dtype_complex64())
+    return 8;
+  if (d == aoti_torch_dtype_complex128()) return 16;
+  return 0;
+}
+
 static int describe(const char* op, const char* arg, AtenTensorHandle h, tinfo* t) {
   memset(t, 0, sizeof *t);
   t->h = h;
@@ -131,6 +146,16 @@ static int describe(const char* op, const char* arg, AtenTensorHandle h, tinfo* 
     SHIM(aoti_torch_get_storage_size(h, &nbytes));
     FP8OPS_REQUIRE(nbytes > 0, "%s: %s has no storage (freed: resized to 0 bytes, as FSDP does to "
                    "parameters outside their forward); pass a tensor that holds its data", op, arg);
+    /* a storage shrunk after the view was made (untyped_storage().resize_()): a kernel would
+     * read and write past its end (the last element's offset, strides >= 0 in torch) */
+    int64_t offset = 0, *strides, last = 0, size = elem_size(t->dtype);
+    SHIM(aoti_torch_get_storage_offset(h, &offset));
+    SHIM(aoti_torch_get_strides(h, &strides));
+    for (int64_t i = 0; i < t->ndim; ++i) last += (t->sizes[i] - 1) * strides[i];
+    FP8OPS_REQUIRE(size == 0 || (offset + last + 1) * size <= nbytes,
+                   "%s: %s needs %lld bytes of its storage, which holds %lld (resized smaller after "
+                   "the tensor was made); pass a tensor that holds its data", op, arg,
+                   (long long)((offset + last + 1) * size), (long long)nbytes);
     SHIM(torch_get_mutable_data_ptr(h, &t->data));
   }
   return FP8OPS_OK;

@@ -72,6 +72,7 @@ AOTITorchError aoti_torch_get_device_index(AtenTensorHandle t, int32_t* ret);
 AOTITorchError aoti_torch_is_contiguous(AtenTensorHandle t, bool* ret);
 AOTITorchError aoti_torch_is_defined(AtenTensorHandle t, bool* ret);                 /* 2.9 */
 AOTITorchError aoti_torch_get_storage_size(AtenTensorHandle t, int64_t* ret_nbytes);
+AOTITorchError aoti_torch_get_storage_offset(AtenTensorHandle t, int64_t* ret);
 AOTITorchError torch_get_mutable_data_ptr(AtenTensorHandle t, void** ret);           /* 2.10 */
 AOTITorchError torch_get_const_data_ptr(AtenTensorHandle t, const void** ret);       /* 2.10 */
 

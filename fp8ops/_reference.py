@@ -9,10 +9,15 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 def cast_ref(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, transpose: bool = False):
     """(x.float() * scale).clamp(-max, max).to(out_dtype), its transpose, amax(|x|); an
-    infinite x is not clamped (torch's conversion makes it NaN in e4m3fn, inf in e5m2)."""
+    infinite x is not clamped: NaN in e4m3fn, which has no inf (its sign kept), inf in e5m2.
+    (Set here, not left to torch's conversion: torch 2.15's .to(float8_e4m3fn) saturates an
+    inf to +-448, where 2.10 and 2.11 gave NaN.)"""
     fmax = FP8_MAX[out_dtype]
     y = x.float() * scale.float().reshape(())
-    out = torch.where(x.isinf(), y, y.clamp(-fmax, fmax)).to(out_dtype)
+    inf = x.isinf()
+    if out_dtype == torch.float8_e4m3fn:
+        y = torch.where(inf, torch.copysign(torch.full_like(y, float("nan")), y), y)
+    out = torch.where(inf, y, y.clamp(-fmax, fmax)).to(out_dtype)
     cols = x.shape[-1]
     rows = 1
     for d in x.shape[:-1]:

@@ -90,6 +90,14 @@ class Fp8Config:
              f"bytes per step), found {self.amax_history_len!r}")
         need(isinstance(self.margin, numbers.Real) and not isinstance(self.margin, bool)
              and abs(self.margin) < 64, f"margin must be a number in (-64, 64), found {self.margin!r}")
+        # the cast maps the amax to fp8_max / 2**margin, and values below amax * 2**(margin - span)
+        # to 0: past span, every value, the amax too (E4M3: 448 down to its smallest subnormal
+        # 2**-9 is 2**17.8; E5M2: 57344 down to 2**-16, 2**31.8)
+        span = 31.8 if self.fp8_format == "e5m2" else 17.8
+        need(self.margin < span - 1,
+             f"margin must be below {span - 1:g} for fp8_format {self.fp8_format!r} (at margin m the amax is cast "
+             f"to fp8_max / 2**m and every value below amax * 2**(m - {span:g}) to 0: at {self.margin!r} nearly every "
+             f"value, or every one, becomes 0), found {self.margin!r}; margins are usually 0 to 2")
         # plain Python numbers from here on (a numpy scalar would print as np.int64(2) in short_str)
         for name in ("interval", "amax_history_len"):
             object.__setattr__(self, name, int(getattr(self, name)))

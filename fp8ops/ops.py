@@ -566,6 +566,8 @@ def layernorm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: t
     that sum converted to copy_dtype, bit for bit .to(copy_dtype) of it. On CUDA
     the shapes must pass layernorm_bwd_fusable."""
     _require()
+    if copy_dtype is not None:
+        _dtypes("fp8ops.layernorm_bwd", copy_dtype=copy_dtype)
     w = _empty_for(x, torch.float32) if weight is None else weight
     if copy_dtype == x.dtype:
         copy_dtype = None  # (a copy in x's own dtype would be dx itself: none, as the op reads it)

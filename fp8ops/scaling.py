@@ -865,6 +865,9 @@ def _bare_name(key: str) -> str:
 def scaling_state_dict(model: torch.nn.Module) -> dict:
     """FP8 scaling state of every Fp8Linear, by module name (CPU tensors); the
     names of the model a torch.compile or DDP wrapper holds."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"scaling_state_dict: model must be an nn.Module (the converted model), found "
+                        f"{type(model).__name__}")
     out = {}
     fold_grad_amax([m for m in model.modules() if isinstance(m, Fp8LinearBase)])  # (compiled backwards' dy amaxes)
     for name, m in _unwrapped(model).named_modules():
@@ -961,10 +964,14 @@ def _check_saved_form(name: str, s) -> None:
     if not (isinstance(shape, (tuple, list)) and len(shape) == 2
             and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in shape)):
         raise bad(f"shape is {shape!r}, not (in_features, out_features)")
+    if not isinstance(s.get("config", ""), str):
+        raise bad(f"config is {s['config']!r}, not a string (Fp8Config.short_str())")
     for key in ("amax_history", "scale", "scale_inv", "overflow_count"):
         if key in s and not (isinstance(s[key], torch.Tensor) and s[key].is_floating_point() == (key != "overflow_count")):
             raise bad(f"{key} is {type(s[key]).__name__} {getattr(s[key], 'dtype', '')}, not a "
                       f"{'floating-point' if key != 'overflow_count' else 'integer'} tensor")
+        if key in s and s[key].is_meta:
+            raise bad(f"{key} is on the meta device: it holds no values")
 
 
 def _check_saved_values(name: str, s) -> None:
@@ -974,10 +981,16 @@ def _check_saved_values(name: str, s) -> None:
     def bad(what: str) -> ValueError:
         return _bad_saved_entry(name, what)
     scale, scale_inv = s["scale"].detach().float().cpu(), s["scale_inv"].detach().float().cpu()
-    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
-        raise bad(f"holds the scales {scale.tolist()}: each must be finite and > 0")
+    if not bool((torch.isfinite(scale) & (scale > 0) & torch.isfinite(1.0 / scale)).all()):
+        # (a denormal scale's inverse is inf: amax_update keeps such a scale out as well)
+        raise bad(f"holds the scales {scale.tolist()}: each must be finite and > 0, with a finite 1 / scale")
     if scale_inv.shape != scale.shape or not torch.allclose(scale_inv, 1.0 / scale, rtol=1e-5, atol=0.0):
         raise bad(f"holds scale_inv {scale_inv.tolist()} for scale {scale.tolist()}: each must be 1 / scale")
+    history = s["amax_history"].detach()
+    if bool((history < 0).any()):
+        # (an amax is >= 0, or NaN / inf from a step that overflowed, which the update counts; a
+        # negative one sets scales near 0, whose inverses overflow in the GEMM's scaling: NaN outputs)
+        raise bad(f"holds a negative amax ({float(history.min())}) in its amax_history: amaxes are >= 0")
     step = s["step"]
     if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
         step = step.item()
@@ -1000,6 +1013,13 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
     another), keep their fresh state; returns the names that were not restored (raises instead,
     loading nothing, when strict; strict also refuses states of layers the model
     does not have)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"load_scaling_state_dict: model must be an nn.Module (the converted model), found "
+                        f"{type(model).__name__}")
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+        raise TypeError(f"load_scaling_state_dict: state must be what fp8ops.scaling_state_dict returned (a dict "
+                        f"of layer names to their states), found {type(state).__name__}"
+                        + (f" with keys {sorted(map(repr, state))[:3]}" if isinstance(state, Mapping) else ""))
     skipped, matched, loads = [], set(), []
     bare = {_bare_name(k): v for k, v in state.items()}
     for name, m in _unwrapped(model).named_modules():

@@ -163,6 +163,37 @@ def test_ops_refuse_undefined_and_freed_tensors(device):
         ops.cast(x, s, 99)
 
 
+def _shrunk(t, nbytes: int):
+    """t with its storage resized smaller than t, but not to 0 bytes."""
+    t = t.clone()
+    t.untyped_storage().resize_(nbytes)
+    return t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ops_refuse_tensors_whose_storage_shrank(device):
+    """A storage resized smaller after its tensor was made (not to 0 bytes) passed the checks:
+    amax_update wrote past its end and crashed the process, a cast read past it. Refused,
+    with the bytes needed and held; a view that fits in its storage still runs."""
+    x = torch.randn(16, 16, device=device)
+    s = torch.ones(1, device=device)
+    h, sc, si = torch.zeros(16, 3, device=device), torch.ones(3, device=device), torch.ones(3, device=device)
+    cases = [
+        (lambda: ops.cast(_shrunk(x, 100), s, torch.float8_e4m3fn), r"fp8ops::cast: x needs 1024 bytes of its "
+                                                                    r"storage, which holds 100 \(resized smaller"),
+        (lambda: torch.ops.fp8ops.amax_update(_shrunk(h, 8), sc, si, torch.full((3,), 448.0, device=device), 0.0, 0,
+                                              torch.zeros(3, dtype=torch.int64, device=device)),
+         r"fp8ops::amax_update: amax_history needs 192 bytes of its storage, which holds 8"),
+    ]
+    for fn, pattern in cases:
+        with pytest.raises(RuntimeError, match=pattern):
+            fn()
+    big = torch.randn(64, 16, device=device)
+    tail = big[48:]  # (a view at an offset, inside its storage)
+    e4 = torch.float8_e4m3fn
+    assert torch.equal(ops.cast(tail, s, e4)[0].float(), ops.cast(tail.clone(), s, e4)[0].float())
+
+
 @requires_cuda
 @pytest.mark.gpu
 def test_cast_mixed_devices():

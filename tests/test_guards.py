@@ -433,6 +433,15 @@ def test_zero_input_keeps_scale():
     assert lin.fp8_scale[X].item() == before and int(lin.fp8_overflow_count.sum()) == 0
 
 
+def test_a_margin_that_flushes_every_value_is_refused():
+    """Fp8Config(margin=20) was taken and cast every value to 0 (99 % output error, no word):
+    E4M3 spans 2**17.8 from its largest value to its smallest subnormal, E5M2 2**31.8."""
+    assert Fp8Config(margin=16).margin == 16 and Fp8Config(margin=30, fp8_format="e5m2").margin == 30
+    for margin, fmt in ((17, "hybrid"), (20, "e4m3"), (31, "e5m2")):
+        with pytest.raises(ValueError, match=f"margin must be below .* for fp8_format '{fmt}' .* found {margin}"):
+            Fp8Config(margin=margin, fp8_format=fmt)
+
+
 @pytest.mark.parametrize("margin", [0, 1, 2, 3])
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_margin_applied(margin, recipe):

@@ -1140,6 +1140,12 @@ def test_a_strict_scaling_state_load_checks_everything_before_loading_anything(m
     (dict(overflow_count=torch.tensor([-1, 0, 0])), r"overflow_count is \[-1, 0, 0\]: counts >= 0"),
     (dict(amax_history=[[0.0] * 3]), r"amax_history is list , not a floating-point tensor"),
     ("a tensor", r"is a str, not a dict"),
+    # a denormal scale, whose scale_inv is inf (allclose(inf, inf) held): NaN outputs, NaN weights
+    (dict(scale=torch.tensor([1e-45, 1.0, 1.0])), r"with a finite 1 / scale"),
+    # a negative amax gave scales near 0, whose inverses' product overflowed: NaN outputs
+    (dict(amax_history=torch.full((1024, 3), -1e30)), r"holds a negative amax \(-1.0\d*e\+30\)"),
+    (dict(config=5), r"config is 5, not a string"),
+    (dict(scale=torch.ones(3, device="meta")), r"scale is on the meta device"),
 ])
 def test_a_scaling_state_that_would_poison_the_casts_is_refused(monkeypatch, entry, match):
     """A saved scale that is NaN, 0 or negative (its casts give NaN, and the gradient's would
@@ -1148,7 +1154,7 @@ def test_a_scaling_state_that_would_poison_the_casts_is_refused(monkeypatch, ent
     src = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
     _train(src)
     state = fp8ops.scaling_state_dict(src)
-    if isinstance(entry, dict) and "scale" in entry:
+    if isinstance(entry, dict) and "scale" in entry and not entry["scale"].is_meta:
         entry = {**entry, "scale_inv": 1.0 / entry["scale"]}
     dst = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
     bad = {"0": state["0"], "2": {**state["2"], **entry} if isinstance(entry, dict) else entry}
@@ -1157,6 +1163,18 @@ def test_a_scaling_state_that_would_poison_the_casts_is_refused(monkeypatch, ent
     assert dst[0].fp8_scale.tolist() == [1.0, 1.0, 1.0] and dst[0].fp8_step == 0    # "0" was not loaded either
     state["2"]["step"] = torch.tensor(state["2"]["step"])  # (a 0-d integer tensor is a step too)
     assert fp8ops.load_scaling_state_dict(dst, state) == [] and isinstance(dst[2].fp8_step, int)
+
+
+def test_the_scaling_state_functions_refuse_what_is_not_a_model_or_a_state(monkeypatch):
+    """None, a list, or a dict keyed by ints raised a bare AttributeError."""
+    m = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    with pytest.raises(TypeError, match="scaling_state_dict: model must be an nn.Module .* found NoneType"):
+        fp8ops.scaling_state_dict(None)
+    with pytest.raises(TypeError, match="load_scaling_state_dict: model must be an nn.Module"):
+        fp8ops.load_scaling_state_dict(None, {})
+    for state, found in ((None, "NoneType"), ([], "list"), ({0: {}}, r"dict with keys \['0'\]")):
+        with pytest.raises(TypeError, match="state must be what fp8ops.scaling_state_dict returned .* found " + found):
+            fp8ops.load_scaling_state_dict(m, state)
 
 
 def test_loading_weights_into_a_trained_model_scales_them_as_a_fresh_conversion(monkeypatch):

@@ -109,6 +109,10 @@ def test_layernorm_bwd_acc_refuses_a_dres_it_cannot_add(device):
                               copy_dtype=copy_dtype)
     with pytest.raises(RuntimeError, match="pass dres too"):
         ops.layernorm_bwd(dy, x, mean, rstd, gamma, copy_dtype=torch.bfloat16)
+    # an int that is no ScalarType code: torch's internal error in eager code, and a crash of the
+    # process under FakeTensorMode or torch.compile (the op's Python fake kernel)
+    with pytest.raises(TypeError, match="layernorm_bwd: copy_dtype must be a torch.dtype .* found 99"):
+        ops.layernorm_bwd(dy, x, mean, rstd, gamma, dres=r, copy_dtype=99)
 
 
 def _train(base, device, monkeypatch, compiled: bool, steps: int = 4) -> list:

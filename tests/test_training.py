@@ -75,7 +75,8 @@ def test_add_fp8_args_rejects_unknown_choices(argv, capsys):
 
 @pytest.mark.parametrize("argv, said", [(["--fp8_interval", "0"], "--fp8_interval: expected an integer >= 1, found 0"),
                                         (["--fp8_amax_history_len", "-5"], "--fp8_amax_history_len: expected an integer in [1, 1048576], found -5"),
-                                        (["--fp8_margin", "100"], "--fp8_margin: expected an integer in [-63, 63], found 100"),
+                                        (["--fp8_margin", "100"], "--fp8_margin: expected an integer in [-63, 16], found 100"),
+                                        (["--fp8_margin", "20"], "--fp8_margin: expected an integer in [-63, 16], found 20"),
                                         (["--fp8_margin", "1.5"], "--fp8_margin: expected an integer, found '1.5'")])
 def test_add_fp8_args_refuses_bad_values_at_parse_time(argv, said, capsys):
     """Before the model is built, and also for runs that would fall back (where Fp8Config,
