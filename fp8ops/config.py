@@ -26,7 +26,8 @@ class Fp8Config:
             studying its numerics, not for speed -- no tensor core multiplies
             E5M2 by E5M2, so its GEMMs run on the FP8 values widened to BF16,
             exactly, and policy "auto" keeps it FP8; see emulated.py).
-        margin: scale = fp8_max / amax / 2**margin. Default 0.
+        margin: scale = fp8_max / amax / 2**margin, above -64 and below 16.8
+            (30.8 for "e5m2": past that nearly every value casts to 0). Default 0.
         interval: update scales every `interval` optimizer steps. Default 1.
         amax_history_len: steps of amax history (delayed). Default 1024.
         amax_compute_algo: "max" over the history or "most_recent". Default "max".

@@ -80,8 +80,8 @@ def add_fp8_args(parser):
                         "on the FP8 values (no tensor core multiplies E5M2 by E5M2), so it is "
                         "slower than BF16 (default: %(default)s)")
     g.add_argument("--fp8_margin", type=_int_in(-63, 16), default=0,
-                   help="scale = fp8_max / amax / 2**margin, an int in [-63, 16] (E4M3 spans 2**17.8: past 16 "
-                        "every value casts to 0) (default: %(default)s)")
+                   help="scale = fp8_max / amax / 2**margin, an int in [-63, 16] (E4M3 spans 2**17.8: from 17 on "
+                        "nearly every value casts to 0) (default: %(default)s)")
     g.add_argument("--fp8_interval", type=_int_in(1), default=1,
                    help="delayed scaling: update scales every N >= 1 steps (default: %(default)s)")
     g.add_argument("--fp8_amax_history_len", type=_int_in(1, MAX_HISTORY), default=1024,
