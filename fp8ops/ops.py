@@ -568,6 +568,7 @@ def layernorm_bwd(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: t
     _require()
     if copy_dtype is not None:
         _dtypes("fp8ops.layernorm_bwd", copy_dtype=copy_dtype)
+        copy_dtype = _as_dtype(copy_dtype)  # (an ST code: the same as its dtype below)
     w = _empty_for(x, torch.float32) if weight is None else weight
     if copy_dtype == x.dtype:
         copy_dtype = None  # (a copy in x's own dtype would be dx itself: none, as the op reads it)

@@ -119,16 +119,16 @@ def _install_hook() -> None:
 def _layers_of(optimizer, by_bias: list | None = None) -> list[Fp8LinearBase]:
     """The layers whose scales this optimizer's step updates, ordered as its params (so every
     rank concatenates amaxes alike; layers that share one weight by creation, since a WeakSet
-    iterates in an order of its own in each process). A layer goes with the optimizer that
-    steps its weight. Split between two (Muon for the weight, AdamW for the bias) both took
-    it, until the forty-third session: two updates per step, half the history's window,
-    `interval` counted twice. One that steps only the bias takes the layer only while its
-    weight is frozen (BitFit, a LoRA model's bias="all"), and then, as the weight's own does,
-    only if the other one has not updated it since this one's last step: the first of the two
-    to step takes it. Decided from the hooks' own counts (_HOOK_STEPS), never from which
-    optimizers are still alive: ranks collect garbage at different times, and their update
-    sets must pair up in the all-reduce. A weight only a custom optimizer steps is updated by
-    fp8ops.step. by_bias: where the layers taken through their bias are appended."""
+    iterates in an order of its own in each process). A layer goes with an optimizer that
+    steps its weight or its bias (BitFit, a LoRA model's bias="all": a frozen weight, or one
+    left out of the optimizer). Split between two (Muon for the weight, AdamW for the bias)
+    both took it, until the forty-third session: two updates per step, half the history's
+    window, `interval` counted twice. Now each takes it only if the other has not updated it
+    since this one's last step: the first of the two to step does, once per step, in either
+    order, and the other takes over when it stops stepping. Decided from the hooks' own
+    counts (_HOOK_STEPS), never from which optimizers are still alive: ranks collect garbage
+    at different times, and their update sets must pair up in the all-reduce. by_bias: where
+    the layers taken through their bias alone are appended."""
     if not _LAYERS:
         return []
     pos = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
@@ -140,15 +140,15 @@ def _layers_of(optimizer, by_bias: list | None = None) -> list[Fp8LinearBase]:
         ps = layer._parameters
         w, b = ps.get("weight"), ps.get("bias")
         if w is None or (b is None and "bias" not in ps):
-            w, b = layer._param("weight"), layer._param("bias")
+            w, b = layer.weight, layer.bias  # (not _param: Fp8Conv1D's is a transposed view)
         if id(w) not in pos and (b is None or id(b) not in pos):
             continue
         d = layer.__dict__
         if id(w) in pos:
-            if not w.requires_grad and d.get("_fp8_bias_path_at", 0) > since:
+            if d.get("_fp8_bias_path_at", 0) > since:
                 continue
             at = pos[id(w)] if b is None or id(b) not in pos else min(pos[id(w)], pos[id(b)])
-        elif b is not None and id(b) in pos and not w.requires_grad and d.get("_fp8_weight_path_at", 0) <= since:
+        elif b is not None and id(b) in pos and d.get("_fp8_weight_path_at", 0) <= since:
             at = pos[id(b)]
             if by_bias is not None:
                 by_bias.append(layer)
@@ -297,6 +297,11 @@ def _fast_job(layer: Fp8LinearBase, counts: bool = True):
         spans = sorted(((hp, hp + 4 * h.numel()), (sp, sp + 4 * n), (sip, sip + 4 * ((n - 1) * si.stride(0) + 1)),
                         (op, op + 8 * n)))
         if any(spans[i][1] > spans[i + 1][0] for i in range(3)):
+            return None
+        # (a storage resized smaller than its buffer: the checked op refuses it by name; a resize
+        # moves the memory, so the layout changes and this runs again)
+        if any(t.untyped_storage().nbytes() < (t.storage_offset() + k) * t.element_size()
+               for t, k in ((h, h.numel()), (s, n), (si, (n - 1) * si.stride(0) + 1), (m, n), (o, n))):
             return None
         d["_fp8_apart_layout"] = layout
     cfg = layer.__dict__["_fp8_config"]
@@ -990,7 +995,8 @@ def _check_saved_values(name: str, s) -> None:
     if bool((history < 0).any()):
         # (an amax is >= 0, or NaN / inf from a step that overflowed, which the update counts; a
         # negative one sets scales near 0, whose inverses overflow in the GEMM's scaling: NaN outputs)
-        raise bad(f"holds a negative amax ({float(history.min())}) in its amax_history: amaxes are >= 0")
+        raise bad(f"holds a negative amax ({float(history[history < 0].min())}) in its amax_history: amaxes "
+                  "are >= 0")
     step = s["step"]
     if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
         step = step.item()
@@ -1017,9 +1023,10 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
         raise TypeError(f"load_scaling_state_dict: model must be an nn.Module (the converted model), found "
                         f"{type(model).__name__}")
     if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+        bad_key = None if not isinstance(state, Mapping) else next(k for k in state if not isinstance(k, str))
         raise TypeError(f"load_scaling_state_dict: state must be what fp8ops.scaling_state_dict returned (a dict "
-                        f"of layer names to their states), found {type(state).__name__}"
-                        + (f" with keys {sorted(map(repr, state))[:3]}" if isinstance(state, Mapping) else ""))
+                        f"of layer names, str, to their states), found {type(state).__name__}"
+                        + (f" with the key {bad_key!r} ({type(bad_key).__name__})" if isinstance(state, Mapping) else ""))
     skipped, matched, loads = [], set(), []
     bare = {_bare_name(k): v for k, v in state.items()}
     for name, m in _unwrapped(model).named_modules():
