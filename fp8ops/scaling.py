@@ -159,9 +159,9 @@ def _layers_of(optimizer, by_bias: list | None = None) -> list[Fp8LinearBase]:
 
 
 # the optimizer step hooks that ran so far (not ZeroRedundancyOptimizer's inner ones, see
-# _before_optimizer_step): each optimizer keeps the count
-# at its last step (_fp8ops_step_end), each layer the count of its last update through its
-# weight's optimizer and through its bias's (_fp8_weight_path_at, _fp8_bias_path_at)
+# _before_optimizer_step): each optimizer keeps the count at its last step (_fp8ops_step_end),
+# each layer the count of its last update through an optimizer that holds its weight and
+# through one that holds its bias alone (_fp8_weight_path_at, _fp8_bias_path_at)
 _HOOK_STEPS = [0]
 
 
