@@ -839,6 +839,11 @@ def step(model: torch.nn.Module) -> None:
                       stacklevel=2)
     if mine:
         update_scales(mine)
+        # (as a weight's optimizer: an optimizer holding a bias of these then leaves them, see
+        # _layers_of; called before that optimizer's step it updated them twice at the first)
+        _HOOK_STEPS[0] += 1
+        for m in mine:
+            m.__dict__["_fp8_weight_path_at"] = _HOOK_STEPS[0]
     now = loop_trial.optimizer_steps()
     for m in layers:
         m.__dict__["_fp8_stepped_at"] = now  # (a hooked update after this call has a later count)

@@ -393,6 +393,29 @@ def test_a_layer_split_between_two_optimizers_is_updated_once_per_step(weight_fi
     assert train((opt_w,), 2) == [12, 12]
 
 
+@pytest.mark.parametrize("step_first", [True, False])
+def test_a_custom_weight_optimizer_with_fp8ops_step_and_a_bias_optimizer(step_first, monkeypatch):
+    """The weight stepped by a custom optimizer (fp8ops.step after it), the bias by AdamW:
+    with fp8ops.step before AdamW's step, the first step updated the scales twice."""
+    from conftest import convert_as_on_fp8_gpu
+    m = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32)), monkeypatch)
+    opt_b = torch.optim.AdamW([m[0].bias], lr=0.01)
+
+    def custom_step():
+        with torch.no_grad():
+            m[0].weight -= 0.01 * m[0].weight.grad
+        fp8ops.step(m)
+
+    for _ in range(3):
+        m(torch.randn(16, 32)).square().mean().backward()
+        for step in ((custom_step, opt_b.step) if step_first else (opt_b.step, custom_step)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (fp8ops.step's note that a torch optimizer updated it)
+                step()
+        m.zero_grad()
+    assert m[0].fp8_step == 3 and m[0].fp8_amax_history[-3:].gt(0).all()
+
+
 @pytest.mark.parametrize("device", FP8_DEVICES)
 def test_a_gradient_that_arrives_after_the_priming_wait_is_not_flushed(device, monkeypatch):
     """A frozen part whose weights the optimizer holds (fastai's freeze/unfreeze), or a loss
