@@ -141,15 +141,16 @@ def _layers_of(optimizer, by_bias: list | None = None) -> list[Fp8LinearBase]:
         w, b = ps.get("weight"), ps.get("bias")
         if w is None or (b is None and "bias" not in ps):
             w, b = layer.weight, layer.bias  # (not _param: Fp8Conv1D's is a transposed view)
-        if id(w) not in pos and (b is None or id(b) not in pos):
+        iw, ib = pos.get(id(w)), None if b is None else pos.get(id(b))
+        if iw is None and ib is None:
             continue
         d = layer.__dict__
-        if id(w) in pos:
+        if iw is not None:
             if d.get("_fp8_bias_path_at", 0) > since:
                 continue
-            at = pos[id(w)] if b is None or id(b) not in pos else min(pos[id(w)], pos[id(b)])
-        elif b is not None and id(b) in pos and d.get("_fp8_weight_path_at", 0) <= since:
-            at = pos[id(b)]
+            at = iw if ib is None else min(iw, ib)
+        elif d.get("_fp8_weight_path_at", 0) <= since:
+            at = ib
             if by_bias is not None:
                 by_bias.append(layer)
         else:
