@@ -399,12 +399,12 @@ def _unprimed(layers: list[Fp8LinearBase]) -> set:
     ~k * lr under AdamW, and so do the gradients before it and the inputs after it; cast with
     the step before's amax, such a tensor saturated (a probe: 7.2 dB at step 2, 13.5 at step 3,
     against ~25-30 dB of FP8's noise). A layer that had its amaxes at the first update (the last
-    row then is no step's record) turns to delayed scaling there, as before. (With interval > 1
-    the first update sees the max over several steps, which a weight that starts at 0 has left
-    by then: no wait, README.) Read after the all-reduce (every rank decides alike), before
-    the update rolls row 0 away: one read of all such layers of a device per update, in
-    practice at the first updates only. Not during a CUDA graph capture, where a read cannot
-    sync, nor on the meta device: ready there."""
+    row then is no step's record) turns to delayed scaling there, as before; with interval > 1
+    every layer waits its first update (see first_of_many) and the growth rule judges it at the
+    second. Read after the all-reduce (every rank decides alike), before the update rolls row 0
+    away: one read of all such layers of a device per update, in practice at the first updates
+    only. Not during a CUDA graph capture, where a read cannot sync, nor on the meta device:
+    ready there."""
     out = set()
     for layer, (cols, row0, last) in _by_readable_device(layers, _row0_primed):
         d = layer.__dict__
@@ -413,7 +413,11 @@ def _unprimed(layers: list[Fp8LinearBase]) -> set:
         # layer waits; after a resume, none: it waits once more)
         before = last if last is not None else d.get("_fp8_wait_amax")
         grows = before is None or any(a > b * _GROWTH for a, b in zip(row0, before))
-        if (not all(cols) and waited + 1 < _PRIMING_UPDATES) or (
+        # with interval > 1 row 0 holds the max over several steps, which a tensor that started
+        # at 0 has left by the first update: no step of it tells growth, so every layer waits
+        # one update and is judged at the next by the growth rule
+        first_of_many = not waited and d["_fp8_config"].interval > 1
+        if (not all(cols) and waited + 1 < _PRIMING_UPDATES) or first_of_many or (
                 waited and grows and waited + 1 < _GROWING_UPDATES):
             d["_fp8_priming_waits"] = waited + 1
             d["_fp8_wait_amax"] = row0

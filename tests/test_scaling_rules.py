@@ -250,6 +250,57 @@ def test_a_tensor_with_no_amax_yet_stays_on_current_scaling(device, history, mon
     assert first.fp8_scale[G] > 1e3  # (its gradient's scale came from its amaxes)
 
 
+@pytest.mark.parametrize("interval", [2, 3])
+def test_a_zero_initialised_weight_waits_under_an_update_interval(interval, monkeypatch):
+    """With interval > 1 the first update reads the max over several steps, which the zero
+    weight has left by then: the wait for an amax never started, and the layers turned to
+    delayed scaling with the first steps' amaxes while the weight grew (a review's probe: the
+    output 7.7 and 5.5 dB against FP32 at steps 2 and 3 with interval 2, the first layer's
+    weight gradient 6.5 and 4.5 dB). Every layer now waits one update and the growth rule
+    judges it at the next: every step stays as close to FP32 as a primed one, and delayed
+    scaling follows."""
+    from conftest import convert_as_on_fp8_gpu
+    ref = _zero_init_mlp()
+    fp8 = convert_as_on_fp8_gpu(_zero_init_mlp(), monkeypatch, interval=interval)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt_f = torch.optim.AdamW(fp8.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    first, last = fp8[0], fp8[2]
+    for step in range(8 * interval):
+        x, t = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)
+        with torch.no_grad():  # the same weights for both, so only this step's gradients differ
+            for pf, pr in zip(fp8.parameters(), ref.parameters()):
+                pf.copy_(pr)
+        ys = []
+        for m, opt in ((ref, opt_r), (fp8, opt_f)):
+            opt.zero_grad()
+            ys.append(m(x))
+            (ys[-1] - t).square().mean().backward()
+        if step >= 1:
+            assert sqnr(ref[0].weight.grad, first.weight.grad) >= 13, step
+            assert sqnr(ys[0], ys[1]) >= 30, step
+        opt_r.step()
+        opt_f.step()
+        if step < 2 * interval - 1:  # (the first update waits in any case)
+            assert (first._fp8_delayed_ready, last._fp8_delayed_ready) == (False, False), step
+    assert (first._fp8_delayed_ready, last._fp8_delayed_ready) == (True, True)
+
+
+def test_a_layer_under_an_update_interval_turns_to_delayed_scaling_at_its_second_update(monkeypatch):
+    """What the wait costs a layer whose amaxes do not grow: one update more on current
+    scales, then delayed scaling."""
+    from conftest import convert_as_on_fp8_gpu
+    m = convert_as_on_fp8_gpu(nn.Sequential(nn.Linear(32, 32)), monkeypatch, interval=2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    x = torch.randn(16, 32)
+    ready = []
+    for _ in range(4):
+        m(x).sum().backward()
+        opt.step()
+        ready.append(m[0]._fp8_delayed_ready)
+    assert ready == [False, False, False, True]
+
+
 def test_a_resume_while_waiting_goes_on_waiting(monkeypatch, tmp_path):
     """A scaling state saved while the zero-initialised model's layers wait on current scales
     (their amaxes still growing) keeps the wait: loaded into a fresh conversion, the run goes
