@@ -140,13 +140,15 @@ def _layers_of(optimizer, by_bias: list | None = None) -> list[Fp8LinearBase]:
         ps = layer._parameters
         w, b = ps.get("weight"), ps.get("bias")
         if w is None or (b is None and "bias" not in ps):
-            w, b = layer.weight, layer.bias  # (not _param: Fp8Conv1D's is a transposed view)
+            w, b = _held(layer, "weight"), _held(layer, "bias")
         iw, ib = pos.get(id(w)), None if b is None else pos.get(id(b))
         if iw is None and ib is None:
             continue
         d = layer.__dict__
         if iw is not None:
-            if d.get("_fp8_bias_path_at", 0) > since:
+            # (one that holds the bias too takes it: a bias-only optimizer's update was no
+            # split's, e.g. a BitFit phase before this optimizer, which missed its first update)
+            if ib is None and d.get("_fp8_bias_path_at", 0) > since:
                 continue
             at = iw if ib is None else min(iw, ib)
         elif d.get("_fp8_weight_path_at", 0) <= since:
@@ -159,6 +161,18 @@ def _layers_of(optimizer, by_bias: list | None = None) -> list[Fp8LinearBase]:
     return [f[-1] for f in sorted(found, key=lambda f: f[:3])]
 
 
+def _held(layer, name: str):
+    """The Parameter an optimizer holds for a layer's weight or bias: under a parametrization
+    (torch.nn.utils.parametrize, registered after convert) its original, not the attribute,
+    whose read runs the parametrization (spectral_norm's power iteration: a review saw five
+    steps of an unrelated optimizer change a model's spectral-norm state). None where it has
+    no single original (a right_inverse that returns several)."""
+    p = layer._modules.get("parametrizations")
+    if p is not None and name in p:
+        return getattr(p[name], "original", None)
+    return getattr(layer, name)  # (not _param: Fp8Conv1D's is a transposed view)
+
+
 # the optimizer step hooks that ran so far (not ZeroRedundancyOptimizer's inner ones, see
 # _before_optimizer_step): each optimizer keeps the count at its last step (_fp8ops_step_end),
 # each layer the count of its last update through an optimizer that holds its weight and
@@ -169,10 +183,8 @@ _HOOK_STEPS = [0]
 # update_scales calls so far (loop_trial keeps the count): each layer keeps the count at its
 # last update (_fp8_updated_at) and each optimizer the count when its step began
 # (_fp8ops_seen, kept while the step is open): an optimizer whose step runs another hooked
-# one (SAM's base optimizer) then skips the layers the inner one updated
-
-
-# (the hooks are global: under torch.compile(opt.step), of any optimizer, dynamo would trace
+# one (SAM's base optimizer) then skips the layers the inner one updated.
+# (The hooks are global: under torch.compile(opt.step), of any optimizer, dynamo would trace
 # them and fail on the optimizer attributes they write; they run as eager code instead.
 # torch._disable_dynamo imports dynamo at the first call, not at fp8ops' import: +1.6 s there)
 @torch._disable_dynamo
@@ -212,9 +224,13 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
         if layers:
             update_scales(layers)
             bias_path = {id(layer) for layer in by_bias}
+            # (the forward reads it: a layer this optimizer steps past, or outlives, goes back
+            # to current scales, linear._left_by_its_optimizer)
+            updater = (weakref.ref(optimizer), _HOOK_STEPS[0])
             for layer in layers:
                 path = "_fp8_bias_path_at" if id(layer) in bias_path else "_fp8_weight_path_at"
                 layer.__dict__[path] = _HOOK_STEPS[0]
+                layer.__dict__["_fp8_updater"] = updater
         d["_fp8ops_step_end"] = _HOOK_STEPS[0]
     d["_fp8ops_open"] = False
 
@@ -824,9 +840,10 @@ def step(model: torch.nn.Module) -> None:
     subclass torch.optim.Optimizer, or whose step runs where no optimizer hook
     fires, and for layers no optimizer steps: frozen weight and bias, e.g. a
     LoRA model's base layers, which otherwise stay on current scaling, an
-    extra amax pass per cast). Layers a torch.optim optimizer's step has updated since this
-    model's last fp8ops.step are left out (a second update per step would halve
-    the history's window and count `interval` twice): a warning says so, once."""
+    extra amax pass per cast). Call it after the optimizer's step: layers a torch.optim
+    optimizer's step has updated since their last fp8ops.step are left out (a second update
+    per step would halve the history's window and count `interval` twice), and a warning says
+    so, once; called before it, the first step updates those layers twice."""
     global _warned_step
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fp8ops.step: model must be an nn.Module (the converted model), found {type(model).__name__}")
@@ -849,6 +866,7 @@ def step(model: torch.nn.Module) -> None:
         _HOOK_STEPS[0] += 1
         for m in mine:
             m.__dict__["_fp8_weight_path_at"] = _HOOK_STEPS[0]
+            m.__dict__.pop("_fp8_updater", None)  # (its caller steps it by hand from here on)
     now = loop_trial.optimizer_steps()
     for m in layers:
         m.__dict__["_fp8_stepped_at"] = now  # (a hooked update after this call has a later count)

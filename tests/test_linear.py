@@ -80,21 +80,23 @@ def test_delayed_scaling_updates_after_optimizer_step():
 @pytest.mark.parametrize("interval", [1, 2])
 def test_delayed_scaling_casts_with_current_scales_until_its_first_update(interval):
     """Before its first scale update a delayed layer has no history: each cast uses its own
-    tensor's current scale, while row 0 keeps collecting the maximum for that update."""
+    tensor's current scale, while row 0 keeps collecting the maximum for that update. (With
+    interval > 1 it waits one update more, for the growth rule: scaling._unprimed.)"""
     torch.manual_seed(0)
     lin = Fp8Linear(32, 16, config=Fp8Config(amax_history_len=4, interval=interval))
     lin.fp8_on_cpu = True
     opt = torch.optim.SGD(lin.parameters(), lr=0.0)
     x_small, x_big = torch.randn(16, 32), torch.randn(16, 32) * 5
     a_small, a_big = x_small.abs().max().item(), x_big.abs().max().item()
-    for step in range(interval):
+    for step in range(interval if interval == 1 else 2 * interval):
         lin(x_small).sum().backward()
         assert lin.fp8_scale[0].item() == pytest.approx(448.0 / a_small)      # its own scale
         lin(x_big).sum().backward()
         assert lin.fp8_scale[0].item() == pytest.approx(448.0 / a_big)
         assert lin.fp8_amax_history[0, 0].item() == max(a_small, a_big)   # (interval 2: not rolled yet)
         opt.step()
-    # the first update: the scale of the history's maximum, kept by the next casts
+    # the first update (interval 1; else the second): the scale of the history's maximum, kept
+    # by the next casts
     assert lin.fp8_scale[0].item() == pytest.approx(448.0 / a_big)
     lin(x_small).sum().backward()
     assert lin.fp8_scale[0].item() == pytest.approx(448.0 / a_big)

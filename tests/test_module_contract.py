@@ -707,7 +707,7 @@ def test_no_grad_calls_reuse_a_training_cast_but_never_store_one(monkeypatch):
     """The weight-cast cache: a call under no_grad reuses the cast a training call of the same
     step stored (reentrant checkpointing's first forward), and stores none itself."""
     model = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
-    _train(model, steps=1)  # (the cast is cached in layers an optimizer step has updated)
+    opt = _train(model, steps=1)  # (the cast is cached in layers a live optimizer's step has updated)
     seen = []
     raw = fp8ops.ops._linear_fwd_raw
     monkeypatch.setattr(fp8ops.ops, "_linear_fwd_raw", lambda *a: seen.append(a[1].dtype) or raw(*a))
@@ -721,6 +721,7 @@ def test_no_grad_calls_reuse_a_training_cast_but_never_store_one(monkeypatch):
     with torch.no_grad():
         model(x)
     assert seen == [torch.float8_e4m3fn, torch.float8_e4m3fn]                      # the stored casts
+    del opt
 
 
 def test_a_cast_without_the_transpose_is_not_reused_where_one_is_needed(monkeypatch):
