@@ -66,6 +66,12 @@ _COPIES = itertools.count(1)
 _POLICY_ONLY = False
 
 
+# Parameters registered on FP8 layers so far (register_parameter: `layer.weight = p` too):
+# the optimizer hooks' scans of which layers an optimizer holds are kept until it moves
+# (scaling._scan)
+_REGISTRATIONS = [0]
+
+
 # How many times torch.compile has traced an FP8 forward in this process. Compiled code sets no
 # flag when it casts (eager code sets _fp8_cast_since_update): update_scales looks for its casts
 # in the layers' amax histories instead (scaling._find_compiled_casts).
@@ -458,20 +464,24 @@ class _Fp8LinearFn(torch.autograd.Function):
 
 
 def _left_by_its_optimizer(d: dict) -> bool:
-    """Has the optimizer whose step last updated this layer's scales (scaling's
-    _after_optimizer_step) stepped since without it, or been freed? The layer left it: frozen
-    and given a new optimizer without it, or a new weight Parameter assigned that the optimizer
-    does not hold. No update will come, so the delayed scales would stay those of its last
-    update for good (a review's probe: inputs 30x larger after such a freeze, 1.0 dB output
-    SQNR at every later step; a weight assigned 20x larger, 0.6 dB). It goes back to current
-    scales, as a layer no optimizer steps casts, until an update comes (an optimizer that
-    holds it again), and its weight cast is no longer kept for the step (a frozen weight may
-    change through .data). Eager code only: compiled code reads the flag as a guard."""
+    """Has the optimizer whose step last took this layer (scaling._after_optimizer_step) stepped
+    since without it? The layer left it: a weight Parameter assigned that the optimizer does
+    not hold, its parameters taken out of the optimizer's groups. No update will come, so the
+    delayed scales would stay those of its last update for good (a review's probe: a weight
+    assigned 20x larger, 0.6 dB output SQNR at every later step). It goes back to current
+    scales, as a layer no optimizer steps casts, until an update comes, and its weight cast is
+    no longer kept for the step (a frozen weight may change through .data). Decided from the
+    hooks' counts only, which every rank sees alike, never from whether the optimizer is still
+    alive: ranks free a replaced optimizer at different times (in a reference cycle, as
+    accelerate's makes, at their own garbage collections), and under the FSDP2 FP8 all-gather a
+    layer back on current scales all-reduces its weight's amax (a review's probe hung). So a
+    layer whose optimizer was freed and replaced by one without it keeps its scales (README).
+    Eager code only: compiled code reads the flag as a guard."""
     up = d.get("_fp8_updater")
     if up is None:
         return False
     opt = up[0]()
-    if opt is not None and opt.__dict__.get("_fp8ops_step_end", 0) <= up[1]:
+    if opt is None or opt.__dict__.get("_fp8ops_step_end", 0) <= up[1]:
         return False
     d["_fp8_delayed_ready"] = False
     d["_w_cache"] = None
@@ -683,6 +693,10 @@ class Fp8LinearBase(nn.Module):
     merge added its update transposed, transformers' weight init) see Fp8Conv1D as the Conv1D
     it is. A subclass sets in_features, out_features, weight and bias, then calls
     _init_fp8_state."""
+
+    def register_parameter(self, name: str, param) -> None:
+        super().register_parameter(name, param)
+        _REGISTRATIONS[0] += 1
 
     def _init_fp8_state(self, config: Fp8Config) -> None:
         self.__dict__["_fp8_config"] = config  # (not the property's setter: nothing to compare with yet)
@@ -949,6 +963,7 @@ class Fp8LinearBase(nn.Module):
         d["_fp8_pristine"] = True
         d["_fp8_rest_due"] = False
         d["_w_cache"] = None
+        d.pop("_fp8_updater", None)
         d["_fp8_si_version"] = None  # (written here: no broadcast, see scaling._check_not_broadcast)
 
     def _apply(self, fn, recurse=True):

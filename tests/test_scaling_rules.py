@@ -3,6 +3,7 @@ format's gradient dtype, the margin on the gradient's scale, amax_compute_algo="
 on a layer, two forwards before one backward under current scaling, what a saved scaling
 state restores (step count, primed or not), nested optimizers over part of a model, and the
 SQNR helper every numerics test relies on."""
+import gc
 import warnings
 
 import pytest
@@ -582,12 +583,7 @@ def _two_layers():
     return m
 
 
-def test_a_layer_its_optimizer_leaves_goes_back_to_current_scales():
-    """A layer frozen mid-training and left out of the next optimizer (the old one freed) got
-    no update again and cast with its last delayed scales for good: with inputs 30x larger
-    after the freeze, 1.0 dB output SQNR at every later step (a review's probe). It casts
-    with current scales now, as a layer no optimizer ever stepped does, while the layer the
-    new optimizer holds goes on being updated."""
+def _trained_two_layers():
     m = _two_layers()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     for _ in range(3):
@@ -595,17 +591,92 @@ def test_a_layer_its_optimizer_leaves_goes_back_to_current_scales():
         opt.step()
         opt.zero_grad()
     assert m[0]._fp8_delayed_ready and m[0].fp8_step == 3
+    return m, opt
+
+
+def _phase_two(m, opt, steps=4, after_step=None) -> list:
+    """m[0] frozen, inputs 30x larger (a trained embedding before it): its output's SQNR
+    against the plain layer at each step."""
     m[0].requires_grad_(False)
-    opt = torch.optim.AdamW(m[1].parameters(), lr=1e-3)
-    for step in range(4):
+    dbs = []
+    for _ in range(steps):
         x = 30 * torch.randn(16, 32)
         y = m[0](x)
-        assert sqnr(F.linear(x, m[0].weight, m[0].bias), y.detach()) >= 25, step
+        dbs.append(sqnr(F.linear(x, m[0].weight, m[0].bias), y.detach()))
         m[1](y).square().mean().backward()
         opt.step()
         opt.zero_grad()
+        if after_step is not None:
+            after_step()
+    return dbs
+
+
+def test_a_layer_its_optimizer_steps_past_goes_back_to_current_scales():
+    """A layer frozen mid-training and taken out of its optimizer's groups got no update again
+    and cast with its last delayed scales for good: with inputs 30x larger after that, 1.0 dB
+    output SQNR at every later step (a review's probe). Once the optimizer has stepped without
+    it, it casts with current scales, as a layer no optimizer ever stepped does (the first
+    step after the change still casts with the old ones), while the other layer goes on being
+    updated."""
+    m, opt = _trained_two_layers()
+    opt.param_groups[0]["params"] = list(m[1].parameters())
+    dbs = _phase_two(m, opt)
+    assert dbs[0] < 10 and min(dbs[1:]) >= 25, dbs
     assert (m[0].fp8_step, m[1].fp8_step) == (3, 7) and not m[0]._fp8_delayed_ready
     assert m[1]._fp8_delayed_ready
+
+
+def test_a_layer_left_by_a_freed_optimizer_keeps_its_scales_until_fp8ops_step():
+    """Frozen and left out of a new optimizer, the old one freed: whether an optimizer is still
+    alive differs between ranks (each frees it at its own garbage collection), so it decides
+    nothing and the layer keeps its last scales (README); fp8ops.step after each step updates
+    it (from its second call: the first leaves out the layers an optimizer updated since)."""
+    m, opt = _trained_two_layers()
+    opt = torch.optim.AdamW(m[1].parameters(), lr=1e-3)
+    gc.collect()
+    assert max(_phase_two(m, opt, steps=2)) < 10
+    dbs = _phase_two(m, opt, after_step=lambda: fp8ops.step(m))
+    assert min(dbs[2:]) >= 25, dbs
+
+
+def test_a_subclass_step_calling_super_keeps_delayed_scaling():
+    """An optimizer subclass whose step calls super().step(), where the parent's step is hooked
+    too (the hooks run twice on one optimizer, the inner run updating): its layers keep delayed
+    scaling (a review: the first form of the check above saw the outer run step past them and
+    sent them back to current scales at every forward)."""
+    class MyAdamW(torch.optim.AdamW):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # (AdamW.step hooked as well)
+    m = _two_layers()
+    opt = MyAdamW(m.parameters(), lr=1e-3)
+    ready = []
+    for _ in range(4):
+        y = m(torch.randn(16, 32))
+        ready.append(m[0]._fp8_delayed_ready)
+        y.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert ready == [False, True, True, True] and m[0].fp8_step == 4
+
+
+def test_an_optimizer_made_again_each_epoch_keeps_delayed_scaling():
+    """A new optimizer over the same parameters at each epoch, the old one freed: no step on
+    current scales after the first (a review: the first form of the check above sent every
+    layer back to them at each epoch, 2 x interval steps)."""
+    m = _two_layers()
+    current = 0
+    for _ in range(3):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        gc.collect()
+        for _ in range(3):
+            y = m(torch.randn(16, 32))
+            current += not m[0]._fp8_delayed_ready
+            y.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert current == 1
 
 
 def test_a_weight_its_optimizer_does_not_hold_is_cast_with_current_scales_after_a_step():
@@ -665,3 +736,49 @@ def test_a_parametrized_weight_is_matched_through_its_original():
         opt.step()
         opt.zero_grad()
     assert m[0].fp8_step == m[1].fp8_step == 4 and m[0]._fp8_delayed_ready
+
+
+def test_the_hooks_kept_scan_follows_what_the_optimizer_holds():
+    """The hooks keep each optimizer's scan of the layers it holds (scaling._scan: one scan per
+    optimizer step cost layers x optimizers with one optimizer per parameter); it is made again
+    where what the optimizer holds may have changed. Each phase: the layers updated by a step."""
+    from fp8ops import scaling
+
+    def fp8(lin):
+        new = Fp8Linear.from_linear(lin, Fp8Config(policy="always"))
+        new.fp8_on_cpu = True
+        return new
+
+    torch.manual_seed(0)
+    a, plain = fp8(nn.Linear(16, 16)), nn.Linear(16, 16)
+    opt = torch.optim.SGD([*a.parameters(), *plain.parameters()], lr=0.0)
+
+    def updated():
+        before = {id(m): m.fp8_step for m in scaling.live_layers()}
+        opt.step()
+        return {m for m in scaling.live_layers() if m.fp8_step > before.get(id(m), 0)}
+
+    assert updated() == {a}
+    kept = opt.__dict__["_fp8ops_scan"]
+    assert updated() == {a} and opt.__dict__["_fp8ops_scan"] is kept  # (nothing changed: kept)
+    b = fp8(plain)                                   # converted after: its Parameters are held
+    assert updated() == {a, b}
+    c = fp8(nn.Linear(16, 16))
+    c.weight = a.weight                              # a Parameter registered: tied to a held one
+    assert updated() == {a, b, c}
+    d = fp8(nn.Linear(16, 16))
+    opt.add_param_group({"params": [d.weight]})      # another group
+    assert updated() == {a, b, c, d}
+    e = fp8(nn.Linear(16, 16))
+    updated()
+    e._parameters["weight"] = p = nn.Parameter(torch.randn(16, 16))  # (no registration hook: FSDP2's way)
+    opt.param_groups[1]["params"][0] = p             # the group's list changed in place
+    assert updated() == {a, b, c, e}
+    c._parameters["weight"] = nn.Parameter(torch.randn(16, 16))  # a kept layer's weight swapped unseen:
+    assert updated() == {a, b, e}                                 # checked at each step
+    f = fp8(nn.Linear(16, 16))
+    opt.add_param_group({"params": [f.weight]})
+    assert len(updated()) == 4
+    del f  # (no assert names it: pytest's rewritten asserts keep their operands alive)
+    gc.collect()
+    assert updated() == {a, b, e}                    # (a dead layer in the kept scan)
