@@ -471,17 +471,15 @@ def _left_by_its_optimizer(d: dict) -> bool:
     assigned 20x larger, 0.6 dB output SQNR at every later step). It goes back to current
     scales, as a layer no optimizer steps casts, until an update comes, and its weight cast is
     no longer kept for the step (a frozen weight may change through .data). Decided from the
-    hooks' counts only, which every rank sees alike, never from whether the optimizer is still
-    alive: ranks free a replaced optimizer at different times (in a reference cycle, as
-    accelerate's makes, at their own garbage collections), and under the FSDP2 FP8 all-gather a
-    layer back on current scales all-reduces its weight's amax (a review's probe hung). So a
-    layer whose optimizer was freed and replaced by one without it keeps its scales (README).
-    Eager code only: compiled code reads the flag as a guard."""
+    hooks' counts only, which every rank sees alike: the layer holds a box of the optimizer's
+    last count, not the optimizer, whose liveness differs between ranks (each frees a replaced
+    one at its own garbage collection, in a reference cycle such as accelerate's), and under
+    the FSDP2 FP8 all-gather a layer back on current scales all-reduces its weight's amax (two
+    review probes hung). A freed optimizer counts no more steps: a layer it had not stepped past
+    keeps its scales (frozen layers left out of a new optimizer, README). Eager code only:
+    compiled code reads the flag as a guard."""
     up = d.get("_fp8_updater")
-    if up is None:
-        return False
-    opt = up[0]()
-    if opt is None or opt.__dict__.get("_fp8ops_step_end", 0) <= up[1]:
+    if up is None or up[0][0] <= up[1]:  # (the optimizer's last count, in a box it keeps)
         return False
     d["_fp8_delayed_ready"] = False
     d["_w_cache"] = None

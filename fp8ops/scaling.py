@@ -178,16 +178,18 @@ def _scan(optimizer) -> list:
     small's 49 layers and 148 optimizers on the CPU box, 110 ms for 500 layers. (A Parameter
     written into a layer's _parameters directly, as FSDP2 does, is not seen: FSDP2 registers
     the same sharded Parameter again after each backward.)"""
+    # (the params' ids in order: a group reordered in place orders the all-reduce otherwise;
+    # the optimizer holds them, so an id stays its Parameter's while it is in the list)
     key = (_LAYER_GEN[0], _linear._REGISTRATIONS[0],
-           tuple((len(g["params"]), sum(map(id, g["params"]))) for g in optimizer.param_groups))
+           tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups))
     d = optimizer.__dict__
     kept = d.get("_fp8ops_scan")
     if kept is not None and kept[0] == key:
-        for ref, w, b in kept[1]:
+        for ref, w_ref, b_ref in kept[1]:
             layer = ref()
             if layer is not None:
                 now_w, now_b = _weight_and_bias(layer)
-                if now_w is not w or now_b is not b:
+                if now_w is not _deref(w_ref) or now_b is not _deref(b_ref):
                     break
         else:
             return kept[2]
@@ -202,10 +204,26 @@ def _scan(optimizer) -> list:
         ld = layer.__dict__
         found.append((at, ld.get("_fp8_serial", 0), ld.get("_fp8_copy", 0), weakref.ref(layer), w, b, iw, ib))
     found.sort(key=lambda f: f[:3])
-    checks = [(f[3], f[4], f[5]) for f in found]
+    # (weak: a bias-only optimizer must not keep the frozen weights alive, a review's probe)
+    checks = [(f[3], _weak(f[4]), _weak(f[5])) for f in found]
     entries = [(f[3], f[6] is not None, f[7] is not None) for f in found]
     d["_fp8ops_scan"] = (key, checks, entries)
     return entries
+
+
+def _weak(t):
+    return None if t is None else weakref.ref(t)
+
+
+def _deref(ref):
+    """(a Parameter freed since: _FREED, which no live Parameter is)"""
+    if ref is None:
+        return None
+    t = ref()
+    return _FREED if t is None else t
+
+
+_FREED = object()
 
 
 def _held(layer, name: str):
@@ -213,11 +231,21 @@ def _held(layer, name: str):
     (torch.nn.utils.parametrize, registered after convert) its original, not the attribute,
     whose read runs the parametrization (spectral_norm's power iteration: a review saw five
     steps of an unrelated optimizer change a model's spectral-norm state). None where it has
-    no single original (a right_inverse that returns several)."""
+    no single original (a right_inverse that returns several, the old weight_norm)."""
     p = layer._modules.get("parametrizations")
     if p is not None and name in p:
         return getattr(p[name], "original", None)
-    return getattr(layer, name)  # (not _param: Fp8Conv1D's is a transposed view)
+    ps = layer._parameters
+    if name in ps:
+        return ps[name]
+    if name + "_orig" in ps:
+        # torch.nn.utils.prune, the old spectral_norm: a forward pre-hook sets the attribute
+        # from <name>_orig at each call (a review: read, the layer matched no optimizer and
+        # went back to current scales, a bias-only match rescanned at every step)
+        return ps[name + "_orig"]
+    if name + "_g" in ps:
+        return None  # (the old weight_norm: g and v, no single original)
+    return getattr(layer, name, None)
 
 
 # the optimizer step hooks that ran so far (not ZeroRedundancyOptimizer's inner ones, see
@@ -266,8 +294,13 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
         layers = _layers_of(optimizer, by_bias)
         # (the forward reads it: a layer this optimizer steps past goes back to current scales,
         # linear._left_by_its_optimizer; also the layers an inner step updated, below: a
-        # subclass's step calling super().step() runs these hooks twice on one optimizer)
-        updater = (weakref.ref(optimizer), _HOOK_STEPS[0])
+        # subclass's step calling super().step() runs these hooks twice on one optimizer. A box
+        # of the optimizer's last count, not the optimizer: a freed one keeps its count, on
+        # every rank alike, whenever each collects it)
+        box = d.get("_fp8ops_end_box")
+        if box is None:
+            box = d["_fp8ops_end_box"] = [0]
+        updater = (box, _HOOK_STEPS[0])
         for layer in layers:
             layer.__dict__["_fp8_updater"] = updater
         seen = d.get("_fp8ops_seen")
@@ -281,6 +314,9 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
                 path = "_fp8_bias_path_at" if id(layer) in bias_path else "_fp8_weight_path_at"
                 layer.__dict__[path] = _HOOK_STEPS[0]
         d["_fp8ops_step_end"] = _HOOK_STEPS[0]
+        box = d.get("_fp8ops_end_box")
+        if box is not None:
+            box[0] = _HOOK_STEPS[0]
     d["_fp8ops_open"] = False
 
 

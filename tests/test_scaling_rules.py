@@ -782,3 +782,43 @@ def test_the_hooks_kept_scan_follows_what_the_optimizer_holds():
     del f  # (no assert names it: pytest's rewritten asserts keep their operands alive)
     gc.collect()
     assert updated() == {a, b, e}                    # (a dead layer in the kept scan)
+
+
+def test_the_kept_scan_follows_a_reordered_group_and_keeps_no_weight_alive():
+    """The amax all-reduce concatenates layers in the optimizer's order: a group reordered in
+    place is scanned again (a review: a key of the ids' sum kept the old order, and a scan
+    made again on one rank only, after a deepcopy there, mixed the layers' amaxes across
+    ranks). And a bias-only optimizer's kept scan holds no frozen weight (a review: it did)."""
+    import weakref
+    from fp8ops import scaling
+    m = nn.Sequential(*(_two_layers()[0] for _ in range(3)))
+    opt = torch.optim.SGD([p for lin in m for p in lin.parameters()], lr=0.0)
+    assert scaling._layers_of(opt) == list(m)
+    opt.param_groups[0]["params"].reverse()
+    assert scaling._layers_of(opt) == list(m)[::-1]
+    bitfit = torch.optim.SGD([lin.bias for lin in m], lr=0.0)
+    assert scaling._layers_of(bitfit) == list(m)
+    w = weakref.ref(m[0].weight)
+    del m, opt
+    gc.collect()
+    assert w() is None
+
+
+def test_a_pruned_layer_keeps_delayed_scaling():
+    """torch.nn.utils.prune (and the old spectral_norm) keep the Parameter as weight_orig and
+    set `weight` from it at each call: the hooks match weight_orig (a review: they read the
+    attribute, matched no optimizer, and the layer went back to current scales for good)."""
+    import torch.nn.utils.prune as prune
+    m = _two_layers()
+    prune.l1_unstructured(m[0], "weight", amount=0.5)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    ready = []
+    for _ in range(5):
+        x = torch.randn(16, 32)
+        y = m[0](x)
+        ready.append(m[0]._fp8_delayed_ready)
+        assert sqnr(F.linear(x, m[0].weight, m[0].bias), y.detach()) >= 20  # (FP8's noise: ~25)
+        m[1](y).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert ready == [False, True, True, True, True] and m[0].fp8_step == 5
