@@ -1101,7 +1101,7 @@ class Fp8LinearBase(nn.Module):
         state.pop("_fp8_fold_views", None)
         state.pop("_fp8_trial_watch", None)  # (a finalizer of this object: loop_trial._watch)
         state.pop("_fp8_death_note", None)   # (and scaling.track's)
-        state.pop("_fp8_updater", None)  # (a weak reference to an optimizer: a copy has none yet)
+        state.pop("_fp8_updater", None)  # (its optimizer's count: a copy has no optimizer yet)
         if not isinstance(state.get("_fp8_group", ""), str):
             # a ProcessGroup (scaling.set_scaling_group) does not pickle: a copy takes the
             # default group until it is set again ("local" is kept)

@@ -313,10 +313,7 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
             for layer in layers:
                 path = "_fp8_bias_path_at" if id(layer) in bias_path else "_fp8_weight_path_at"
                 layer.__dict__[path] = _HOOK_STEPS[0]
-        d["_fp8ops_step_end"] = _HOOK_STEPS[0]
-        box = d.get("_fp8ops_end_box")
-        if box is not None:
-            box[0] = _HOOK_STEPS[0]
+        d["_fp8ops_step_end"] = box[0] = _HOOK_STEPS[0]
     d["_fp8ops_open"] = False
 
 
