@@ -137,7 +137,7 @@ def _layers_of(optimizer, by_bias: list | None = None) -> list[Fp8LinearBase]:
     the layers taken through their bias alone are appended."""
     if not _LAYERS:
         return []
-    since = optimizer.__dict__.get("_fp8ops_step_end", 0)
+    since = _end_box(optimizer)[0]
     found = []
     for ref, by_weight, has_bias in _scan(optimizer):
         layer = ref()
@@ -249,10 +249,19 @@ def _held(layer, name: str):
 
 
 # the optimizer step hooks that ran so far (not ZeroRedundancyOptimizer's inner ones, see
-# _before_optimizer_step): each optimizer keeps the count at its last step (_fp8ops_step_end),
+# _before_optimizer_step): each optimizer keeps the count at its last step (_end_box),
 # each layer the count of its last update through an optimizer that holds its weight and
 # through one that holds its bias alone (_fp8_weight_path_at, _fp8_bias_path_at)
 _HOOK_STEPS = [0]
+
+
+def _end_box(optimizer) -> list:
+    """[the hook count at this optimizer's last step]: a box the layers it took hold too
+    (linear._left_by_its_optimizer), which keeps its count once the optimizer is freed."""
+    box = optimizer.__dict__.get("_fp8ops_end_box")
+    if box is None:
+        box = optimizer.__dict__["_fp8ops_end_box"] = [0]
+    return box
 
 
 # update_scales calls so far (loop_trial keeps the count): each layer keeps the count at its
@@ -297,9 +306,7 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
         # subclass's step calling super().step() runs these hooks twice on one optimizer. A box
         # of the optimizer's last count, not the optimizer: a freed one keeps its count, on
         # every rank alike, whenever each collects it)
-        box = d.get("_fp8ops_end_box")
-        if box is None:
-            box = d["_fp8ops_end_box"] = [0]
+        box = _end_box(optimizer)
         updater = (box, _HOOK_STEPS[0])
         for layer in layers:
             layer.__dict__["_fp8_updater"] = updater
@@ -313,7 +320,7 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
             for layer in layers:
                 path = "_fp8_bias_path_at" if id(layer) in bias_path else "_fp8_weight_path_at"
                 layer.__dict__[path] = _HOOK_STEPS[0]
-        d["_fp8ops_step_end"] = box[0] = _HOOK_STEPS[0]
+        box[0] = _HOOK_STEPS[0]
     d["_fp8ops_open"] = False
 
 
@@ -917,6 +924,11 @@ def _check_not_broadcast(layers: list[Fp8LinearBase]) -> None:
 _warned_step = False
 
 
+def _require_module(fn: str, model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{fn}: model must be an nn.Module (the converted model), found {type(model).__name__}")
+
+
 def step(model: torch.nn.Module) -> None:
     """Mark an optimizer step by hand (only needed with optimizers that do not
     subclass torch.optim.Optimizer, or whose step runs where no optimizer hook
@@ -927,8 +939,7 @@ def step(model: torch.nn.Module) -> None:
     per step would halve the history's window and count `interval` twice), and a warning says
     so, once; called before it, the first step updates those layers twice."""
     global _warned_step
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"fp8ops.step: model must be an nn.Module (the converted model), found {type(model).__name__}")
+    _require_module("fp8ops.step", model)
     layers = [m for m in model.modules() if isinstance(m, Fp8LinearBase)]
     # (an update since this model's last fp8ops.step came from an optimizer's hook)
     mine = [m for m in layers if m.__dict__.get("_fp8_updated_at", 0) <= m.__dict__.get("_fp8_stepped_at", 0)]
@@ -980,9 +991,7 @@ def _bare_name(key: str) -> str:
 def scaling_state_dict(model: torch.nn.Module) -> dict:
     """FP8 scaling state of every Fp8Linear, by module name (CPU tensors); the
     names of the model a torch.compile or DDP wrapper holds."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"scaling_state_dict: model must be an nn.Module (the converted model), found "
-                        f"{type(model).__name__}")
+    _require_module("scaling_state_dict", model)
     out = {}
     fold_grad_amax([m for m in model.modules() if isinstance(m, Fp8LinearBase)])  # (compiled backwards' dy amaxes)
     for name, m in _unwrapped(model).named_modules():
@@ -1129,9 +1138,7 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
     another), keep their fresh state; returns the names that were not restored (raises instead,
     loading nothing, when strict; strict also refuses states of layers the model
     does not have)."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"load_scaling_state_dict: model must be an nn.Module (the converted model), found "
-                        f"{type(model).__name__}")
+    _require_module("load_scaling_state_dict", model)
     if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
         bad_key = None if not isinstance(state, Mapping) else next(k for k in state if not isinstance(k, str))
         raise TypeError(f"load_scaling_state_dict: state must be what fp8ops.scaling_state_dict returned (a dict "
