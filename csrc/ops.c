@@ -52,6 +52,7 @@ typedef struct {
   int32_t dtype, dev_type, dev_index;
   int64_t ndim, numel;
   int64_t sizes[8];
+  int64_t elem; /* bytes per element (0: a dtype elem_size does not know) */
   bool contiguous;
   void* data;
 } tinfo;
@@ -126,6 +127,7 @@ static int describe(const char* op, const char* arg, AtenTensorHandle h, tinfo* 
   SHIM(aoti_torch_is_defined(h, &defined)); /* (None for a Tensor argument arrives undefined) */
   FP8OPS_REQUIRE(defined, "%s: %s is None (an undefined tensor); pass a tensor", op, arg);
   SHIM(aoti_torch_get_dtype(h, &t->dtype));
+  t->elem = elem_size(t->dtype);
   SHIM(aoti_torch_get_device_type(h, &t->dev_type));
   SHIM(aoti_torch_get_device_index(h, &t->dev_index));
   SHIM(aoti_torch_get_dim(h, &t->ndim));
@@ -148,7 +150,7 @@ static int describe(const char* op, const char* arg, AtenTensorHandle h, tinfo* 
                    "parameters outside their forward); pass a tensor that holds its data", op, arg);
     /* a storage shrunk after the view was made (untyped_storage().resize_()): a kernel would
      * read and write past its end (the last element's offset, strides >= 0 in torch) */
-    int64_t offset = 0, *strides, last = 0, size = elem_size(t->dtype);
+    int64_t offset = 0, *strides, last = 0, size = t->elem;
     SHIM(aoti_torch_get_storage_offset(h, &offset));
     SHIM(aoti_torch_get_strides(h, &strides));
     for (int64_t i = 0; i < t->ndim; ++i) last += (t->sizes[i] - 1) * strides[i];
@@ -217,14 +219,9 @@ static int require_slots_apart(const char* op, int n_w, int n, const tinfo* cons
   return FP8OPS_OK;
 }
 
-/* Bytes per element of the dtypes the ops take (an upper bound, 8, for any other: such an
- * argument is refused by its dtype check anyway). */
-static int64_t dtype_bytes(int32_t d) {
-  if (d == aoti_torch_dtype_float32()) return 4;
-  if (d == aoti_torch_dtype_bfloat16() || d == aoti_torch_dtype_float16()) return 2;
-  if (d == aoti_torch_dtype_float8_e4m3fn() || d == aoti_torch_dtype_float8_e5m2()) return 1;
-  return 8;
-}
+/* Bytes per element for a memory span: an upper bound, 8, for a dtype elem_size does not know
+ * (such an argument is refused by its dtype check anyway). */
+static int64_t span_elem(const tinfo* t) { return t->elem ? t->elem : 8; }
 
 /* An amax slot the op writes must lie outside the `nbytes` from `lo` of an argument it reads:
  * a slot inside x (or the weight, the bias, a LayerNorm parameter, dy, an FP8 operand) would
@@ -243,7 +240,7 @@ static int require_slot_outside(const char* op, const tinfo* slot, const char* s
 /* require_slot_outside for a contiguous argument (every one passed here was checked to be). */
 static int require_slot_outside_of(const char* op, const tinfo* slot, const char* slot_name,
                                    const tinfo* t, const char* arg) {
-  return require_slot_outside(op, slot, slot_name, t->data, t->numel * dtype_bytes(t->dtype), arg);
+  return require_slot_outside(op, slot, slot_name, t->data, t->numel * span_elem(t), arg);
 }
 
 static int hp_code(const char* op, const char* arg, int32_t d, fp8ops_hp_dtype* out) {
@@ -1306,7 +1303,7 @@ static int run_linear_bwd_cat(AtenTensorHandle in[LBWD_CAT_NIN], int32_t g_fp8, 
     for (int i = 0; i < FP8OPS_MAX_BLOCKS; ++i) {
       const int64_t rows = p[i].sizes[0], n = p[i].sizes[1];
       const int64_t span =
-          rows > 0 && n > 0 ? ((rows - 1) * blocks.ld[i] + n) * dtype_bytes(p[i].dtype) : 0;
+          rows > 0 && n > 0 ? ((rows - 1) * blocks.ld[i] + n) * span_elem(&p[i]) : 0;
       FP8OPS_TRY(require_slot_outside(op, &ga, "g_amax", p[i].data, span, names[i]));
     }
   }
