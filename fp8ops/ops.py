@@ -109,6 +109,20 @@ def _written(*ts) -> None:
     torch.autograd.graph.increment_version([t for t in ts if t is not None])
 
 
+def _writable(op, **written) -> None:
+    """Refuse, before the op runs, a tensor it would write in place that requires grad while
+    grad mode is on (torch's in-place ops refuse a leaf that does; on a non-leaf the graph
+    would not record the write, and its gradients would come out silently wrong): amax slots,
+    histories and scales are state, not parameters."""
+    if torch.is_grad_enabled():
+        for name, t in written.items():
+            if t is not None and t.requires_grad:  # (not torch._check: dynamo refuses its message's closure)
+                raise RuntimeError(
+                    f"fp8ops.{op}: {name} requires grad, but the op writes it in place, which autograd does "
+                    f"not record; pass a tensor that does not require grad ({name}.detach(), or one made "
+                    f"with requires_grad=False), or call the op under torch.no_grad()")
+
+
 def _chk(cond, msg):
     torch._check(cond, lambda: msg)
 
@@ -234,6 +248,8 @@ def amax_update(amax_history: torch.Tensor, scale: torch.Tensor, scale_inv: torc
     inverse would overflow, keeps the old scale), scale_inv = 1/scale, roll the
     history up by one and zero row 0. overflow_count: optional [n] int64
     counters, +1 for each column whose row 0 (this step's amax) is NaN/inf."""
+    _writable("amax_update", amax_history=amax_history, scale=scale, scale_inv=scale_inv,
+              overflow_count=overflow_count)
     _amax_update(amax_history, scale, scale_inv, fp8_max, margin, algo, overflow_count)
     _written(amax_history, scale, scale_inv, overflow_count)
 
@@ -359,6 +375,7 @@ def cast_accumulate(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     """cast() that folds max |x| into the 1-element fp32 `amax` in place
     (amax = max(amax, max |x|), NaN wins) instead of returning it; e.g. amax is
     row 0 of an amax history, collecting a step's maximum. Returns (out, out_t)."""
+    _writable("cast_accumulate", amax=amax)
     out = _cast_accumulate(x, scale, amax, out_dtype, transpose)
     _written(amax)
     return out
@@ -396,6 +413,7 @@ def linear_fwd(x, w, x_scale, x_amax, x_scale_inv, w_scale_inv, bias=None,
     _require()
     _dtypes("linear_fwd", x_fp8_dtype=x_fp8_dtype, w_fp8_dtype=w_fp8_dtype, out_dtype=out_dtype)
     bias, w_scale, w_amax = _fwd_defaults("linear_fwd", x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv)
+    _writable("linear_fwd", x_amax=x_amax, w_amax=w_amax if w.dtype in HP_DTYPES else None)
     out = torch.ops.fp8ops.linear_fwd.default(x, w, x_scale, x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv,
                                               bias, x_fp8_dtype, w_fp8_dtype, out_dtype, use_fast_accum, save_xt,
                                               save_wt, gelu_input, swiglu_input)
@@ -477,6 +495,7 @@ def ln_linear_fwd(x, ln_weight, ln_bias, eps, w, x_scale, x_amax, x_scale_inv, w
     _chk(not (rms and ln_bias is not None), f"{op}: an RMSNorm has no bias; pass ln_bias=None with rms=True")
     _dtypes(op, x_fp8_dtype=x_fp8_dtype, w_fp8_dtype=w_fp8_dtype, out_dtype=out_dtype)
     bias, w_scale, w_amax = _fwd_defaults(op, x, w, bias, out_dtype, w_scale, w_amax, w_scale_inv)
+    _writable(op, x_amax=x_amax, w_amax=w_amax if w.dtype in HP_DTYPES else None)
     none = _empty_for(x, torch.float32)
     args = (none if ln_weight is None else ln_weight, none if ln_bias is None else ln_bias, float(eps), w, x_scale,
             x_amax, x_scale_inv, w_scale, w_amax, w_scale_inv, bias, x_fp8_dtype, w_fp8_dtype, out_dtype,
@@ -636,6 +655,7 @@ def linear_bwd(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv, x_scale_
     Returns (dx, dw, db); an output not asked for comes back empty."""
     _require()
     _dtypes("linear_bwd", g_fp8_dtype=g_fp8_dtype, dx_dtype=dx_dtype, dw_dtype=dw_dtype)
+    _writable("linear_bwd", g_amax=g_amax)
     if gelu_input is None:
         gelu_input = gy.new_empty((0,))
     out = torch.ops.fp8ops.linear_bwd.default(gy, w8t, x8t, g_scale, g_amax, g_scale_inv, w_scale_inv,

@@ -413,8 +413,8 @@ def test_public_ops_that_write_scaling_state_bump_its_version(device):
 
     def saved_then_written(write):
         leaf = torch.ones(1, device=device, requires_grad=True)
-        slot = leaf * 1.0
-        loss = (slot * slot).sum()  # (slot is saved for backward)
+        slot = torch.ones(1, device=device)
+        loss = (leaf * slot).sum()  # (slot is saved for leaf's gradient)
         write(slot)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
@@ -431,6 +431,44 @@ def test_public_ops_that_write_scaling_state_bump_its_version(device):
     ops._cast_accumulate(x, sx, slot)
     ops._amax_update(torch.zeros(4, 1, device=device), s.clone(), slot, torch.full((1,), 448.0, device=device))
     assert slot._version == before
+
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_public_ops_refuse_to_write_a_tensor_that_requires_grad(device):
+    """A probe's finding: the ops wrote amax slots and scales that require grad without a word
+    (torch's in-place ops refuse a leaf that does; for a non-leaf autograd never sees the write,
+    so its gradients come out wrong). Each public op now refuses one under grad mode, before it
+    writes anything, naming the argument; under torch.no_grad() it writes, as torch's in-place
+    ops do."""
+    x, w8, sx, sx_inv, sw_inv = _fwd_inputs(32, 48, 16, device)
+    w = torch.randn(16, 48, device=device)
+    gy = torch.randn(32, 16, device=device)
+    w8t = torch.zeros(48, 16, dtype=E4, device=device)
+    x8t = torch.zeros(48, 32, dtype=E4, device=device)
+    s = torch.ones(1, device=device)
+    hist = torch.zeros(4, 1, device=device)
+    fmax = torch.full((1,), 448.0, device=device)
+    cases = {
+        "cast_accumulate: amax": lambda t: ops.cast_accumulate(x, sx, t),
+        "linear_fwd: x_amax": lambda t: ops.linear_fwd(x, w8, sx, t, sx_inv, sw_inv),
+        "linear_fwd: w_amax": lambda t: ops.linear_fwd(x, w, sx, s.clone(), sx_inv, sw_inv, w_scale=s, w_amax=t),
+        "ln_linear_fwd: x_amax": lambda t: ops.ln_linear_fwd(x, None, None, 1e-5, w8, sx, t, sx_inv, sw_inv),
+        "linear_bwd: g_amax": lambda t: ops.linear_bwd(gy, w8t, x8t, s, t, s, s, s),
+        "amax_update: scale_inv": lambda t: ops.amax_update(hist.clone(), s.clone(), t, fmax),
+    }
+    for what, write in cases.items():
+        op, name = what.split(": ")
+        for slot in (torch.zeros(1, device=device, requires_grad=True),       # a leaf
+                     torch.zeros(1, device=device, requires_grad=True) * 1.0):  # a non-leaf
+            with pytest.raises(RuntimeError, match=rf"fp8ops\.{op}: {name} requires grad.*torch\.no_grad"):
+                write(slot)
+            assert slot.detach().item() == 0.0, what  # (refused before the op wrote it)
+        slot = torch.zeros(1, device=device, requires_grad=True)
+        with torch.no_grad():
+            write(slot)
+        assert slot.detach().item() != 0.0, what
+    with pytest.raises(RuntimeError, match=r"fp8ops\.amax_update: amax_history requires grad"):
+        ops.amax_update(hist.clone().requires_grad_(), s.clone(), s.clone(), fmax)
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
