@@ -19,17 +19,21 @@ read with torch.fx (which never runs it) in both train and eval mode: a
 tanh-approximate nn.GELU module whose output goes to exactly one converted
 Fp8Linear and nowhere else (and, for c_fc's part, whose input is exactly one
 converted Fp8Linear's output, used nowhere else), each called once, none
-shared or hooked. The GELU module becomes nn.Identity (it has no state: the
-state_dict keys do not change). A forward fx cannot read keeps its GELU.
+shared or hooked. The GELU module becomes an nn.Identity (it has no state: the
+state_dict keys do not change) that keeps it, and a link to c_proj (fusion_links.py):
+a c_proj replaced after convert, or a hook registered there, puts the GELU back. A
+forward fx cannot read keeps its GELU.
 """
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import NamedTuple
 
 import torch.fx
 import torch.nn as nn
 
+from . import fusion_links
 from .fx_read import graphs_in_both_modes, hooked, mutated_in_place, used_by_other_methods
 from .linear import Fp8LinearBase
 
@@ -37,7 +41,7 @@ log = logging.getLogger("fp8ops")
 
 
 class Fused(NamedTuple):
-    gelu: str              # the GELU module's fqn (now nn.Identity)
+    gelu: str              # the GELU module's fqn (now an nn.Identity: fusion_links.ActivationFusedIntoLinear)
     consumer: str          # the Fp8Linear that applies the GELU (fp8_gelu_input)
     producer: str | None   # the Fp8Linear that applies its gradient (fp8_gelu_output), if any
 
@@ -157,8 +161,13 @@ def fuse_gelu(model: nn.Module) -> list[Fused]:
         if c.fp8_gelu_input:
             continue
         c.fp8_gelu_input = True
+        stand_in = fusion_links.ActivationFusedIntoLinear(parent._modules[name])
+        fusion_links.make(stand_in, parent, consumer, c, "fp8_gelu_input", name,
+                          f"the GELU {prefix + name} fused into {prefix + consumer}")
         if producer is not None:
-            parent.get_submodule(producer).fp8_gelu_output = True
-        setattr(parent, name, nn.Identity())
+            p = parent.get_submodule(producer)
+            p.fp8_gelu_output = True
+            stand_in.__dict__["_fp8_producer"] = weakref.ref(p)
+        setattr(parent, name, stand_in)
         fused.append(Fused(prefix + name, prefix + consumer, None if producer is None else prefix + producer))
     return fused

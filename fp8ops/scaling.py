@@ -1137,7 +1137,8 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
     shape (in, out) differ from theirs (the scales of one format mean nothing in
     another), keep their fresh state; returns the names that were not restored (raises instead,
     loading nothing, when strict; strict also refuses states of layers the model
-    does not have)."""
+    does not have). A non-empty state that names none of the model's FP8 layers raises
+    ValueError, loading nothing."""
     _require_module("load_scaling_state_dict", model)
     if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
         bad_key = None if not isinstance(state, Mapping) else next(k for k in state if not isinstance(k, str))
@@ -1146,9 +1147,19 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
                         + (f" with the key {bad_key!r} ({type(bad_key).__name__})" if isinstance(state, Mapping) else ""))
     skipped, matched, loads = [], set(), []
     bare = {_bare_name(k): v for k, v in state.items()}
-    for name, m in _unwrapped(model).named_modules():
-        if not isinstance(m, Fp8LinearBase):
-            continue
+    layers = [(n, m) for n, m in _unwrapped(model).named_modules() if isinstance(m, Fp8LinearBase)]
+    if state and layers and not any(state.get(n, bare.get(n)) is not None for n, _ in layers):
+        # (strict=False loads what fits; a dict that fits nothing is another dict: a model's
+        # state_dict(), a whole checkpoint. Loading nothing would restart every layer's scaling
+        # with no word. An empty one is what a model without FP8 layers saved: it loads nothing)
+        some = ", ".join(repr(k) for k in list(state)[:3]) + (", ..." if len(state) > 3 else "")
+        tensors = any(isinstance(v, torch.Tensor) for v in state.values())
+        raise ValueError(
+            f"load_scaling_state_dict: none of the state's {len(state)} keys ({some}) names an FP8 layer of this "
+            f"model (e.g. {layers[0][0]!r}){': its values are tensors, as in a model state_dict()' if tensors else ''}. "
+            "Pass what fp8ops.scaling_state_dict(model) returned (e.g. the checkpoint's entry you saved it under). "
+            "Nothing was loaded")
+    for name, m in layers:
         s = state.get(name, bare.get(name))
         if s is not None:
             matched.add(name)

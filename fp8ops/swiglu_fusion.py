@@ -18,8 +18,10 @@ torch.fx in train and eval mode (gelu_fusion.py's tracer): an activation module
 that swiglu.is_swiglu recognises (fp8ops.SwiGLU, or a stateless module whose
 forward is exactly chunk -> silu -> mul), whose output goes to exactly one
 converted Fp8Linear and nowhere else, both called once, neither shared nor
-hooked. The activation module becomes nn.Identity (it has no state: state_dict
-keys do not change). A SwiGLU written inline in a larger forward is left as it is.
+hooked. The activation module becomes an nn.Identity (it has no state: state_dict
+keys do not change) that keeps it, and a link to c_proj (fusion_links.py): a c_proj
+replaced after convert, or a hook registered there, puts the activation back. A
+SwiGLU written inline in a larger forward is left as it is.
 """
 from __future__ import annotations
 
@@ -27,12 +29,13 @@ from typing import NamedTuple
 
 import torch.nn as nn
 
+from . import fusion_links
 from .gelu_fusion import _roles, candidates
 from .swiglu import is_swiglu
 
 
 class Fused(NamedTuple):
-    swiglu: str    # the activation module's fqn (now nn.Identity)
+    swiglu: str    # the activation module's fqn (now an nn.Identity: fusion_links.ActivationFusedIntoLinear)
     consumer: str  # the Fp8Linear that applies it (fp8_swiglu_input)
 
 
@@ -49,6 +52,9 @@ def fuse_swiglu(model: nn.Module) -> list[Fused]:
                 or not lin.fp8_config.fuses("swiglu"):  # (converted earlier with the fusion off: kept so)
             continue
         lin.fp8_swiglu_input = True
-        setattr(parent, name, nn.Identity())
+        stand_in = fusion_links.ActivationFusedIntoLinear(parent._modules[name])
+        fusion_links.make(stand_in, parent, consumer, lin, "fp8_swiglu_input", name,
+                          f"the SwiGLU {prefix + name} fused into {prefix + consumer}")
+        setattr(parent, name, stand_in)
         fused.append(Fused(prefix + name, prefix + consumer))
     return fused

@@ -1178,6 +1178,27 @@ def test_the_scaling_state_functions_refuse_what_is_not_a_model_or_a_state(monke
             fp8ops.load_scaling_state_dict(m, state)
 
 
+def test_a_scaling_state_that_names_no_layer_of_the_model_is_refused(monkeypatch):
+    """A probe's finding: the model's state_dict(), or a whole checkpoint, passed by mistake
+    loaded nothing and said nothing (strict=False), so a resume restarted every layer's
+    scaling. A state that names none of the model's FP8 layers now raises, saying what it
+    looks like; an empty one (what a model without FP8 layers saves) still loads nothing, and
+    one that names some layers loads those."""
+    m = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    _train(m)
+    before = [t.clone() for t in (m[0].fp8_scale, m[0].fp8_amax_history)]
+    for wrong, said in ((m.state_dict(), "its values are tensors, as in a model state_dict"),
+                        ({"model": m.state_dict(), "step": 3}, "names an FP8 layer of this model")):
+        with pytest.raises(ValueError, match="none of the state's .* keys .*" + said + ".*Nothing was loaded"):
+            fp8ops.load_scaling_state_dict(m, wrong)
+    assert torch.equal(m[0].fp8_scale, before[0]) and torch.equal(m[0].fp8_amax_history, before[1])
+    names = [n for n, x in m.named_modules() if isinstance(x, Fp8LinearBase)]
+    assert fp8ops.load_scaling_state_dict(m, {}) == names
+    state = fp8ops.scaling_state_dict(m)
+    del state[names[0]]
+    assert fp8ops.load_scaling_state_dict(m, state) == names[:1]
+
+
 def test_loading_weights_into_a_trained_model_scales_them_as_a_fresh_conversion(monkeypatch):
     """load_state_dict into a converted model that has trained (the best checkpoint, a
     rollback): the old weights' scales would saturate or waste the new weights' range
