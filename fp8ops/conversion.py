@@ -204,10 +204,6 @@ def convert_to_fp8_training(model: nn.Module, *, config: Fp8Config | None = None
         log.info("fp8ops: no fusion for %s (the fused casts need delayed scaling and FP8 GEMMs)",
                  config.short_str())
     else:
-        # (a fused layer replaced since an earlier convert: its norm or activation computes on its
-        # own again before this call fuses, so that the new layer may take it)
-        from .fusion_links import undo_broken  # noqa: PLC0415 -- kept beside the fusions' lazy imports
-        undo_broken(model)
         _fuse(model, config, decisions)
     n_fp8 = sum(1 for b, _ in decisions.values() if b == "fp8ops")
     log.info("fp8ops: %d of %d linear layers converted to FP8 (%s)", n_fp8, len(decisions), config.short_str())

@@ -21,14 +21,13 @@ hooked: a block whose norm feeds separate q, k and v projections keeps it. The
 norm module stays in the model with its parameters (state_dict keys
 unchanged) and becomes a pass-through (its class is swapped to
 LayerNormFusedIntoLinear or RMSNormFusedIntoLinear); the linear holds a
-reference to it, and it a link to the linear (fusion_links.py): a linear replaced
-after convert, or a hook registered on the norm, gives it back its own class.
+reference to it, and it a link to the linear (fusion_links.py): a hook registered on
+the norm gives it back its own class.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
 import torch.fx
 import torch.nn as nn
 
@@ -40,18 +39,10 @@ from .linear import Fp8LinearBase
 
 class _AppliedByNextLinear(fusion_links.HookUndoesFusion):
     """A norm module whose normalization the next (FP8) linear applies: its
-    forward passes x through unchanged while that linear is in its place and applies
-    it (else it normalizes, and in eager code turns back into its own class). Same
-    parameters and state_dict keys."""
+    forward passes x through unchanged (a hook registered on it gives it back its
+    own class first: fusion_links.py). Same parameters and state_dict keys."""
 
     def forward(self, x):
-        link = self.__dict__.get(fusion_links.LINK)
-        if link is not None and fusion_links.broken(self, link):
-            plain = self._fp8_plain_class
-            if not torch.compiler.is_compiling():
-                fusion_links.undo(self, "the FP8 layer that applied it is no longer in its place, or no longer "
-                                        "applies it")
-            return plain.forward(self, x)
         return x
 
     def extra_repr(self) -> str:
@@ -118,7 +109,7 @@ def fuse_layernorm(model: nn.Module) -> list[Fused]:
         lin.__dict__["fp8_ln_input"] = ln  # not a submodule: the LayerNorm stays where it is
         kind = "RMSNorm" if isinstance(ln, nn.RMSNorm) else "LayerNorm"
         ln.__class__ = _FUSED_CLASS[type(ln)]
-        fusion_links.make(ln, parent, target, lin, "fp8_ln_input", name,
+        fusion_links.make(ln, parent, lin, "fp8_ln_input", name,
                           f"the {kind} {prefix + name} fused into {prefix + target}")
         fused.append(Fused(prefix + name, prefix + target))
     return fused

@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import fusion_links, gelu_grad_pass, ops
+from . import gelu_grad_pass, ops
 from ._reference import FP8_MAX
 from .config import Fp8Config
 from .policy import rows_bucket
@@ -1102,7 +1102,6 @@ class Fp8LinearBase(nn.Module):
         state.pop("_fp8_trial_watch", None)  # (a finalizer of this object: loop_trial._watch)
         state.pop("_fp8_death_note", None)   # (and scaling.track's)
         state.pop("_fp8_updater", None)  # (its optimizer's count: a copy has no optimizer yet)
-        state.pop(fusion_links.SOURCE, None)  # (a weak reference: see fusion_links.py)
         if not isinstance(state.get("_fp8_group", ""), str):
             # a ProcessGroup (scaling.set_scaling_group) does not pickle: a copy takes the
             # default group until it is set again ("local" is kept)
@@ -1189,11 +1188,6 @@ class Fp8LinearBase(nn.Module):
         # instead of Module.__getattr__, is_compiling() asked once.
         d = self.__dict__
         compiling = torch.compiler.is_compiling()
-        source = d.get(fusion_links.SOURCE)
-        if source is not None and not compiling:
-            # a fused norm or activation replaced in the model since convert: this layer stops
-            # applying it (fusion_links.py; compiled code: checked at the next eager call or convert)
-            fusion_links.source_gone(self, source)
         bf16_key = d.get("_fp8_bf16_key")
         if bf16_key is not None and not compiling:
             # policy "auto" chose BF16 for the input the last call had: a layer

@@ -165,6 +165,15 @@ def report(model: nn.Module, print_table: bool = True) -> list[dict]:
                 # converted, then replaced by a plain layer under the same name (e.g. HF's
                 # resize_token_embeddings builds a new lm_head): the decision is the old layer's
                 reason = "replaced after conversion by a plain layer; call fp8ops.convert(model) again"
+                fused = [part.split(" fused into ")[0] for part in decisions[name][1].split("; ")[1:]
+                         if " fused into " in part and "'s gradient" not in part]
+                if fused:
+                    # (the fusion moved it into the old layer: it runs nowhere now, and convert again
+                    # does not bring it back)
+                    reason = (f"replaced after conversion by a plain layer, which does not apply {', '.join(fused)} "
+                              "that convert fused into the old one: the model no longer computes it. Rebuild the "
+                              "model and convert it with Fp8Config(fuse_layernorm=False, fuse_gelu=False, "
+                              "fuse_swiglu=False) before replacing layers")
             shape = f"{m.nx}->{m.nf}" if is_hf_conv1d(m) else f"{m.in_features}->{m.out_features}"
             rows.append(_row_without_state(name, "bf16", RUNS_BF16, reason, None, shape, 0))
     if print_table:

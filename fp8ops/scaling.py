@@ -982,9 +982,17 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
 
+# wrappers' own names inside a module path (torch's checkpoint_wrapper, which
+# apply_activation_checkpointing puts around blocks, FSDP1's wrapper, a compiled block): a
+# state saved with them loads into the model without them, and the other way round
+_INNER_WRAPPERS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+
+
 def _bare_name(key: str) -> str:
     while key.startswith(_WRAPPER_PREFIXES):
         key = key.split(".", 1)[1]
+    if any(w in key for w in _INNER_WRAPPERS):
+        key = ".".join(part for part in key.split(".") if part not in _INNER_WRAPPERS)
     return key
 
 
@@ -1148,7 +1156,7 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
     skipped, matched, loads = [], set(), []
     bare = {_bare_name(k): v for k, v in state.items()}
     layers = [(n, m) for n, m in _unwrapped(model).named_modules() if isinstance(m, Fp8LinearBase)]
-    if state and layers and not any(state.get(n, bare.get(n)) is not None for n, _ in layers):
+    if state and layers and not any(state.get(n, bare.get(_bare_name(n))) is not None for n, _ in layers):
         # (strict=False loads what fits; a dict that fits nothing is another dict: a model's
         # state_dict(), a whole checkpoint. Loading nothing would restart every layer's scaling
         # with no word. An empty one is what a model without FP8 layers saved: it loads nothing)
@@ -1160,9 +1168,9 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
             "Pass what fp8ops.scaling_state_dict(model) returned (e.g. the checkpoint's entry you saved it under). "
             "Nothing was loaded")
     for name, m in layers:
-        s = state.get(name, bare.get(name))
+        s = state.get(name, bare.get(_bare_name(name)))
         if s is not None:
-            matched.add(name)
+            matched.add(_bare_name(name))
             _check_saved_form(name, s)
         if (s is None or s["amax_history"].shape != m.fp8_amax_history.shape
                 or ("config" in s and _recipe_and_format(s["config"]) != _recipe_and_format(m.fp8_config.short_str()))

@@ -1199,6 +1199,27 @@ def test_a_scaling_state_that_names_no_layer_of_the_model_is_refused(monkeypatch
     assert fp8ops.load_scaling_state_dict(m, state) == names[:1]
 
 
+def test_a_scaling_state_loads_across_activation_checkpointing_wrappers(monkeypatch):
+    """A review's finding: torch's apply_activation_checkpointing puts its wrapper inside the
+    module paths (0._checkpoint_wrapped_module), and a state saved under it restored, into the
+    same model without it, only the layers outside the wrappers, with no word. Each path is
+    matched without the wrappers' own names now, both ways."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: PLC0415
+        apply_activation_checkpointing)
+    plain = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    wrapped = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, Fp8LinearBase))
+    assert any("_checkpoint_wrapped_module" in n for n, _ in wrapped.named_modules())
+    _train(wrapped)
+    assert fp8ops.load_scaling_state_dict(plain, fp8ops.scaling_state_dict(wrapped), strict=True) == []
+    assert torch.equal(plain[0].fp8_scale, wrapped[0]._checkpoint_wrapped_module.fp8_scale)
+    assert plain[2].fp8_step == 3
+    fresh = convert_as_on_fp8_gpu(_mlp(), monkeypatch)
+    apply_activation_checkpointing(fresh, check_fn=lambda m: isinstance(m, Fp8LinearBase))
+    assert fp8ops.load_scaling_state_dict(fresh, fp8ops.scaling_state_dict(plain), strict=True) == []
+    assert fresh[2]._checkpoint_wrapped_module.fp8_step == 3
+
+
 def test_loading_weights_into_a_trained_model_scales_them_as_a_fresh_conversion(monkeypatch):
     """load_state_dict into a converted model that has trained (the best checkpoint, a
     rollback): the old weights' scales would saturate or waste the new weights' range
