@@ -7,10 +7,12 @@ computes on its own again, as before convert, the linear stops applying it, a wa
 and the hook goes on the module that computes.
 
 Each fused module holds a link for that: (weakref to its parent, weakref to the linear, the
-linear's flag that applies the module, the module's name in its parent, a text for messages). Weak references, so that a linear replaced later is freed as it
-would be without fp8ops. Copies (deepcopy, pickle) drop the link (weak references cannot be
-pickled, and a copied one would point at the original model): a hook on a copy's fused module
-undoes nothing. A fused linear or norm replaced after convert is not seen (README)."""
+linear's flag that applies the module, the module's name in its parent, a text for messages).
+Weak references, so that a linear replaced later is freed as it would be without fp8ops.
+Copies (deepcopy, pickle) drop the link (weak references cannot be pickled, and a copied one
+would point at the original model): a hook on a copy's fused module undoes nothing. A fused
+linear or norm replaced after convert is not seen (README; a check in every call was tried and
+taken out: it broke the copies PEFT's modules_to_save makes of a fused linear or norm)."""
 from __future__ import annotations
 
 import warnings
