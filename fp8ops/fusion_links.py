@@ -4,11 +4,12 @@ pass-through's input, not the norm's or activation's output, and a hook that cha
 would change nothing (a probe's finding: a hook on a fused LayerNorm recorded its input, 0.2 dB
 against the norm's output, silently). So registering one undoes the fusion first: the module
 computes on its own again, as before convert, the linear stops applying it, a warning says so,
-and the hook goes on the module that computes.
+and then the hook is registered.
 
-Each fused module holds a link for that: (weakref to its parent, weakref to the linear, the
-linear's flag that applies the module, the module's name in its parent, a text for messages).
-Weak references, so that a linear replaced later is freed as it would be without fp8ops.
+Each fused module holds a link for that: (weakref to the linear, the linear's flag that applies
+the module, a text for messages). A weak reference, so that a linear replaced later is freed as
+it would be without fp8ops. Nothing is moved: an activation's stand-in starts computing where
+it is (a container rebuilt from the model's modules holds the same stand-in).
 Copies (deepcopy, pickle) drop the link (weak references cannot be pickled, and a copied one
 would point at the original model): a hook on a copy's fused module undoes nothing. A fused
 linear or norm replaced after convert is not seen (README; a check in every call was tried and
@@ -23,30 +24,24 @@ import torch.nn as nn
 LINK = "_fp8_fused_into"  # the module's __dict__ key
 
 
-def make(module: nn.Module, parent: nn.Module, linear: nn.Module, flag: str, name: str, what: str) -> None:
-    """Link `module` (parent's child `name`) to `linear`, whose `flag` applies it."""
-    module.__dict__[LINK] = (weakref.ref(parent), weakref.ref(linear), flag, name, what)
+def make(module: nn.Module, linear: nn.Module, flag: str, what: str) -> None:
+    """Link `module` to `linear`, whose `flag` applies it."""
+    module.__dict__[LINK] = (weakref.ref(linear), flag, what)
 
 
-def undo(module: nn.Module, why: str) -> nn.Module:
-    """Undo the fusion of `module` (linked by make): the norm computes again, the activation's
-    original module goes back in its place, the linear (if alive) stops applying it. Returns
-    the module now in the model (the original activation, or the norm itself). why: the
-    warning's reason."""
+def undo(module: nn.Module, why: str) -> None:
+    """Undo the fusion of `module` (linked by make): the norm gets its own class again, the
+    activation's stand-in computes with the module it keeps (in every container that holds
+    it: nothing is moved), the linear (if alive) stops applying it. why: the warning's reason."""
     link = module.__dict__.pop(LINK, None)
     if link is None:
-        return module
-    parent_ref, linear_ref, flag, name, what = link
+        return
+    linear_ref, flag, what = link
     linear = linear_ref()
     if linear is not None and (linear.__dict__.get(flag) is module if flag == "fp8_ln_input" else True):
         linear.__dict__[flag] = None if flag == "fp8_ln_input" else False
-    restored = module
-    original = module.__dict__.pop("_fp8_original", None)
-    if original is not None:  # an activation: its module back in the parent
-        parent = parent_ref()
-        if parent is not None and parent._modules.get(name) is module:
-            parent._modules[name] = original
-        restored = original
+    if isinstance(module, ActivationFusedIntoLinear):
+        module.__dict__["_fp8_fused"] = False
     else:  # a norm: its own class again
         module.__class__ = module._fp8_plain_class
     producer = module.__dict__.pop("_fp8_producer", None)
@@ -55,7 +50,6 @@ def undo(module: nn.Module, why: str) -> nn.Module:
         producer.__dict__["fp8_gelu_output"] = False
     warnings.warn(f"fp8ops: {what} is undone ({why}): it computes on its own again, as before convert",
                   stacklevel=4)  # (the user's registration: undo, _hooked_now, register_*)
-    return restored
 
 
 def without_link(state: dict) -> dict:
@@ -74,8 +68,8 @@ class HookUndoesFusion:
     nothing), then the hook goes on the module that now computes."""
 
     def _hooked_now(self, method: str, args, kwargs):
-        target = undo(self, "a hook was registered on it")
-        return getattr(nn.Module, method)(target, *args, **kwargs)
+        undo(self, "a hook was registered on it")
+        return getattr(nn.Module, method)(self, *args, **kwargs)
 
     def register_forward_pre_hook(self, *args, **kwargs):
         return self._hooked_now("register_forward_pre_hook", args, kwargs)
@@ -98,16 +92,19 @@ class HookUndoesFusion:
 
 class ActivationFusedIntoLinear(HookUndoesFusion, nn.Identity):
     """Where a fused GELU or SwiGLU module was: passes its input through, the next linear
-    applying the activation; keeps the original module (not a submodule: no state_dict keys,
-    as the activations have none) to put back if the fusion is undone."""
+    applying the activation, until the fusion is undone; then it computes with the module it
+    keeps (not a submodule: no state_dict keys, as the activations have none)."""
 
     def __init__(self, original: nn.Module):
         super().__init__()
         self.__dict__["_fp8_original"] = original
+        self.__dict__["_fp8_fused"] = True
 
     def forward(self, input):  # noqa: A002 -- nn.Identity's name
-        return input
+        d = self.__dict__
+        return input if d.get("_fp8_fused", True) else d["_fp8_original"](input)
 
     def extra_repr(self) -> str:
-        return f"{type(self.__dict__.get('_fp8_original')).__name__}, applied by the next linear (fused)"
-
+        d = self.__dict__
+        fused = ", applied by the next linear (fused)" if d.get("_fp8_fused", True) else ""
+        return type(d["_fp8_original"]).__name__ + fused

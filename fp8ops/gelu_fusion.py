@@ -21,7 +21,7 @@ Fp8Linear and nowhere else (and, for c_fc's part, whose input is exactly one
 converted Fp8Linear's output, used nowhere else), each called once, none
 shared or hooked. The GELU module becomes an nn.Identity (it has no state: the
 state_dict keys do not change) that keeps it, and a link to c_proj (fusion_links.py):
-a hook registered there puts the GELU back. A forward fx cannot read keeps its GELU.
+a hook registered there makes it compute the GELU again. A forward fx cannot read keeps its GELU.
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def fuse_gelu(model: nn.Module) -> list[Fused]:
             continue
         c.fp8_gelu_input = True
         stand_in = fusion_links.ActivationFusedIntoLinear(parent._modules[name])
-        fusion_links.make(stand_in, parent, c, "fp8_gelu_input", name,
+        fusion_links.make(stand_in, c, "fp8_gelu_input",
                           f"the GELU {prefix + name} fused into {prefix + consumer}")
         if producer is not None:
             p = parent.get_submodule(producer)

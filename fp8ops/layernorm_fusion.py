@@ -109,7 +109,7 @@ def fuse_layernorm(model: nn.Module) -> list[Fused]:
         lin.__dict__["fp8_ln_input"] = ln  # not a submodule: the LayerNorm stays where it is
         kind = "RMSNorm" if isinstance(ln, nn.RMSNorm) else "LayerNorm"
         ln.__class__ = _FUSED_CLASS[type(ln)]
-        fusion_links.make(ln, parent, lin, "fp8_ln_input", name,
+        fusion_links.make(ln, lin, "fp8_ln_input",
                           f"the {kind} {prefix + name} fused into {prefix + target}")
         fused.append(Fused(prefix + name, prefix + target))
     return fused

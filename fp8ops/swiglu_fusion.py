@@ -20,7 +20,7 @@ forward is exactly chunk -> silu -> mul), whose output goes to exactly one
 converted Fp8Linear and nowhere else, both called once, neither shared nor
 hooked. The activation module becomes an nn.Identity (it has no state: state_dict
 keys do not change) that keeps it, and a link to c_proj (fusion_links.py): a hook
-registered there puts the activation back. A SwiGLU written inline in a larger
+registered there makes it compute the activation again. A SwiGLU written inline in a larger
 forward is left as it is.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def fuse_swiglu(model: nn.Module) -> list[Fused]:
             continue
         lin.fp8_swiglu_input = True
         stand_in = fusion_links.ActivationFusedIntoLinear(parent._modules[name])
-        fusion_links.make(stand_in, parent, lin, "fp8_swiglu_input", name,
+        fusion_links.make(stand_in, lin, "fp8_swiglu_input",
                           f"the SwiGLU {prefix + name} fused into {prefix + consumer}")
         setattr(parent, name, stand_in)
         fused.append(Fused(prefix + name, prefix + consumer))

@@ -74,7 +74,8 @@ def test_a_hook_on_a_fused_norm_or_gelu_undoes_the_fusion_and_sees_its_output(mo
     assert len(said) == 1 and f"fused into {'fc' if where == 'ln' else 'proj'}" in str(said[0].message)
     assert said[0].filename == __file__  # (points at the registration)
     module = getattr(fused, where)
-    assert type(module) in (nn.LayerNorm, nn.GELU) and module._forward_hooks  # (the hook is on what computes)
+    assert module._forward_hooks and (type(module) is nn.LayerNorm if where == "ln"
+                                      else not module._fp8_fused)  # (the hook is on what computes)
     getattr(ref, where).register_forward_hook(lambda m, i, o: seen.update(ref=o.detach()))
     with torch.no_grad():
         y, yr = fused(x), ref(x)
@@ -97,6 +98,26 @@ def test_every_kind_of_module_hook_on_a_fused_norm_undoes_it(monkeypatch, kind):
     fused(x).sum().backward()
     assert calls  # (the hook ran on the norm that computes)
     assert _sqnr(ref, fused, x) > 20
+
+
+def test_a_hook_on_a_gelu_stand_in_moved_to_another_container_still_computes_the_gelu(monkeypatch):
+    """A review's finding (the first form put the GELU module back into the parent the fusion
+    saw): a stand-in held by a container rebuilt from the model's modules, or by a slice, kept
+    passing its input through while the linear stopped applying the GELU (0.59 dB). The
+    stand-in computes the GELU itself now, wherever it is held."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 256), nn.GELU(approximate="tanh"), nn.Linear(256, 64))
+    f = convert_as_on_fp8_gpu(copy.deepcopy(ref), monkeypatch)
+    assert isinstance(f[1], ActivationFusedIntoLinear) and f[2].fp8_gelu_input
+    x = torch.randn(32, 64)
+    for _ in range(3):
+        f(x).sum().backward()
+    g, piece = nn.Sequential(*list(f)), f[0:3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g[1].register_forward_hook(lambda m, i, o: None)
+    for model in (f, g, piece):
+        assert _sqnr(ref, model, x) > 20
 
 
 def test_fused_models_still_copy_and_pickle(monkeypatch):
