@@ -398,34 +398,41 @@ def test_amax_slots_apart_from_the_operands_read_after_them(device):
     assert buf[-1].item() == gy.abs().max().item()
 
 
-@pytest.mark.parametrize("device", FP8_DEVICES)
-def test_public_ops_that_write_scaling_state_bump_its_version(device):
-    """The C ops write amax slots, scales and histories through data pointers, which autograd
-    does not see: a caller's graph that had saved one of them for backward computed with the
-    new value, silently. The public wrappers now bump their version counters, so backward
-    raises; fp8ops' own calls (_cast_accumulate, _amax_update) do not."""
+def _slot_writers(device):
+    """{"op: argument": a call of that public op that writes the 1-element fp32 slot it is
+    given as that argument}, for each public op that writes scaling state in place."""
     x, w8, sx, sx_inv, sw_inv = _fwd_inputs(32, 48, 16, device)
     w = torch.randn(16, 48, device=device)
     gy = torch.randn(32, 16, device=device)
     w8t = torch.zeros(48, 16, dtype=E4, device=device)
     x8t = torch.zeros(48, 32, dtype=E4, device=device)
     s = torch.ones(1, device=device)
+    fmax = torch.full((1,), 448.0, device=device)
+    return {
+        "cast_accumulate: amax": lambda t: ops.cast_accumulate(x, sx, t),
+        "linear_fwd: x_amax": lambda t: ops.linear_fwd(x, w8, sx, t, sx_inv, sw_inv),
+        "linear_fwd: w_amax": lambda t: ops.linear_fwd(x, w, sx, s.clone(), sx_inv, sw_inv, w_scale=s, w_amax=t),
+        "ln_linear_fwd: x_amax": lambda t: ops.ln_linear_fwd(x, None, None, 1e-5, w8, sx, t, sx_inv, sw_inv),
+        "linear_bwd: g_amax": lambda t: ops.linear_bwd(gy, w8t, x8t, s, t, s, s, s),
+        "amax_update: scale_inv": lambda t: ops.amax_update(torch.zeros(4, 1, device=device), s.clone(), t, fmax),
+    }
 
-    def saved_then_written(write):
+
+@pytest.mark.parametrize("device", FP8_DEVICES)
+def test_public_ops_that_write_scaling_state_bump_its_version(device):
+    """The C ops write amax slots, scales and histories through data pointers, which autograd
+    does not see: a caller's graph that had saved one of them for backward computed with the
+    new value, silently. The public wrappers now bump their version counters, so backward
+    raises; fp8ops' own calls (_cast_accumulate, _amax_update) do not."""
+    for what, write in _slot_writers(device).items():
         leaf = torch.ones(1, device=device, requires_grad=True)
         slot = torch.ones(1, device=device)
         loss = (leaf * slot).sum()  # (slot is saved for leaf's gradient)
         write(slot)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
-
-    saved_then_written(lambda t: ops.cast_accumulate(x, sx, t))
-    saved_then_written(lambda t: ops.linear_fwd(x, w8, sx, t, sx_inv, sw_inv))
-    saved_then_written(lambda t: ops.linear_fwd(x, w, sx, s.clone(), sx_inv, sw_inv, w_scale=s, w_amax=t))
-    saved_then_written(lambda t: ops.ln_linear_fwd(x, None, None, 1e-5, w8, sx, t, sx_inv, sw_inv))
-    saved_then_written(lambda t: ops.linear_bwd(gy, w8t, x8t, s, t, s, s, s))
-    saved_then_written(lambda t: ops.amax_update(torch.zeros(4, 1, device=device), s.clone(), t,
-                                                 torch.full((1,), 448.0, device=device)))
+    x, _, sx, _, _ = _fwd_inputs(32, 48, 16, device)
+    s = torch.ones(1, device=device)
     slot = torch.zeros(1, device=device)
     before = slot._version
     ops._cast_accumulate(x, sx, slot)
@@ -440,23 +447,7 @@ def test_public_ops_refuse_to_write_a_tensor_that_requires_grad(device):
     so its gradients come out wrong). Each public op now refuses one under grad mode, before it
     writes anything, naming the argument; under torch.no_grad() it writes, as torch's in-place
     ops do."""
-    x, w8, sx, sx_inv, sw_inv = _fwd_inputs(32, 48, 16, device)
-    w = torch.randn(16, 48, device=device)
-    gy = torch.randn(32, 16, device=device)
-    w8t = torch.zeros(48, 16, dtype=E4, device=device)
-    x8t = torch.zeros(48, 32, dtype=E4, device=device)
-    s = torch.ones(1, device=device)
-    hist = torch.zeros(4, 1, device=device)
-    fmax = torch.full((1,), 448.0, device=device)
-    cases = {
-        "cast_accumulate: amax": lambda t: ops.cast_accumulate(x, sx, t),
-        "linear_fwd: x_amax": lambda t: ops.linear_fwd(x, w8, sx, t, sx_inv, sw_inv),
-        "linear_fwd: w_amax": lambda t: ops.linear_fwd(x, w, sx, s.clone(), sx_inv, sw_inv, w_scale=s, w_amax=t),
-        "ln_linear_fwd: x_amax": lambda t: ops.ln_linear_fwd(x, None, None, 1e-5, w8, sx, t, sx_inv, sw_inv),
-        "linear_bwd: g_amax": lambda t: ops.linear_bwd(gy, w8t, x8t, s, t, s, s, s),
-        "amax_update: scale_inv": lambda t: ops.amax_update(hist.clone(), s.clone(), t, fmax),
-    }
-    for what, write in cases.items():
+    for what, write in _slot_writers(device).items():
         op, name = what.split(": ")
         for slot in (torch.zeros(1, device=device, requires_grad=True),       # a leaf
                      torch.zeros(1, device=device, requires_grad=True) * 1.0):  # a non-leaf
@@ -467,8 +458,10 @@ def test_public_ops_refuse_to_write_a_tensor_that_requires_grad(device):
         with torch.no_grad():
             write(slot)
         assert slot.detach().item() != 0.0, what
+    s = torch.ones(1, device=device)
     with pytest.raises(RuntimeError, match=r"fp8ops\.amax_update: amax_history requires grad"):
-        ops.amax_update(hist.clone().requires_grad_(), s.clone(), s.clone(), fmax)
+        ops.amax_update(torch.zeros(4, 1, device=device, requires_grad=True), s.clone(), s.clone(),
+                        torch.full((1,), 448.0, device=device))
 
 
 @pytest.mark.parametrize("device", FP8_DEVICES)
