@@ -21,7 +21,7 @@ hooked: a block whose norm feeds separate q, k and v projections keeps it. The
 norm module stays in the model with its parameters (state_dict keys
 unchanged) and becomes a pass-through (its class is swapped to
 LayerNormFusedIntoLinear or RMSNormFusedIntoLinear); the linear holds a
-reference to it, and it a link to the linear (fusion_links.py): a hook registered on
+reference to it, and the norm a link to the linear (fusion_links.py): a hook registered on
 the norm gives it back its own class.
 """
 from __future__ import annotations
