@@ -1156,17 +1156,6 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
     skipped, matched, loads = [], set(), []
     bare = {_bare_name(k): v for k, v in state.items()}
     layers = [(n, m) for n, m in _unwrapped(model).named_modules() if isinstance(m, Fp8LinearBase)]
-    if state and layers and not any(state.get(n, bare.get(_bare_name(n))) is not None for n, _ in layers):
-        # (strict=False loads what fits; a dict that fits nothing is another dict: a model's
-        # state_dict(), a whole checkpoint. Loading nothing would restart every layer's scaling
-        # with no word. An empty one is what a model without FP8 layers saved: it loads nothing)
-        some = ", ".join(repr(k) for k in list(state)[:3]) + (", ..." if len(state) > 3 else "")
-        tensors = any(isinstance(v, torch.Tensor) for v in state.values())
-        raise ValueError(
-            f"load_scaling_state_dict: none of the state's {len(state)} keys ({some}) names an FP8 layer of this "
-            f"model (e.g. {layers[0][0]!r}){': its values are tensors, as in a model state_dict()' if tensors else ''}. "
-            "Pass what fp8ops.scaling_state_dict(model) returned (e.g. the checkpoint's entry you saved it under). "
-            "Nothing was loaded")
     for name, m in layers:
         s = state.get(name, bare.get(_bare_name(name)))
         if s is not None:
@@ -1195,6 +1184,17 @@ def load_scaling_state_dict(model: torch.nn.Module, state: dict, strict: bool = 
                                  "loaded")
         _check_saved_values(name, s)
         loads.append((m, {**s, "step": int(s["step"]), "primed": bool(s.get("primed", True))}))
+    if state and layers and not matched:
+        # (strict=False loads what fits; a dict that fits nothing is another dict: a model's
+        # state_dict(), a whole checkpoint. Loading nothing would restart every layer's scaling
+        # with no word. An empty one is what a model without FP8 layers saved: it loads nothing)
+        some = ", ".join(repr(k) for k in list(state)[:3]) + (", ..." if len(state) > 3 else "")
+        tensors = any(isinstance(v, torch.Tensor) for v in state.values())
+        raise ValueError(
+            f"load_scaling_state_dict: none of the state's {len(state)} keys ({some}) names an FP8 layer of this "
+            f"model (e.g. {layers[0][0]!r}){': its values are tensors, as in a model state_dict()' if tensors else ''}. "
+            "Pass what fp8ops.scaling_state_dict(model) returned (e.g. the checkpoint's entry you saved it under). "
+            "Nothing was loaded")
     unknown = sorted(k for k in bare if k not in matched)
     if strict and (skipped or unknown):
         what = ([f"no compatible state for {skipped} (missing, or saved with another amax history length, "
